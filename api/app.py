@@ -1,0 +1,50 @@
+"""The FastAPI application: stateless, everything it knows lives in Redis."""
+
+from __future__ import annotations
+
+import logging
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+
+from sluice.api import errors, health, requests
+from sluice.api.state import ApiState
+from sluice.broker.admission import Admission
+from sluice.broker.connection import connect
+from sluice.broker.registry import ModelRegistry, WorkerRegistry
+from sluice.config.model import load_models
+from sluice.config.settings import Settings
+
+log = logging.getLogger(__name__)
+
+
+def create_app(settings: Settings | None = None) -> FastAPI:
+    settings = settings or Settings()
+    models = load_models(settings.models_file)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        redis = connect(settings.redis_url, name="sluice-api")
+        registry = ModelRegistry(redis)
+        try:
+            for m in models:  # a deployment changed at run time is kept
+                await registry.deploy(m, keep_existing=True)
+        except Exception as err:
+            log.warning("could not register models in Redis yet (%s); continuing", err)
+        app.state.sluice = ApiState(
+            settings=settings,
+            redis=redis,
+            admission=Admission(redis, status_ttl_s=settings.status_ttl_s,
+                                reply_ttl_s=settings.reply_ttl_s, cancel_ttl_s=settings.cancel_ttl_s),
+            models=registry,
+            workers=WorkerRegistry(redis),
+            default_model=models[0].name if models else None,
+        )
+        yield
+        await redis.aclose()
+
+    app = FastAPI(title="Sluice", version="0.1.0", lifespan=lifespan)
+    errors.install(app)
+    app.include_router(health.router)
+    app.include_router(requests.router)
+    return app

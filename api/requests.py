@@ -1,0 +1,142 @@
+"""Native routes: submit a request, poll it, stream its tokens, cancel it."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from fastapi import APIRouter, Depends, Query, Request
+from sse_starlette.sse import EventSourceResponse
+
+from sluice.api.errors import ApiError
+from sluice.api.schemas import RequestView, Submitted, SubmitRequest
+from sluice.api.state import ApiState, state
+from sluice.broker.admission import QueueFull
+from sluice.broker.keys import ModelKeys
+from sluice.broker.messages import TERMINAL_STATES, RequestMessage, SamplingSpec
+from sluice.broker.replies import read_replies, resume_index
+
+router = APIRouter(prefix="/v1/requests", tags=["requests"])
+
+# Disconnect-triggered cancels outlive the request task that started them.
+_background: set[asyncio.Task] = set()
+
+
+def new_request_id() -> str:
+    return f"req-{uuid.uuid4().hex}"
+
+
+@router.post("", status_code=202, response_model=Submitted)
+async def submit(body: SubmitRequest, s: ApiState = Depends(state)) -> Submitted:
+    model = await s.model(body.model)
+    if len(body.prompt) > s.settings.max_prompt_chars:
+        raise ApiError(413, f"prompt: longer than {s.settings.max_prompt_chars} characters", param="prompt")
+    max_tokens = body.max_tokens or model.default_max_tokens
+    limit = model.framework_config.max_model_len
+    if limit is not None and max_tokens >= limit:
+        raise ApiError(422, f"max_tokens: must be below the model's context length ({limit})",
+                       param="max_tokens")
+    now = time.time()
+    timeout_s = body.timeout_s or model.request_timeout_s or s.settings.request_timeout_s
+    message = RequestMessage(
+        id=new_request_id(),
+        model=model.name,
+        rows=[{"prompt": body.prompt, "max_tokens": max_tokens}],
+        sampling=SamplingSpec(
+            max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
+            stop=body.stop or [], seed=body.seed if body.seed is not None else secrets.randbits(31),
+        ),
+        enqueued_at=now,
+        deadline=now + timeout_s,
+    )
+    try:
+        await s.admission.submit(message, max_queued=model.max_queued or s.settings.max_queued)
+    except QueueFull:
+        raise ApiError(503, f"model {model.name!r} is saturated: its queue is full, retry later",
+                       code="overloaded", headers={"Retry-After": "1"}) from None
+    return Submitted(id=message.id, status="queued", model=model.name)
+
+
+def view(rid: str, model: str, status: dict[str, str]) -> RequestView:
+    if "result" in status:
+        result = json.loads(status["result"])
+        return RequestView(id=rid, model=model, **result)
+    timings = {"enqueued": _num(status.get("enqueued_at")), "started": _num(status.get("started_at"))}
+    attempt = status.get("attempt")
+    return RequestView(id=rid, model=model, status=status.get("state", "queued"),
+                       timings={k: v for k, v in timings.items() if v is not None},
+                       attempt=int(attempt) if attempt else None)
+
+
+def _num(value: str | None) -> float | None:
+    return float(value) if value else None
+
+
+@router.get("/{rid}", response_model=RequestView, response_model_exclude_none=True)
+async def get_request(
+    rid: str,
+    wait: float = Query(default=0.0, ge=0.0, description="long-poll up to this many seconds"),
+    s: ApiState = Depends(state),
+) -> RequestView:
+    model = await s.model_of(rid)
+    wait = min(wait, s.settings.max_wait_s)
+    reply_key = ModelKeys(model).reply(rid)
+    deadline = time.monotonic() + wait
+    while True:
+        # Read the reply stream's position before the status, so a final event written
+        # in between still wakes the blocking read below.
+        last = await s.redis.xrevrange(reply_key, count=1)
+        status = await s.admission.status(model, rid)
+        if not status:
+            raise ApiError(404, f"request {rid!r} not found", code="not_found")
+        remaining = deadline - time.monotonic()
+        if status.get("state") in TERMINAL_STATES or remaining <= 0:
+            return view(rid, model, status)
+        after = last[0][0] if last else "0-0"
+        await s.redis.xread({reply_key: after}, count=1, block=max(1, int(remaining * 1000)))
+
+
+@router.delete("/{rid}", status_code=202)
+async def cancel(rid: str, s: ApiState = Depends(state)) -> dict:
+    model = await s.model_of(rid)
+    result = await s.admission.cancel(model, rid)
+    if result is None:
+        raise ApiError(404, f"request {rid!r} not found", code="not_found")
+    return {"id": rid, "model": model, "status": result}
+
+
+@router.get("/{rid}/events")
+async def events(rid: str, request: Request, s: ApiState = Depends(state)) -> EventSourceResponse:
+    """Server-sent events: `delta` ({index, text}) per token batch, then `done` or `error`.
+
+    Resumable with Last-Event-ID; a client that disconnects before the end cancels the request.
+    """
+    model = await s.model_of(rid)
+    last_id = request.headers.get("last-event-id") or "0"
+    next_index = await resume_index(s.redis, model, rid, last_id) if last_id != "0" else 0
+
+    async def stream() -> AsyncIterator[dict]:
+        finished = False
+        try:
+            async for ev in read_replies(s.redis, model, rid, after=last_id, next_index=next_index):
+                if ev.delta is not None:
+                    yield {"event": "delta", "id": ev.entry_id,
+                           "data": json.dumps({"index": ev.delta.i, "text": ev.delta.text,
+                                               "row": ev.delta.row})}
+                elif ev.final is not None:
+                    finished = True
+                    final = RequestView(id=rid, model=model, **ev.final.model_dump(mode="json"))
+                    kind = "done" if ev.final.status.value == "done" else "error"
+                    yield {"event": kind, "id": ev.entry_id,
+                           "data": final.model_dump_json(exclude_none=True)}
+        finally:
+            if not finished:
+                task = asyncio.create_task(s.admission.cancel(model, rid))
+                _background.add(task)
+                task.add_done_callback(_background.discard)
+
+    return EventSourceResponse(stream(), ping=15)

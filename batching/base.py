@@ -1,0 +1,97 @@
+"""The small interface every batching policy implements."""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import Generic, Protocol, TypeVar
+
+log = logging.getLogger(__name__)
+
+
+class Item(Protocol):
+    """Something to run: a request of one or more rows (never split)."""
+
+    @property
+    def rows(self) -> int: ...
+
+
+T = TypeVar("T", bound=Item)
+
+
+class Source(Protocol[T]):
+    async def fetch(self, count: int, timeout_s: float) -> list[T]:
+        """Up to `count` items, waiting at most `timeout_s` for the first one."""
+        ...
+
+
+Handler = Callable[[list[T]], Awaitable[None]]  # runs one batch to completion
+
+
+class Clock(Protocol):
+    def now(self) -> float: ...
+
+    async def sleep(self, seconds: float) -> None: ...
+
+
+class MonotonicClock:
+    def now(self) -> float:
+        return time.monotonic()
+
+    async def sleep(self, seconds: float) -> None:
+        await asyncio.sleep(seconds)
+
+
+class BatchingPolicy(abc.ABC, Generic[T]):
+    """Pulls items from a source and hands them to a handler in batches.
+
+    `run` returns once `stopping` is set, without waiting for batches still running;
+    `drain` waits for those.
+    """
+
+    def __init__(self) -> None:
+        self._running: set[asyncio.Task[None]] = set()
+        self._freed = asyncio.Event()
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._running)
+
+    @property
+    @abc.abstractmethod
+    def capacity(self) -> int: ...
+
+    @abc.abstractmethod
+    async def run(self, source: Source[T], handle: Handler[T], stopping: asyncio.Event) -> None: ...
+
+    def _launch(self, handle: Handler[T], batch: list[T]) -> asyncio.Task[None]:
+        task = asyncio.create_task(handle(batch))
+        self._running.add(task)
+        task.add_done_callback(self._finished)
+        return task
+
+    def _finished(self, task: asyncio.Task[None]) -> None:
+        self._running.discard(task)
+        self._freed.set()
+        if not task.cancelled() and task.exception() is not None:
+            log.error("a batch handler failed", exc_info=task.exception())
+
+    async def _wait_freed_or(self, stopping: asyncio.Event) -> None:
+        self._freed.clear()
+        if stopping.is_set():
+            return
+        waiters = [asyncio.ensure_future(self._freed.wait()), asyncio.ensure_future(stopping.wait())]
+        try:
+            await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for w in waiters:
+                w.cancel()
+
+    async def drain(self, timeout_s: float) -> int:
+        """Wait up to `timeout_s` for running batches; returns how many are still running."""
+        if self._running:
+            await asyncio.wait(set(self._running), timeout=timeout_s)
+        return len(self._running)

@@ -1,0 +1,30 @@
+"""Continuous admission: each finished request's slot is refilled from the source at once."""
+
+from __future__ import annotations
+
+import asyncio
+
+from sluice.batching.base import BatchingPolicy, Handler, Source, T
+from sluice.config.batching import ContinuousBatchingConfig
+
+
+class ContinuousAdmission(BatchingPolicy[T]):
+    """Up to `max_concurrent_batch_size` single-row requests in the engine at once."""
+
+    def __init__(self, config: ContinuousBatchingConfig, *, poll_s: float = 0.5):
+        super().__init__()
+        self.config = config
+        self.poll_s = poll_s
+
+    @property
+    def capacity(self) -> int:
+        return self.config.max_concurrent_batch_size
+
+    async def run(self, source: Source[T], handle: Handler[T], stopping: asyncio.Event) -> None:
+        while not stopping.is_set():
+            free = self.capacity - self.in_flight
+            if free <= 0:
+                await self._wait_freed_or(stopping)
+                continue
+            for item in await source.fetch(free, self.poll_s):
+                self._launch(handle, [item])

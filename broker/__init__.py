@@ -1,0 +1,1 @@
+"""Everything that touches Redis: keys, messages, admission, consumption, replies, registries."""

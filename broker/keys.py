@@ -1,0 +1,51 @@
+"""Redis key names. All keys of one model share the hash tag {m:<model>} (one cluster slot)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+PREFIX = "sluice"
+GROUP = "workers"
+MODELS = f"{PREFIX}:models"
+WORKERS = f"{PREFIX}:workers"
+
+
+def idempotency(key: str) -> str:
+    return f"{PREFIX}:idem:{key}"
+
+
+@dataclass(frozen=True)
+class ModelKeys:
+    model: str
+
+    @property
+    def tag(self) -> str:
+        return f"{PREFIX}:{{m:{self.model}}}"
+
+    @property
+    def requests(self) -> str:
+        return f"{self.tag}:req"
+
+    @property
+    def bulk(self) -> str:
+        return f"{self.tag}:bulk"
+
+    @property
+    def dead_letters(self) -> str:
+        return f"{self.tag}:dlq"
+
+    @property
+    def log(self) -> str:
+        return f"{self.tag}:log"
+
+    def reply(self, rid: str) -> str:
+        return f"{self.tag}:reply:{rid}"
+
+    def status(self, rid: str) -> str:
+        return f"{self.tag}:status:{rid}"
+
+    def cancel(self, rid: str) -> str:
+        return f"{self.tag}:cancel:{rid}"
+
+    def consumer_lock(self, consumer: str) -> str:
+        return f"{self.tag}:consumer:{consumer}"

@@ -1,0 +1,98 @@
+"""What travels through Redis: request entries, reply events and status. JSON only, never pickle."""
+
+from __future__ import annotations
+
+import enum
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class State(str, enum.Enum):
+    QUEUED = "queued"
+    RUNNING = "running"
+    DONE = "done"
+    FAILED = "failed"
+    EXPIRED = "expired"
+    CANCELLED = "cancelled"
+
+    @property
+    def terminal(self) -> bool:
+        return self not in (State.QUEUED, State.RUNNING)
+
+
+TERMINAL_STATES = frozenset(s.value for s in State if s.terminal)
+
+
+class SamplingSpec(BaseModel):
+    """Sampling parameters fixed at admission; the seed makes a retried request repeat itself."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_tokens: int = Field(gt=0)
+    temperature: float = Field(default=1.0, ge=0.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    stop: list[str] = Field(default_factory=list)
+    seed: int
+
+
+class RequestMessage(BaseModel):
+    """One stream entry: a request of one or more rows."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    id: str
+    model: str
+    rows: list[dict[str, Any]] = Field(min_length=1)
+    sampling: SamplingSpec
+    enqueued_at: float
+    deadline: float
+    priority: int = 0
+    lane: Literal["interactive", "bulk"] = "interactive"
+
+    def to_fields(self) -> dict[str, str]:
+        return {"id": self.id, "data": self.model_dump_json()}
+
+    @classmethod
+    def from_fields(cls, fields: dict[str, str]) -> "RequestMessage":
+        return cls.model_validate_json(fields["data"])
+
+
+class RowOutput(BaseModel):
+    text: str
+    num_output_tokens: int
+    finish_reason: str | None = None
+
+
+class Timings(BaseModel):
+    enqueued: float | None = None
+    started: float | None = None
+    first_token: float | None = None
+    finished: float | None = None
+
+
+class Usage(BaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+
+class FinalResult(BaseModel):
+    """The last event of a reply stream, also kept in the status hash."""
+
+    status: State
+    output: RowOutput | None = None
+    rows: list[RowOutput] | None = None  # multi-row requests: one output per input row
+    error: str | None = None
+    usage: Usage | None = None
+    timings: Timings = Field(default_factory=Timings)
+    attempt: int = 1
+
+
+class DeltaEvent(BaseModel):
+    """New tokens of one row. `i` is the index of the first token in the row's output."""
+
+    i: int
+    text: str
+    token_ids: list[int]
+    attempt: int = 1
+    row: int = 0

@@ -1,0 +1,106 @@
+"""Deployed models (with versions) and live workers, kept in two Redis hashes."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from dataclasses import asdict, dataclass
+
+from redis.asyncio import Redis
+
+from sluice.broker.keys import MODELS, WORKERS
+from sluice.config.model import ModelConfig, parse_model
+
+# A stored deployment is "<version>\n<fingerprint>\n<config json>". Deploy compares
+# fingerprints and bumps the version in one step, so concurrent deploys do not race.
+_DEPLOY = """
+local current = redis.call('HGET', KEYS[1], ARGV[1])
+local version = 1
+if current then
+  local nl1 = string.find(current, '\n', 1, true)
+  local nl2 = string.find(current, '\n', nl1 + 1, true)
+  if ARGV[4] == '1' or string.sub(current, nl1 + 1, nl2 - 1) == ARGV[2] then
+    return current
+  end
+  version = tonumber(string.sub(current, 1, nl1 - 1)) + 1
+end
+local stored = version .. '\n' .. ARGV[2] .. '\n' .. ARGV[3]
+redis.call('HSET', KEYS[1], ARGV[1], stored)
+return stored
+"""
+
+
+def _decode(name: str, stored: str) -> ModelConfig:
+    version, _fingerprint, config = stored.split("\n", 2)
+    data = json.loads(config)
+    data["version"] = int(version)
+    return parse_model(data, f"{MODELS}[{name}]")
+
+
+class ModelRegistry:
+    def __init__(self, redis: Redis):
+        self.redis = redis
+        self._deploy = redis.register_script(_DEPLOY)
+
+    async def deploy(self, model: ModelConfig, *, keep_existing: bool = False) -> ModelConfig:
+        """Store a deployment; a changed one gets the next version, an unchanged one keeps its own.
+
+        With keep_existing, a deployment already in Redis wins (processes starting from the
+        YAML file must not undo a reconfiguration made at run time).
+        """
+        config = json.dumps(model.deployment_key(), sort_keys=True)
+        fingerprint = hashlib.sha256(config.encode()).hexdigest()[:16]
+        stored = await self._deploy(
+            keys=[MODELS], args=[model.name, fingerprint, config, "1" if keep_existing else "0"]
+        )
+        return _decode(model.name, stored)
+
+    async def get(self, name: str) -> ModelConfig | None:
+        stored = await self.redis.hget(MODELS, name)
+        return _decode(name, stored) if stored else None
+
+    async def all(self) -> list[ModelConfig]:
+        stored = await self.redis.hgetall(MODELS)
+        return sorted((_decode(k, v) for k, v in stored.items()), key=lambda m: m.name)
+
+
+@dataclass
+class WorkerInfo:
+    name: str
+    model: str
+    version: int
+    mode: str
+    pid: int
+    host: str
+    in_flight: int
+    capacity: int
+    started_at: float
+    heartbeat_at: float
+    state: str = "running"  # running | draining
+
+
+class WorkerRegistry:
+    def __init__(self, redis: Redis):
+        self.redis = redis
+
+    async def beat(self, info: WorkerInfo) -> None:
+        info.heartbeat_at = time.time()
+        await self.redis.hset(WORKERS, info.name, json.dumps(asdict(info)))
+
+    async def remove(self, name: str) -> None:
+        await self.redis.hdel(WORKERS, name)
+
+    async def live(self, ttl_s: float) -> list[WorkerInfo]:
+        """Workers with a recent heartbeat; long-dead entries are pruned on the way."""
+        now = time.time()
+        out, dead = [], []
+        for name, raw in (await self.redis.hgetall(WORKERS)).items():
+            info = WorkerInfo(**json.loads(raw))
+            if now - info.heartbeat_at <= ttl_s:
+                out.append(info)
+            elif now - info.heartbeat_at > 10 * ttl_s:
+                dead.append(name)
+        if dead:
+            await self.redis.hdel(WORKERS, *dead)
+        return sorted(out, key=lambda w: w.name)

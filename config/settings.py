@@ -1,0 +1,53 @@
+"""Process settings from SLUICE_* environment variables (built explicitly, never at import)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+from platformdirs import user_cache_dir, user_data_dir
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="SLUICE_", extra="ignore")
+
+    # Where things are
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    models_file: Path | None = None
+    cache_dir: Path = Field(default_factory=lambda: Path(user_cache_dir("sluice")))
+    data_dir: Path = Field(default_factory=lambda: Path(user_data_dir("sluice")))
+
+    # The api
+    api_host: str = "127.0.0.1"
+    api_port: int = Field(default=8000, ge=0, le=65535)
+    api_keys: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    max_body_bytes: int = Field(default=8 * 1024 * 1024, gt=0)
+    max_prompt_chars: int = Field(default=200_000, gt=0)
+    max_wait_s: float = Field(default=60.0, gt=0)
+
+    # Lifetimes of what a request leaves in Redis
+    reply_ttl_s: int = Field(default=3600, gt=0)
+    status_ttl_s: int = Field(default=86400, gt=0)
+    cancel_ttl_s: int = Field(default=3600, gt=0)
+
+    # Delivery
+    lease_timeout_s: float = Field(default=30.0, gt=0)
+    max_deliveries: int = Field(default=3, gt=0)
+    max_queued: int = Field(default=1000, gt=0)
+    request_timeout_s: float = Field(default=600.0, gt=0)
+
+    # Workers
+    heartbeat_interval_s: float = Field(default=2.0, gt=0)
+    worker_ttl_s: float = Field(default=10.0, gt=0)
+    cancel_poll_s: float = Field(default=0.2, gt=0)
+    shutdown_timeout_s: float = Field(default=30.0, ge=0)
+    log_max_len: int = Field(default=10_000, gt=0)
+
+    @field_validator("api_keys", mode="before")
+    @classmethod
+    def _split_keys(cls, value: object) -> object:
+        if isinstance(value, str):
+            return [k.strip() for k in value.split(",") if k.strip()]
+        return value

@@ -1,0 +1,41 @@
+"""What the worker needs from an engine: start, stream one generation, abort it, shut down."""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+
+@dataclass
+class GenerationRequest:
+    request_id: str  # unique per engine request (a multi-row request has one per row)
+    prompt: str
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    stop: list[str] = field(default_factory=list)
+    seed: int | None = None
+
+
+@dataclass
+class TokenDelta:
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None  # set on the last delta: "stop", "length", "abort"
+    prompt_tokens: int | None = None  # set on the first delta
+
+
+class Engine(abc.ABC):
+    @abc.abstractmethod
+    async def start(self) -> None: ...
+
+    @abc.abstractmethod
+    def generate(self, request: GenerationRequest) -> AsyncIterator[TokenDelta]:
+        """Token deltas as the engine produces them; ends after the one with a finish_reason."""
+
+    @abc.abstractmethod
+    async def abort(self, request_id: str) -> None: ...
+
+    @abc.abstractmethod
+    async def shutdown(self) -> None: ...

@@ -1,0 +1,21 @@
+"""Build the engine a deployment names."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from sluice.config.model import ModelConfig
+from sluice.workers.engines.base import Engine
+from sluice.workers.engines.null import NullEngine
+
+EngineKind = Literal["vllm", "null"]
+
+
+def build_engine(model: ModelConfig, cache_dir: Path, kind: EngineKind = "vllm") -> Engine:
+    if kind == "null":
+        return NullEngine()
+    from sluice.workers.engines.vllm import VLLMEngine
+    from sluice.workers.model_prep import resolve_model_path
+
+    return VLLMEngine(resolve_model_path(model.path, cache_dir), model.framework_config)

@@ -1,0 +1,93 @@
+"""vLLM's AsyncLLMEngine behind the Engine interface, built from a model's VLLMConfig."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from collections.abc import AsyncIterator
+from typing import Any
+
+from sluice.config.engine import VLLMConfig
+from sluice.workers.engines.base import Engine, GenerationRequest, TokenDelta
+
+log = logging.getLogger(__name__)
+
+# VLLMConfig fields handled here rather than passed through as AsyncEngineArgs of the same name.
+_NOT_ENGINE_ARGS = {"cpu_kvcache_space_gib", "extra_engine_args", "device_group"}
+
+
+def engine_args(model_path: str, config: VLLMConfig) -> tuple[dict[str, Any], list[str]]:
+    """AsyncEngineArgs keywords for this vLLM, and the options it does not know (reported, not dropped silently)."""
+    from vllm import AsyncEngineArgs
+
+    known = {f.name for f in dataclasses.fields(AsyncEngineArgs)}
+    wanted = config.model_dump(exclude=_NOT_ENGINE_ARGS)
+    wanted.update(config.extra_engine_args)
+    kwargs: dict[str, Any] = {"model": model_path, "disable_log_stats": True}
+    ignored = []
+    for name, value in wanted.items():
+        if name not in known:
+            ignored.append(name)
+        elif value is not None:
+            kwargs[name] = value
+    if config.device_group is not None:
+        ignored.append("device_group")
+    return kwargs, ignored
+
+
+class VLLMEngine(Engine):
+    def __init__(self, model_path: str, config: VLLMConfig):
+        self.model_path = model_path
+        self.config = config
+        self._engine: Any = None
+
+    async def start(self) -> None:
+        from vllm import AsyncEngineArgs, AsyncLLMEngine
+        from vllm.platforms import current_platform
+
+        if current_platform.is_cpu() and self.config.cpu_kvcache_space_gib is not None:
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", f"{self.config.cpu_kvcache_space_gib:g}")
+        kwargs, ignored = engine_args(self.model_path, self.config)
+        for name in ignored:
+            log.warning("engine option %s is not supported by vLLM %s here: ignored", name, _vllm_version())
+        log.info("starting vLLM engine for %s", self.model_path)
+        self._engine = AsyncLLMEngine.from_engine_args(AsyncEngineArgs(**kwargs))
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenDelta]:
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        params = SamplingParams(
+            max_tokens=request.max_tokens,
+            temperature=request.temperature,
+            top_p=request.top_p,
+            stop=request.stop or None,
+            seed=request.seed,
+            output_kind=RequestOutputKind.DELTA,
+        )
+        first = True
+        async for out in self._engine.generate(request.prompt, params, request_id=request.request_id):
+            completion = out.outputs[0]
+            yield TokenDelta(
+                text=completion.text,
+                token_ids=list(completion.token_ids),
+                finish_reason=completion.finish_reason if out.finished else None,
+                prompt_tokens=len(out.prompt_token_ids or ()) if first else None,
+            )
+            first = False
+
+    async def abort(self, request_id: str) -> None:
+        if self._engine is not None:
+            await self._engine.abort(request_id)
+
+    async def shutdown(self) -> None:
+        if self._engine is not None:
+            self._engine.shutdown()
+            self._engine = None
+
+
+def _vllm_version() -> str:
+    import vllm
+
+    return vllm.__version__

@@ -1,0 +1,51 @@
+"""Run one worker process: signals that only set flags, then the worker's main loop."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import socket
+
+from sluice.broker.connection import connect
+from sluice.broker.registry import ModelRegistry
+from sluice.config.model import ConfigError, load_models
+from sluice.config.settings import Settings
+from sluice.workers.engines.factory import EngineKind, build_engine
+from sluice.workers.worker import Worker
+
+log = logging.getLogger(__name__)
+
+
+async def serve(settings: Settings, model_name: str, name: str | None, engine: EngineKind) -> None:
+    models = {m.name: m for m in load_models(settings.models_file)}
+    redis = connect(settings.redis_url, name="sluice-worker")
+    try:
+        registry = ModelRegistry(redis)
+        if model_name in models:  # a deployment changed at run time is kept
+            model = await registry.deploy(models[model_name], keep_existing=True)
+        else:
+            found = await registry.get(model_name)
+            if found is None:
+                raise ConfigError(f"model {model_name!r} is neither in {settings.models_file or 'the models file'} "
+                                  f"nor deployed ({', '.join(models) or 'none'} are known)")
+            model = found
+        worker = Worker(settings, model, build_engine(model, settings.cache_dir, engine), redis,
+                        name or f"{socket.gethostname()}-{model.name}")
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, _stop_handler(worker, sig))
+        await worker.run()
+    finally:
+        await redis.aclose()
+
+
+def _stop_handler(worker: Worker, sig: signal.Signals):
+    def handler() -> None:
+        if worker.stopping.is_set():
+            log.warning("second %s: exiting now", sig.name)
+            raise SystemExit(1)
+        log.info("%s: stop fetching, finish running requests", sig.name)
+        worker.stopping.set()
+
+    return handler
