@@ -14,7 +14,7 @@ from sluice.config.model import ModelConfig, parse_model
 
 # A stored deployment is "<version>\n<fingerprint>\n<config json>". Deploy compares
 # fingerprints and bumps the version in one step, so concurrent deploys do not race.
-_DEPLOY = """
+_DEPLOY = r"""
 local current = redis.call('HGET', KEYS[1], ARGV[1])
 local version = 1
 if current then

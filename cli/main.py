@@ -12,7 +12,7 @@ import typer
 
 from sluice.config.settings import Settings
 
-app = typer.Typer(no_args_is_help=True, add_completion=False, help="Queue-fronted LLM serving on Redis and vLLM.")
+app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False, help="Queue-fronted LLM serving on Redis and vLLM.")
 models_app = typer.Typer(no_args_is_help=True, help="Prepare and inspect model deployments.")
 app.add_typer(models_app, name="models")
 

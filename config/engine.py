@@ -26,7 +26,7 @@ class VLLMConfig(BaseModel):
     device_group: str | None = None  # ignored for CUDA acceleration
     # Sluice additions: the dtype (tests pin float32 so that batching cannot change
     # greedy results), eager mode (fast start on the CPU), a KV cache size in GiB for
-    # the CPU backend (VLLM_CPU_KVCACHE_SPACE; when unset, gpu_memory_utilization
+    # the CPU backend (vLLM's kv_cache_memory_bytes; when unset, gpu_memory_utilization
     # is the share of RAM reserved), and any other AsyncEngineArgs field by name.
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
     enforce_eager: bool = False

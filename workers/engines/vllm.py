@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -46,9 +45,10 @@ class VLLMEngine(Engine):
         from vllm import AsyncEngineArgs, AsyncLLMEngine
         from vllm.platforms import current_platform
 
-        if current_platform.is_cpu() and self.config.cpu_kvcache_space_gib is not None:
-            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", f"{self.config.cpu_kvcache_space_gib:g}")
         kwargs, ignored = engine_args(self.model_path, self.config)
+        if current_platform.is_cpu() and self.config.cpu_kvcache_space_gib is not None:
+            # A fixed KV cache size; gpu_memory_utilization would reserve a share of all RAM.
+            kwargs["kv_cache_memory_bytes"] = int(self.config.cpu_kvcache_space_gib * 2**30)
         for name in ignored:
             log.warning("engine option %s is not supported by vLLM %s here: ignored", name, _vllm_version())
         log.info("starting vLLM engine for %s", self.model_path)

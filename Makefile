@@ -1,0 +1,16 @@
+# The two commands of the quick start: `make up` and `make test`.
+VENV ?= .venv
+
+.PHONY: install up test bench
+
+install:
+	@bash scripts/install.sh
+
+up: install
+	$(VENV)/bin/sluice up
+
+test: install
+	$(VENV)/bin/python -m pytest
+
+bench: install
+	$(VENV)/bin/python -m sluice.cli bench-throughput

@@ -1,0 +1,112 @@
+"""A real stack for end-to-end tests: its own redis-server, one vLLM worker, one api.
+
+One engine per test session: the worker starts once and every test shares it.
+The model runs in float32 so that batching cannot change greedy results.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+from sluice.broker.embedded import EmbeddedRedis, free_port
+from sluice.config.settings import Settings
+from sluice.workers.model_prep import prepare_default_model
+
+MODEL = "smollm2"
+MODELS_YAML = f"""
+models:
+  - name: {MODEL}
+    path: builtin:smollm2-135m-instruct
+    framework_config:
+      dtype: float32
+      enforce_eager: true
+      max_model_len: 2048
+      max_num_seqs: 64
+      cpu_kvcache_space_gib: 1
+    continuous_batching_config:
+      max_concurrent_batch_size: 64
+"""
+
+
+@dataclass
+class Stack:
+    url: str
+    redis_url: str
+    env: dict[str, str]
+    models_file: Path
+    model_dir: Path
+    worker: subprocess.Popen
+    api: subprocess.Popen
+
+
+@pytest.fixture(scope="session")
+def model_dir() -> Path:
+    return prepare_default_model(Settings().cache_dir)
+
+
+@pytest.fixture(scope="session")
+def e2e_models_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("models") / "models.yaml"
+    path.write_text(MODELS_YAML)
+    return path
+
+
+def wait_ready(url: str, procs: list[subprocess.Popen], timeout_s: float = 300) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for p in procs:
+            if p.poll() is not None:
+                raise RuntimeError(f"{p.args} exited with {p.returncode} before the stack was ready")
+        try:
+            if httpx.get(f"{url}/readyz", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"{url} not ready after {timeout_s}s")
+
+
+def stop(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    for p in procs:
+        try:
+            p.wait(60)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+@pytest.fixture(scope="session")
+def stack(tmp_path_factory: pytest.TempPathFactory, model_dir: Path, e2e_models_file: Path) -> Iterator[Stack]:
+    redis = EmbeddedRedis(tmp_path_factory.mktemp("e2e-redis")).start()
+    port = free_port()
+    env = {**os.environ, "SLUICE_REDIS_URL": redis.url, "SLUICE_MODELS_FILE": str(e2e_models_file),
+           "SLUICE_HEARTBEAT_INTERVAL_S": "0.5", "SLUICE_CANCEL_POLL_S": "0.1"}
+    cli = [sys.executable, "-m", "sluice.cli"]
+    worker = subprocess.Popen([*cli, "worker", "--model", MODEL, "--name", "e2e"], env=env)
+    api = subprocess.Popen([*cli, "api", "--port", str(port)], env=env)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(url, [worker, api])
+        yield Stack(url, redis.url, env, e2e_models_file, model_dir, worker, api)
+    finally:
+        stop([worker, api])
+        redis.stop()
+
+
+@pytest.fixture
+async def client(stack: Stack):
+    async with httpx.AsyncClient(base_url=stack.url, timeout=120) as c:
+        yield c

@@ -1,0 +1,267 @@
+"""The worker in-process with the null engine against a private Redis: run, bound, cancel, drain."""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import pytest
+from redis.asyncio import Redis
+
+from sluice.broker.admission import Admission
+from sluice.broker.keys import GROUP, WORKERS, ModelKeys
+from sluice.broker.messages import FinalResult, RequestMessage, SamplingSpec
+from sluice.broker.registry import WorkerRegistry
+from sluice.broker.replies import read_replies
+from sluice.config.batching import ContinuousBatchingConfig
+from sluice.config.model import ModelConfig
+from sluice.config.settings import Settings
+from sluice.workers.engines.base import GenerationRequest, TokenDelta
+from sluice.workers.engines.null import NullEngine
+from sluice.workers.worker import Worker
+
+MODEL = "t"
+KEYS = ModelKeys(MODEL)
+
+
+class CountingEngine(NullEngine):
+    """A null engine that counts the generate calls running at once."""
+
+    def __init__(self, **kw) -> None:
+        super().__init__(**kw)
+        self.active = 0
+        self.peak = 0
+        self.calls = 0
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenDelta]:
+        self.active += 1
+        self.calls += 1
+        self.peak = max(self.peak, self.active)
+        try:
+            async for delta in super().generate(request):
+                yield delta
+        finally:
+            self.active -= 1
+
+
+async def eventually(check: Callable[[], Awaitable[bool] | bool], timeout_s: float = 15.0,
+                     what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        ok = check()
+        if inspect.isawaitable(ok):
+            ok = await ok
+        if ok:
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+        await asyncio.sleep(0.02)
+
+
+def message(max_tokens: int = 3, *, deadline_in: float = 60.0) -> RequestMessage:
+    now = time.time()
+    return RequestMessage(
+        id=f"req-{uuid.uuid4().hex}", model=MODEL,
+        rows=[{"prompt": "say something nice", "max_tokens": max_tokens}],
+        sampling=SamplingSpec(max_tokens=max_tokens, seed=1),
+        enqueued_at=now, deadline=now + deadline_in,
+    )
+
+
+@pytest.fixture
+def admission(redis: Redis, settings: Settings) -> Admission:
+    return Admission(redis, status_ttl_s=settings.status_ttl_s, reply_ttl_s=settings.reply_ttl_s,
+                     cancel_ttl_s=settings.cancel_ttl_s)
+
+
+async def submit(admission: Admission, n: int = 1, **kw) -> list[RequestMessage]:
+    out = [message(**kw) for _ in range(n)]
+    for m in out:
+        await admission.submit(m, max_queued=1000)
+    return out
+
+
+async def state(redis: Redis, rid: str) -> str | None:
+    return await redis.hget(KEYS.status(rid), "state")
+
+
+async def states(redis: Redis, msgs: list[RequestMessage]) -> list[str | None]:
+    return [await state(redis, m.id) for m in msgs]
+
+
+WorkerFactory = Callable[..., tuple[Worker, "asyncio.Task[None]"]]
+
+
+@pytest.fixture
+async def start_worker(redis: Redis, settings: Settings) -> AsyncIterator[WorkerFactory]:
+    started: list[tuple[Worker, asyncio.Task[None]]] = []
+
+    def start(engine: NullEngine, *, capacity: int = 4, name: str = "w") -> tuple[Worker, asyncio.Task[None]]:
+        model = ModelConfig(name=MODEL, continuous_batching_config=ContinuousBatchingConfig(
+            max_concurrent_batch_size=capacity))
+        worker = Worker(settings, model, engine, redis, name)
+        task = asyncio.create_task(worker.run(), name=f"worker-{name}")
+        started.append((worker, task))
+        return worker, task
+
+    yield start
+    for worker, _ in started:  # never leak a worker, whatever the test did
+        worker.stopping.set()
+    await asyncio.wait_for(asyncio.gather(*(t for _, t in started), return_exceptions=True), 30)
+
+
+async def stop(worker: Worker, task: asyncio.Task[None]) -> None:
+    worker.stopping.set()
+    await asyncio.wait_for(task, 30)
+
+
+async def test_requests_complete_with_deltas_then_final(
+        redis: Redis, admission: Admission, start_worker: WorkerFactory) -> None:
+    worker, task = start_worker(NullEngine(token_delay_s=0.005))
+    msgs = await submit(admission, 3, max_tokens=4)
+    await eventually(lambda: _all_done(redis, msgs), what="3 requests done")
+
+    for m in msgs:
+        events = [e async for e in read_replies(redis, MODEL, m.id, block_ms=100, idle_timeout_s=5)]
+        assert [e.kind for e in events] == ["delta"] * 4 + ["final"]
+        assert [e.delta.i for e in events[:-1]] == [0, 1, 2, 3]
+        final = events[-1].final
+        assert final.status.value == "done"
+        assert final.output.text == " tok" * 4
+        assert final.output.num_output_tokens == 4
+        assert final.usage.completion_tokens == 4
+        assert final.usage.prompt_tokens == 3
+        status = await redis.hgetall(KEYS.status(m.id))
+        assert FinalResult.model_validate_json(status["result"]) == final
+        assert await redis.ttl(KEYS.reply(m.id)) > 0
+        assert await redis.ttl(KEYS.status(m.id)) > 0
+    assert await redis.xlen(KEYS.requests) == 0
+    assert await redis.xpending_range(KEYS.requests, GROUP, "-", "+", 10) == []
+    await stop(worker, task)
+
+
+async def _all_done(redis: Redis, msgs: list[RequestMessage]) -> bool:
+    return await states(redis, msgs) == ["done"] * len(msgs)
+
+
+async def test_a_one_shot_engine_answers_in_one_delta(
+        redis: Redis, admission: Admission, start_worker: WorkerFactory) -> None:
+    worker, task = start_worker(NullEngine())
+    (m,) = await submit(admission, 1, max_tokens=5)
+    await eventually(lambda: _all_done(redis, [m]), what="request done")
+    events = [e async for e in read_replies(redis, MODEL, m.id, block_ms=100, idle_timeout_s=5)]
+    assert [e.kind for e in events] == ["delta", "final"]
+    assert events[0].delta.token_ids == [0, 1, 2, 3, 4]
+    assert events[1].final.output.num_output_tokens == 5
+    await stop(worker, task)
+
+
+async def test_never_more_than_the_capacity_in_flight(
+        redis: Redis, admission: Admission, start_worker: WorkerFactory) -> None:
+    engine = CountingEngine(delay_s=0.05)
+    worker, task = start_worker(engine, capacity=4)
+    msgs = await submit(admission, 20, max_tokens=2)
+    peak_in_policy = 0
+
+    async def done_and_watch() -> bool:
+        nonlocal peak_in_policy
+        peak_in_policy = max(peak_in_policy, worker.policy.in_flight)
+        return await _all_done(redis, msgs)
+
+    await eventually(done_and_watch, timeout_s=30, what="20 requests done")
+    assert engine.calls == 20
+    assert engine.peak <= 4
+    assert engine.peak == 4  # and the slots were used: 20 queued requests fill all four
+    assert peak_in_policy <= 4
+    assert engine.active == 0
+    await stop(worker, task)
+
+
+async def test_cancel_stops_a_running_request(
+        redis: Redis, admission: Admission, start_worker: WorkerFactory) -> None:
+    engine = CountingEngine(token_delay_s=0.02)
+    worker, task = start_worker(engine)
+    (m,) = await submit(admission, 1, max_tokens=5000)  # about 100 s if left alone
+    await eventually(lambda: redis.xlen(KEYS.reply(m.id)), what="the first token delta")
+    assert await state(redis, m.id) == "running"
+
+    cancelled_at = time.monotonic()
+    assert await admission.cancel(MODEL, m.id) == "cancelling"
+    await eventually(lambda: _is(redis, m.id, "cancelled"), timeout_s=1.0, what="state cancelled")
+    assert time.monotonic() - cancelled_at < 1.0
+    await eventually(lambda: engine.active == 0 and not worker.running and worker.policy.in_flight == 0,
+                     timeout_s=2.0, what="nothing in flight")
+
+    events = [e async for e in read_replies(redis, MODEL, m.id, block_ms=100, idle_timeout_s=5)]
+    final = events[-1].final
+    assert final.status.value == "cancelled"
+    assert 0 < final.output.num_output_tokens < 5000
+    assert await redis.xlen(KEYS.requests) == 0
+    await stop(worker, task)
+
+
+async def _is(redis: Redis, rid: str, wanted: str) -> bool:
+    return await state(redis, rid) == wanted
+
+
+async def test_a_request_past_its_deadline_while_running_expires(
+        redis: Redis, admission: Admission, start_worker: WorkerFactory) -> None:
+    engine = CountingEngine(token_delay_s=0.02)
+    worker, task = start_worker(engine)
+    (m,) = await submit(admission, 1, max_tokens=5000, deadline_in=1.0)
+    await eventually(lambda: _is(redis, m.id, "expired"), timeout_s=10, what="state expired")
+    await eventually(lambda: engine.active == 0, timeout_s=2.0, what="engine request aborted")
+    await stop(worker, task)
+
+
+async def test_a_request_cancelled_while_queued_never_reaches_the_engine(
+        redis: Redis, admission: Admission, start_worker: WorkerFactory) -> None:
+    (m,) = await submit(admission, 1)
+    assert await admission.cancel(MODEL, m.id) == "cancelled"
+    engine = CountingEngine()
+    worker, task = start_worker(engine)
+    (after,) = await submit(admission, 1)  # proves the worker got past the cancelled one
+    await eventually(lambda: _all_done(redis, [after]), what="the later request done")
+    assert engine.calls == 1
+    assert await state(redis, m.id) == "cancelled"
+    assert await redis.xlen(KEYS.requests) == 0
+    await stop(worker, task)
+
+
+async def test_stopping_drains_running_requests(
+        redis: Redis, admission: Admission, start_worker: WorkerFactory, settings: Settings) -> None:
+    engine = CountingEngine(token_delay_s=0.05)
+    worker, task = start_worker(engine, capacity=4, name="drainer")
+    msgs = await submit(admission, 3, max_tokens=20)  # about 1 s each
+    await eventually(lambda: engine.active == 3, what="three requests in the engine")
+    await eventually(lambda: _registered(redis, "drainer"), what="the worker's heartbeat")
+
+    worker.stopping.set()
+    await asyncio.sleep(0)
+    assert not task.done()
+    await asyncio.wait_for(task, 30)
+
+    assert await states(redis, msgs) == ["done"] * 3
+    for m in msgs:
+        result = FinalResult.model_validate_json(await redis.hget(KEYS.status(m.id), "result"))
+        assert result.output.num_output_tokens == 20
+    assert engine.active == 0
+    assert await redis.xlen(KEYS.requests) == 0
+    assert await redis.hget(WORKERS, "drainer") is None
+    assert await redis.exists(KEYS.consumer_lock("drainer")) == 0
+
+
+async def _registered(redis: Redis, name: str) -> bool:
+    live = await WorkerRegistry(redis).live(ttl_s=10)
+    return any(w.name == name and w.capacity == 4 and w.model == MODEL for w in live)
+
+
+async def test_an_idle_worker_stops_promptly(start_worker: WorkerFactory) -> None:
+    worker, task = start_worker(NullEngine())
+    await asyncio.sleep(0.2)
+    started = time.monotonic()
+    await stop(worker, task)
+    assert time.monotonic() - started < 5.0
