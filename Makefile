@@ -13,4 +13,5 @@ test: install
 	$(VENV)/bin/python -m pytest
 
 bench: install
-	$(VENV)/bin/python -m sluice.cli bench-throughput
+	$(VENV)/bin/sluice bench throughput
+	$(VENV)/bin/sluice bench startup

@@ -11,6 +11,7 @@ from sluice.api import errors, health, requests
 from sluice.api.state import ApiState
 from sluice.broker.admission import Admission
 from sluice.broker.connection import connect
+from sluice.broker.notifications import DoneListener
 from sluice.broker.registry import ModelRegistry, WorkerRegistry
 from sluice.config.model import load_models
 from sluice.config.settings import Settings
@@ -39,8 +40,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             models=registry,
             workers=WorkerRegistry(redis),
             default_model=models[0].name if models else None,
+            done=DoneListener(redis),
         )
+        app.state.sluice.done.start()
         yield
+        await app.state.sluice.done.close()
         await redis.aclose()
 
     app = FastAPI(title="Sluice", version="0.1.0", lifespan=lifespan)

@@ -16,7 +16,6 @@ from sluice.api.errors import ApiError
 from sluice.api.schemas import RequestView, Submitted, SubmitRequest
 from sluice.api.state import ApiState, state
 from sluice.broker.admission import QueueFull
-from sluice.broker.keys import ModelKeys
 from sluice.broker.messages import TERMINAL_STATES, RequestMessage, SamplingSpec
 from sluice.broker.replies import read_replies, resume_index
 
@@ -83,21 +82,16 @@ async def get_request(
     s: ApiState = Depends(state),
 ) -> RequestView:
     model = await s.model_of(rid)
-    wait = min(wait, s.settings.max_wait_s)
-    reply_key = ModelKeys(model).reply(rid)
-    deadline = time.monotonic() + wait
-    while True:
-        # Read the reply stream's position before the status, so a final event written
-        # in between still wakes the blocking read below.
-        last = await s.redis.xrevrange(reply_key, count=1)
-        status = await s.admission.status(model, rid)
-        if not status:
-            raise ApiError(404, f"request {rid!r} not found", code="not_found")
-        remaining = deadline - time.monotonic()
-        if status.get("state") in TERMINAL_STATES or remaining <= 0:
-            return view(rid, model, status)
-        after = last[0][0] if last else "0-0"
-        await s.redis.xread({reply_key: after}, count=1, block=max(1, int(remaining * 1000)))
+    deadline = time.monotonic() + min(wait, s.settings.max_wait_s)
+    with s.done.watch(rid) as done:
+        while True:
+            status = await s.admission.status(model, rid)
+            if not status:
+                raise ApiError(404, f"request {rid!r} not found", code="not_found")
+            remaining = deadline - time.monotonic()
+            if status.get("state") in TERMINAL_STATES or remaining <= 0:
+                return view(rid, model, status)
+            await s.done.wait(done, remaining)
 
 
 @router.delete("/{rid}", status_code=202)

@@ -9,6 +9,7 @@ from redis.asyncio import Redis
 
 from sluice.api.errors import ApiError
 from sluice.broker.admission import Admission
+from sluice.broker.notifications import DoneListener
 from sluice.broker.registry import ModelRegistry, WorkerRegistry
 from sluice.config.model import ModelConfig
 from sluice.config.settings import Settings
@@ -22,6 +23,7 @@ class ApiState:
     models: ModelRegistry
     workers: WorkerRegistry
     default_model: str | None
+    done: DoneListener
 
     async def model(self, name: str | None) -> ModelConfig:
         """The named deployment, or the default one; 404 if there is none."""

@@ -2,5 +2,10 @@
 
 from sluice.batching.base import BatchingPolicy, Clock, Item, MonotonicClock, Source
 from sluice.batching.continuous import ContinuousAdmission
+from sluice.batching.dynamic import DynamicBatcher
+from sluice.batching.single import SingleBatcher
 
-__all__ = ["BatchingPolicy", "Clock", "ContinuousAdmission", "Item", "MonotonicClock", "Source"]
+__all__ = [
+    "BatchingPolicy", "Clock", "ContinuousAdmission", "DynamicBatcher", "Item", "MonotonicClock",
+    "SingleBatcher", "Source",
+]

@@ -7,7 +7,7 @@ from typing import Any
 
 from redis.asyncio import Redis
 
-from sluice.broker.keys import ModelKeys
+from sluice.broker.keys import DONE_CHANNEL, ModelKeys
 from sluice.broker.messages import RequestMessage
 from sluice.broker.scripts import Scripts
 
@@ -42,7 +42,7 @@ class Admission:
         keys = ModelKeys(model)
         return await self.scripts.cancel(
             keys=[keys.status(rid), keys.cancel(rid), keys.reply(rid)],
-            args=[time.time(), self.cancel_ttl_s, self.status_ttl_s, self.reply_ttl_s],
+            args=[time.time(), self.cancel_ttl_s, self.status_ttl_s, self.reply_ttl_s, DONE_CHANNEL, rid],
         )
 
     async def status(self, model: str, rid: str) -> dict[str, Any]:

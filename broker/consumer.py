@@ -12,7 +12,7 @@ from typing import Literal
 from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
-from sluice.broker.keys import GROUP, ModelKeys
+from sluice.broker.keys import DONE_CHANNEL, GROUP, ModelKeys
 from sluice.broker.messages import FinalResult, RequestMessage
 from sluice.broker.scripts import Scripts
 
@@ -156,7 +156,7 @@ class StreamConsumer:
         return await self.scripts.start(
             keys=[d.stream, self.keys.status(rid), self.keys.cancel(rid), self.keys.reply(rid)],
             args=[GROUP, self.consumer, d.entry_id, time.time(), d.message.deadline, d.attempt,
-                  self.status_ttl_s, self.reply_ttl_s],
+                  self.status_ttl_s, self.reply_ttl_s, DONE_CHANNEL, rid],
         )
 
     async def lease(self, deliveries: list[Delivery]) -> list[str]:
@@ -175,7 +175,7 @@ class StreamConsumer:
         written = await self.scripts.commit(
             keys=[d.stream, self.keys.status(rid), self.keys.reply(rid), self.keys.log],
             args=[GROUP, self.consumer, d.entry_id, result.status.value, result.model_dump_json(),
-                  time.time(), self.status_ttl_s, self.reply_ttl_s, self.log_max_len,
+                  time.time(), self.status_ttl_s, self.reply_ttl_s, self.log_max_len, DONE_CHANNEL, rid,
                   *(json.dumps(r) for r in log_records)],
         )
         if not written:

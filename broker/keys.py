@@ -8,6 +8,8 @@ PREFIX = "sluice"
 GROUP = "workers"
 MODELS = f"{PREFIX}:models"
 WORKERS = f"{PREFIX}:workers"
+# Pub/sub channel announcing request ids whose final result was just written.
+DONE_CHANNEL = f"{PREFIX}:done"
 
 
 def idempotency(key: str) -> str:

@@ -16,6 +16,15 @@ app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_
 models_app = typer.Typer(no_args_is_help=True, help="Prepare and inspect model deployments.")
 app.add_typer(models_app, name="models")
 
+
+def _bench_app() -> typer.Typer:
+    from sluice.cli.bench import bench_app
+
+    return bench_app
+
+
+app.add_typer(_bench_app(), name="bench")
+
 RedisUrl = typer.Option(None, "--redis-url", envvar="SLUICE_REDIS_URL", help="Redis URL (redis:// or rediss://).")
 ModelsFile = typer.Option(None, "--models-file", envvar="SLUICE_MODELS_FILE", help="Model deployments YAML.")
 

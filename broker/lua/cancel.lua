@@ -1,6 +1,6 @@
 -- Cancel: set the flag the worker watches; a request still queued ends cancelled at once
 -- (the worker that later fetches it acknowledges it without running it).
--- KEYS: status, cancel, reply   ARGV: now, cancel_ttl, status_ttl, reply_ttl
+-- KEYS: status, cancel, reply   ARGV: now, cancel_ttl, status_ttl, reply_ttl, done_channel, rid
 local state = redis.call('HGET', KEYS[1], 'state')
 if not state then
   return false
@@ -17,6 +17,7 @@ if state == 'queued' then
   redis.call('EXPIRE', KEYS[3], ARGV[4])
   redis.call('HSET', KEYS[1], 'state', 'cancelled', 'result', final, 'finished_at', ARGV[1])
   redis.call('EXPIRE', KEYS[1], ARGV[3])
+  redis.call('PUBLISH', ARGV[5], ARGV[6])
   return 'cancelled'
 end
 return 'cancelling'

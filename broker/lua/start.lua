@@ -1,7 +1,7 @@
 -- Guard a fetched entry before it runs. Skips (and acknowledges) a request that is already
 -- final, cancelled or past its deadline; otherwise marks it running.
 -- KEYS: stream, status, cancel, reply
--- ARGV: group, consumer, entry_id, now, deadline, attempt, status_ttl, reply_ttl
+-- ARGV: group, consumer, entry_id, now, deadline, attempt, status_ttl, reply_ttl, done_channel, rid
 local owner = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[3], ARGV[3], 1)
 if #owner == 0 or owner[1][2] ~= ARGV[2] then
   return 'fenced'
@@ -16,6 +16,7 @@ local function finish(state, err)
   redis.call('EXPIRE', KEYS[2], ARGV[7])
   redis.call('XACK', KEYS[1], ARGV[1], ARGV[3])
   redis.call('XDEL', KEYS[1], ARGV[3])
+  redis.call('PUBLISH', ARGV[9], ARGV[10])
   return state
 end
 local state = redis.call('HGET', KEYS[2], 'state')

@@ -12,6 +12,7 @@ import pytest
 from redis.asyncio import Redis
 
 from sluice.broker.admission import Admission
+from sluice.broker.consumer import StreamConsumer
 from sluice.broker.keys import GROUP, WORKERS, ModelKeys
 from sluice.broker.messages import FinalResult, RequestMessage, SamplingSpec
 from sluice.broker.registry import WorkerRegistry
@@ -69,6 +70,14 @@ def message(max_tokens: int = 3, *, deadline_in: float = 60.0) -> RequestMessage
         sampling=SamplingSpec(max_tokens=max_tokens, seed=1),
         enqueued_at=now, deadline=now + deadline_in,
     )
+
+
+@pytest.fixture
+def settings(settings: Settings) -> Settings:
+    # Heartbeats out of step with the 0.5 s fetch poll, so that a worker stopping when idle
+    # does not cancel its heartbeat in the middle of a Redis call as a rule: that case has a
+    # test of its own (test_stop_survives_a_redis_call_that_swallows_its_cancel).
+    return settings.model_copy(update={"heartbeat_interval_s": 0.37})
 
 
 @pytest.fixture
@@ -259,9 +268,67 @@ async def _registered(redis: Redis, name: str) -> bool:
     return any(w.name == name and w.capacity == 4 and w.model == MODEL for w in live)
 
 
+async def test_a_restarted_worker_finishes_what_it_held(
+        redis: Redis, admission: Admission, settings: Settings, start_worker: WorkerFactory) -> None:
+    (m,) = await submit(admission, 1, max_tokens=3)
+    # the same worker's previous life fetched and started it, then died
+    crashed = StreamConsumer(redis, MODEL, "phoenix", status_ttl_s=settings.status_ttl_s,
+                             reply_ttl_s=settings.reply_ttl_s, log_max_len=settings.log_max_len)
+    await crashed.ensure_groups()
+    (d,) = await crashed.fetch(1, 100)
+    assert await crashed.start(d) == "run"
+
+    engine = CountingEngine()
+    worker, task = start_worker(engine, name="phoenix")
+    await eventually(lambda: _all_done(redis, [m]), what="the held request done")
+    final = FinalResult.model_validate_json(await redis.hget(KEYS.status(m.id), "result"))
+    assert final.attempt == 2
+    assert final.output.num_output_tokens == 3
+    assert engine.calls == 1
+    assert await redis.xlen(KEYS.requests) == 0
+    await stop(worker, task)
+
+
 async def test_an_idle_worker_stops_promptly(start_worker: WorkerFactory) -> None:
     worker, task = start_worker(NullEngine())
     await asyncio.sleep(0.2)
     started = time.monotonic()
     await stop(worker, task)
     assert time.monotonic() - started < 5.0
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "BUG: Worker._every (workers/worker.py) loops `while True` and ends only when a "
+    "CancelledError comes out of it; a cancel that lands while a Redis call is writing is "
+    "swallowed by redis-py 8 on Python 3.11 (asyncio.wait_for around the socket write returns "
+    "the result instead of raising, CPython gh-86296), the loop goes on, and Worker.run() hangs "
+    "for ever in `await asyncio.gather(*self._background)`"))
+async def test_stop_survives_a_redis_call_that_swallows_its_cancel(start_worker: WorkerFactory) -> None:
+    worker, task = start_worker(NullEngine())
+    real_beat = worker.workers.beat
+    entered = asyncio.Event()
+    swallowed: list[bool] = []
+
+    async def beat(info) -> None:
+        if asyncio.current_task().get_name() == "heartbeat":
+            entered.set()
+            try:
+                await asyncio.sleep(3600)  # a Redis call in flight when the duties are cancelled
+            except asyncio.CancelledError:
+                if swallowed:
+                    raise
+                swallowed.append(True)  # what redis-py does on 3.11 when the write just finished
+        await real_beat(info)
+
+    worker.workers.beat = beat  # type: ignore[method-assign]
+    await asyncio.wait_for(entered.wait(), 10)
+    worker.stopping.set()
+    done, _ = await asyncio.wait({task}, timeout=6)
+    if not done:  # clean up what the hung worker left behind, then report
+        task.cancel()
+        await asyncio.wait({task}, timeout=5)
+        await worker.replies.close()
+        pytest.fail("Worker.run() did not return within 6 s of stopping: a background duty "
+                    "that lost its cancel keeps running")
+    assert swallowed == [True]
+    assert task.exception() is None

@@ -32,6 +32,11 @@ def engine_args(model_path: str, config: VLLMConfig) -> tuple[dict[str, Any], li
             kwargs[name] = value
     if config.device_group is not None:
         ignored.append("device_group")
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu() and config.cpu_kvcache_space_gib is not None:
+        # A fixed KV cache size; gpu_memory_utilization would reserve a share of all RAM.
+        kwargs["kv_cache_memory_bytes"] = int(config.cpu_kvcache_space_gib * 2**30)
     return kwargs, ignored
 
 
@@ -43,12 +48,7 @@ class VLLMEngine(Engine):
 
     async def start(self) -> None:
         from vllm import AsyncEngineArgs, AsyncLLMEngine
-        from vllm.platforms import current_platform
-
         kwargs, ignored = engine_args(self.model_path, self.config)
-        if current_platform.is_cpu() and self.config.cpu_kvcache_space_gib is not None:
-            # A fixed KV cache size; gpu_memory_utilization would reserve a share of all RAM.
-            kwargs["kv_cache_memory_bytes"] = int(self.config.cpu_kvcache_space_gib * 2**30)
         for name in ignored:
             log.warning("engine option %s is not supported by vLLM %s here: ignored", name, _vllm_version())
         log.info("starting vLLM engine for %s", self.model_path)
