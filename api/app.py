@@ -8,6 +8,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 from sluice.api import errors, health, requests
+from sluice.api import models as model_routes
 from sluice.api.state import ApiState
 from sluice.broker.admission import Admission
 from sluice.broker.connection import connect
@@ -51,4 +52,5 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     errors.install(app)
     app.include_router(health.router)
     app.include_router(requests.router)
+    app.include_router(model_routes.router)
     return app

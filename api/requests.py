@@ -4,9 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import secrets
-import time
-import uuid
 from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Depends, Query, Request
@@ -15,8 +12,6 @@ from sse_starlette.sse import EventSourceResponse
 from sluice.api.errors import ApiError
 from sluice.api.schemas import RequestView, Submitted, SubmitRequest
 from sluice.api.state import ApiState, state
-from sluice.broker.admission import QueueFull
-from sluice.broker.messages import TERMINAL_STATES, RequestMessage, SamplingSpec
 from sluice.broker.replies import read_replies, resume_index
 
 router = APIRouter(prefix="/v1/requests", tags=["requests"])
@@ -25,38 +20,13 @@ router = APIRouter(prefix="/v1/requests", tags=["requests"])
 _background: set[asyncio.Task] = set()
 
 
-def new_request_id() -> str:
-    return f"req-{uuid.uuid4().hex}"
-
-
 @router.post("", status_code=202, response_model=Submitted)
 async def submit(body: SubmitRequest, s: ApiState = Depends(state)) -> Submitted:
     model = await s.model(body.model)
-    if len(body.prompt) > s.settings.max_prompt_chars:
-        raise ApiError(413, f"prompt: longer than {s.settings.max_prompt_chars} characters", param="prompt")
-    max_tokens = body.max_tokens or model.default_max_tokens
-    limit = model.framework_config.max_model_len
-    if limit is not None and max_tokens >= limit:
-        raise ApiError(422, f"max_tokens: must be below the model's context length ({limit})",
-                       param="max_tokens")
-    now = time.time()
-    timeout_s = body.timeout_s or model.request_timeout_s or s.settings.request_timeout_s
-    message = RequestMessage(
-        id=new_request_id(),
-        model=model.name,
-        rows=[{"prompt": body.prompt, "max_tokens": max_tokens}],
-        sampling=SamplingSpec(
-            max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
-            stop=body.stop or [], seed=body.seed if body.seed is not None else secrets.randbits(31),
-        ),
-        enqueued_at=now,
-        deadline=now + timeout_s,
+    message = await s.enqueue(
+        model, [{"prompt": body.prompt, "max_tokens": body.max_tokens}], temperature=body.temperature,
+        top_p=body.top_p, stop=body.stop, seed=body.seed, timeout_s=body.timeout_s,
     )
-    try:
-        await s.admission.submit(message, max_queued=model.max_queued or s.settings.max_queued)
-    except QueueFull:
-        raise ApiError(503, f"model {model.name!r} is saturated: its queue is full, retry later",
-                       code="overloaded", headers={"Retry-After": "1"}) from None
     return Submitted(id=message.id, status="queued", model=model.name)
 
 
@@ -82,16 +52,7 @@ async def get_request(
     s: ApiState = Depends(state),
 ) -> RequestView:
     model = await s.model_of(rid)
-    deadline = time.monotonic() + min(wait, s.settings.max_wait_s)
-    with s.done.watch(rid) as done:
-        while True:
-            status = await s.admission.status(model, rid)
-            if not status:
-                raise ApiError(404, f"request {rid!r} not found", code="not_found")
-            remaining = deadline - time.monotonic()
-            if status.get("state") in TERMINAL_STATES or remaining <= 0:
-                return view(rid, model, status)
-            await s.done.wait(done, remaining)
+    return view(rid, model, await s.wait_final(model, rid, min(wait, s.settings.max_wait_s)))
 
 
 @router.delete("/{rid}", status_code=202)

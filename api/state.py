@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import secrets
+import time
+import uuid
 from dataclasses import dataclass
+from typing import Any
 
 from fastapi import Request
 from redis.asyncio import Redis
 
 from sluice.api.errors import ApiError
-from sluice.broker.admission import Admission
+from sluice.broker.admission import Admission, QueueFull
+from sluice.broker.messages import TERMINAL_STATES, RequestMessage, SamplingSpec
 from sluice.broker.notifications import DoneListener
 from sluice.broker.registry import ModelRegistry, WorkerRegistry
 from sluice.config.model import ModelConfig
@@ -37,6 +42,55 @@ class ApiState:
         if found is None:
             raise ApiError(404, f"model {name!r} is not deployed", code="not_found", param="model")
         return found
+
+    async def enqueue(self, model: ModelConfig, rows: list[dict[str, Any]], *, temperature: float = 1.0,
+                      top_p: float = 1.0, stop: list[str] | None = None, seed: int | None = None,
+                      timeout_s: float | None = None) -> RequestMessage:
+        """Admit one request of `rows` for `model` (503 with Retry-After when its queue is full)."""
+        error = model.rows_error(len(rows))
+        if error:
+            raise ApiError(400, error, param="rows")
+        limit = model.framework_config.max_model_len
+        for i, row in enumerate(rows):
+            if len(row["prompt"]) > self.settings.max_prompt_chars:
+                raise ApiError(413, f"prompt: longer than {self.settings.max_prompt_chars} characters",
+                               param="prompt")
+            row["max_tokens"] = row.get("max_tokens") or model.default_max_tokens
+            if limit is not None and row["max_tokens"] >= limit:
+                where = "max_tokens" if len(rows) == 1 else f"rows[{i}].max_tokens"
+                raise ApiError(422, f"{where}: must be below the model's context length ({limit})",
+                               param="max_tokens")
+        now = time.time()
+        message = RequestMessage(
+            id=f"req-{uuid.uuid4().hex}",
+            model=model.name,
+            rows=rows,
+            sampling=SamplingSpec(
+                max_tokens=rows[0]["max_tokens"], temperature=temperature, top_p=top_p,
+                stop=stop or [], seed=seed if seed is not None else secrets.randbits(31),
+            ),
+            enqueued_at=now,
+            deadline=now + (timeout_s or model.request_timeout_s or self.settings.request_timeout_s),
+        )
+        try:
+            await self.admission.submit(message, max_queued=model.max_queued or self.settings.max_queued)
+        except QueueFull:
+            raise ApiError(503, f"model {model.name!r} is saturated: its queue is full, retry later",
+                           code="overloaded", headers={"Retry-After": "1"}) from None
+        return message
+
+    async def wait_final(self, model: str, rid: str, wait_s: float) -> dict[str, str]:
+        """The status hash once the request is final, or as it is after `wait_s`."""
+        deadline = time.monotonic() + wait_s
+        with self.done.watch(rid) as done:
+            while True:
+                status = await self.admission.status(model, rid)
+                if not status:
+                    raise ApiError(404, f"request {rid!r} not found", code="not_found")
+                remaining = deadline - time.monotonic()
+                if status.get("state") in TERMINAL_STATES or remaining <= 0:
+                    return status
+                await self.done.wait(done, remaining)
 
     async def model_of(self, rid: str) -> str:
         names = [m.name for m in await self.models.all()]

@@ -90,8 +90,9 @@ class BatchingPolicy(abc.ABC, Generic[T]):
             for w in waiters:
                 w.cancel()
 
-    async def drain(self, timeout_s: float) -> int:
-        """Wait up to `timeout_s` for running batches; returns how many are still running."""
+    async def drain(self, timeout_s: float | None) -> int:
+        """Wait up to `timeout_s` (None: as long as it takes) for running batches;
+        returns how many are still running."""
         if self._running:
             await asyncio.wait(set(self._running), timeout=timeout_s)
         return len(self._running)

@@ -169,19 +169,28 @@ class StreamConsumer:
             lost.extend(await self.scripts.lease(keys=[stream], args=[GROUP, self.consumer, *ids]))
         return lost
 
-    async def commit(self, d: Delivery, result: FinalResult, log_records: list[dict] = ()) -> bool:
-        """Final event + status + XACK + XDEL (+ inference log) at once; False if fenced out."""
+    async def commit(self, d: Delivery, result: FinalResult) -> bool:
+        """Final event + status + XACK + XDEL at once; False if fenced out (nothing written)."""
         rid = d.message.id
         written = await self.scripts.commit(
-            keys=[d.stream, self.keys.status(rid), self.keys.reply(rid), self.keys.log],
+            keys=[d.stream, self.keys.status(rid), self.keys.reply(rid)],
             args=[GROUP, self.consumer, d.entry_id, result.status.value, result.model_dump_json(),
-                  time.time(), self.status_ttl_s, self.reply_ttl_s, self.log_max_len, DONE_CHANNEL, rid,
-                  *(json.dumps(r) for r in log_records)],
+                  time.time(), self.status_ttl_s, self.reply_ttl_s, DONE_CHANNEL, rid],
         )
         if not written:
             log.warning("request %s: entry %s was reclaimed by another worker; result dropped",
                         rid, d.entry_id)
         return bool(written)
+
+    async def append_log(self, records: list[dict]) -> None:
+        """The inference log, in the order rows were batched; bounded (approximate MAXLEN)."""
+        if not records:
+            return
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for record in records:
+                pipe.xadd(self.keys.log, {"data": json.dumps(record)}, maxlen=self.log_max_len,
+                          approximate=True)
+            await pipe.execute()
 
     async def cancelled(self, rids: list[str]) -> set[str]:
         """Which of these requests have their cancel flag set."""

@@ -62,6 +62,11 @@ class RowOutput(BaseModel):
     text: str
     num_output_tokens: int
     finish_reason: str | None = None
+    fields: dict[str, Any] | None = None  # extra output fields of a custom runtime
+
+    def record(self) -> dict[str, Any]:
+        """The row in the default output schema, plus any extra fields."""
+        return {"generated_text": self.text, "num_output_tokens": self.num_output_tokens, **(self.fields or {})}
 
 
 class Timings(BaseModel):

@@ -28,6 +28,8 @@ class ReplyWriter:
         self.reply_ttl_s = reply_ttl_s
         self._buffer: list[tuple[str, DeltaEvent]] = []
         self._ready = asyncio.Event()
+        self._closing = False
+        self._lock = asyncio.Lock()
         self._task: asyncio.Task | None = None
 
     def start(self) -> None:
@@ -39,19 +41,21 @@ class ReplyWriter:
 
     async def flush(self) -> None:
         """Write what is buffered now (called before a request's commit, so deltas precede the final)."""
-        if not self._buffer:
-            return
-        batch, self._buffer = self._buffer, []
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for rid, ev in batch:
-                key = self.keys.reply(rid)
-                pipe.xadd(key, {"kind": "delta", "data": ev.model_dump_json()})
-                if ev.i == 0:
-                    pipe.expire(key, self.reply_ttl_s)
-            await pipe.execute()
+        # The lock makes a flush wait for a write in progress: deltas must precede the final.
+        async with self._lock:
+            if not self._buffer:
+                return
+            batch, self._buffer = self._buffer, []
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for rid, ev in batch:
+                    key = self.keys.reply(rid)
+                    pipe.xadd(key, {"kind": "delta", "data": ev.model_dump_json()})
+                    if ev.i == 0:
+                        pipe.expire(key, self.reply_ttl_s)
+                await pipe.execute()
 
     async def _run(self) -> None:
-        while True:
+        while not self._closing:
             await self._ready.wait()
             self._ready.clear()
             try:
@@ -60,10 +64,14 @@ class ReplyWriter:
                 log.exception("writing token deltas failed")
                 await asyncio.sleep(0.1)
 
-    async def close(self) -> None:
+    async def close(self, timeout_s: float = 2.0) -> None:
+        """Stop the writer (on a flag: see Worker.run) and write what is left."""
+        self._closing = True
+        self._ready.set()
         if self._task:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+            _, late = await asyncio.wait([self._task], timeout=timeout_s)
+            for task in late:
+                task.cancel()
         await self.flush()
 
 

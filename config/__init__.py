@@ -5,6 +5,7 @@ from sluice.config.batching import (
     CONTINUOUS_WITH_SINGLE,
     DYNAMIC_WITH_SINGLE,
     MAX_BATCH_SIZE_EXCEEDED,
+    SINGLE_MULTI_ROW,
     ContinuousBatchingConfig,
     DynamicBatchingConfig,
 )
@@ -25,6 +26,7 @@ __all__ = [
     "DynamicBatchingConfig",
     "MAX_BATCH_SIZE_EXCEEDED",
     "ModelConfig",
+    "SINGLE_MULTI_ROW",
     "Settings",
     "VLLMConfig",
     "load_models",

@@ -17,6 +17,9 @@ CONTINUOUS_MULTI_ROW = (
     "please send requests with a single batch size"
 )
 MAX_BATCH_SIZE_EXCEEDED = "Maximum batch size exceeded, please configure a higher limit"
+SINGLE_MULTI_ROW = (
+    "Single batch mode accepts one row per request, please send requests with a single batch size"
+)
 
 
 class ContinuousBatchingConfig(BaseModel):

@@ -10,7 +10,10 @@ import yaml
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from sluice.config.batching import (
+    CONTINUOUS_MULTI_ROW,
     CONTINUOUS_WITH_SINGLE,
+    MAX_BATCH_SIZE_EXCEEDED,
+    SINGLE_MULTI_ROW,
     DYNAMIC_WITH_SINGLE,
     ContinuousBatchingConfig,
     DynamicBatchingConfig,
@@ -85,6 +88,17 @@ class ModelConfig(BaseModel):
     @property
     def continuous(self) -> ContinuousBatchingConfig:
         return self.continuous_batching_config or ContinuousBatchingConfig()
+
+    def rows_error(self, rows: int) -> str | None:
+        """Why a request of this many rows is refused by this deployment's batching mode, if it is."""
+        if rows > 1 and self.mode is BatchMode.CONTINUOUS:
+            return CONTINUOUS_MULTI_ROW
+        if rows > 1 and self.mode is BatchMode.SINGLE:
+            return SINGLE_MULTI_ROW
+        limit = self.dynamic_batching_config.batch_size_limit if self.dynamic_batching_config else None
+        if limit is not None and rows > limit:
+            return MAX_BATCH_SIZE_EXCEEDED
+        return None
 
     def deployment_key(self) -> dict[str, Any]:
         """What makes two deployments the same (everything but the version)."""

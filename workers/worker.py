@@ -1,8 +1,10 @@
 """The worker process: broker -> batching policy -> engine -> broker.
 
 One stable consumer per worker. Background tasks keep the leases of running requests
-fresh, watch cancel flags and deadlines, and publish a heartbeat; none of them runs on
-the engine's path, so a busy engine cannot starve them.
+fresh, watch cancel flags and deadlines, publish a heartbeat and notice a new version of
+the deployment; none of them runs on the engine's path, so a busy engine cannot starve
+them. A new batching configuration takes effect between batches: the current policy
+stops fetching, its batches finish, and the new policy starts.
 """
 
 from __future__ import annotations
@@ -18,9 +20,11 @@ from redis.asyncio import Redis
 
 from sluice.batching.base import BatchingPolicy
 from sluice.batching.continuous import ContinuousAdmission
+from sluice.batching.dynamic import DynamicBatcher
+from sluice.batching.single import SingleBatcher
 from sluice.broker.consumer import Delivery, StreamConsumer
 from sluice.broker.messages import DeltaEvent, FinalResult, RowOutput, State, Timings, Usage
-from sluice.broker.registry import WorkerInfo, WorkerRegistry
+from sluice.broker.registry import ModelRegistry, WorkerInfo, WorkerRegistry
 from sluice.broker.replies import ReplyWriter
 from sluice.config.model import BatchMode, ModelConfig
 from sluice.config.settings import Settings
@@ -45,14 +49,18 @@ class Running:
     started: float
     engine_ids: list[str]
     first_token: float | None = None
+    prompt_tokens: int = 0
     stop_reason: State | None = None  # CANCELLED / EXPIRED once aborted for that reason
     lost: bool = False  # reclaimed by another worker: finish quietly, commit nothing
 
 
 def make_policy(model: ModelConfig) -> BatchingPolicy[Delivery]:
-    if model.mode is BatchMode.CONTINUOUS:
-        return ContinuousAdmission(model.continuous)
-    raise NotImplementedError(f"batching mode {model.mode.value} is not available yet")
+    if model.mode is BatchMode.DYNAMIC:
+        assert model.dynamic_batching_config is not None
+        return DynamicBatcher(model.dynamic_batching_config)
+    if model.mode is BatchMode.SINGLE:
+        return SingleBatcher()
+    return ContinuousAdmission(model.continuous)
 
 
 class Worker:
@@ -69,10 +77,14 @@ class Worker:
         )
         self.replies = ReplyWriter(redis, model.name, reply_ttl_s=settings.reply_ttl_s)
         self.workers = WorkerRegistry(redis)
+        self.models = ModelRegistry(redis)
         self.policy = make_policy(model)
         self.running: dict[str, Running] = {}
         self.stopping = asyncio.Event()
         self.started_at = time.time()
+        self._switch = asyncio.Event()  # stops the current policy for a new version or shutdown
+        self._closing = asyncio.Event()  # ends the background duties
+        self._batches = 0
         self._background: list[asyncio.Task] = []
 
     # -- the Source the batching policy pulls from
@@ -93,42 +105,74 @@ class Worker:
             asyncio.create_task(self._every(self.settings.heartbeat_interval_s, self._heartbeat), name="heartbeat"),
             asyncio.create_task(self._every(self.settings.lease_timeout_s / 3, self._lease), name="lease"),
             asyncio.create_task(self._every(self.settings.cancel_poll_s, self._watch), name="watch"),
+            asyncio.create_task(self._forward_stop(), name="stop"),
         ]
         await self._heartbeat()
-        log.info("worker %s serving model %s v%d (%s batching, capacity %d)",
-                 self.name, self.model.name, self.model.version, self.model.mode.value, self.policy.capacity)
         try:
-            await self.policy.run(self, self._handle, self.stopping)
-            log.info("worker %s stops fetching; draining %d running request(s)", self.name, len(self.running))
-            await self._heartbeat("draining")
-            left = await self.policy.drain(self.settings.shutdown_timeout_s)
-            if left:
-                log.warning("%d request(s) still running after %.0fs: left to be reclaimed",
-                            len(self.running), self.settings.shutdown_timeout_s)
-                for r in list(self.running.values()):
-                    r.lost = True
-                    for eid in r.engine_ids:
-                        await self.engine.abort(eid)
-                await self.policy.drain(5.0)
+            while True:
+                log.info("worker %s serving model %s v%d (%s batching, capacity %d)", self.name,
+                         self.model.name, self.model.version, self.model.mode.value, self.policy.capacity)
+                await self.policy.run(self, self._handle, self._switch)
+                if self.stopping.is_set():
+                    break
+                # A new version: let the current batches finish, then switch policies.
+                await self.policy.drain(None)
+                self.policy = make_policy(self.model)
+                self._switch.clear()
+            await self._drain()
         finally:
-            for task in self._background:
+            # Background duties end on a flag, not on cancellation alone: a cancel that lands
+            # as a Redis call completes can be swallowed by the client (asyncio.wait_for on 3.11).
+            self._closing.set()
+            _, late = await asyncio.wait(self._background, timeout=5.0)
+            for task in late:
                 task.cancel()
-            await asyncio.gather(*self._background, return_exceptions=True)
             await self.replies.close()
             await self.workers.remove(self.name)
             await self.consumer.release_name()
             await self.engine.shutdown()
 
+    async def _forward_stop(self) -> None:
+        stop = asyncio.ensure_future(self.stopping.wait())
+        await asyncio.wait([stop, asyncio.ensure_future(self._closing.wait())],
+                           return_when=asyncio.FIRST_COMPLETED)
+        self._switch.set()
+
+    async def _drain(self) -> None:
+        log.info("worker %s stops fetching; draining %d running request(s)", self.name, len(self.running))
+        await self._heartbeat()
+        if await self.policy.drain(self.settings.shutdown_timeout_s):
+            log.warning("%d request(s) still running after %.0fs: left to be reclaimed",
+                        len(self.running), self.settings.shutdown_timeout_s)
+            for r in list(self.running.values()):
+                r.lost = True
+                await self._abort(r)
+            await self.policy.drain(5.0)
+
     # -- one batch (a list of deliveries) from the policy
     async def _handle(self, batch: list[Delivery]) -> None:
-        await asyncio.gather(*(self._run_request(d) for d in batch))
+        self._batches += 1
+        batch_id = f"{self.name}-{self.started_at:.0f}-{self._batches}"
+        released = time.time()
+        logs = await asyncio.gather(*(self._run_request(d) for d in batch))
+        records, position = [], 0
+        for d, rows in zip(batch, logs):
+            for record in rows:
+                records.append({"batch_id": batch_id, "position": position, "batch_size": len(batch),
+                                "released": released, **record})
+                position += 1
+        try:
+            await self.consumer.append_log(records)
+        except Exception as err:  # the log is for operators: a failed write must not fail requests
+            log.warning("inference log write failed: %s", err)
 
-    async def _run_request(self, d: Delivery) -> None:
+    async def _run_request(self, d: Delivery) -> list[dict]:
+        """Run one request to its commit; returns its inference-log records (one per row)."""
         rid = d.message.id
         decision = await self.consumer.start(d)
         if decision != "run":
             log.info("request %s not run: %s", rid, decision)
-            return
+            return []
         n_rows = len(d.message.rows)
         engine_ids = [rid] if n_rows == 1 else [f"{rid}:{i}" for i in range(n_rows)]
         run = Running(d, time.time(), engine_ids)
@@ -142,17 +186,26 @@ class Worker:
         finally:
             del self.running[rid]
         if run.lost:
-            return
+            return []
+        final = self._final(run, results, error)
         await self.replies.flush()
-        await self.consumer.commit(d, self._final(run, results, error))
+        if not await self.consumer.commit(d, final):
+            return []
+        outputs = final.rows or ([final.output] if final.output else [])
+        return [
+            {"request_id": rid, "row": i, "status": final.status.value, "input": row,
+             "output": outputs[i].record() if i < len(outputs) else None,
+             "timings": final.timings.model_dump()}
+            for i, row in enumerate(d.message.rows)
+        ]
 
-    async def _generate_row(self, run: Running, row: int) -> RowResult:
+    async def _generate_row(self, run: Running, row: int) -> RowOutput:
         msg = run.delivery.message
         values = msg.rows[row]
         s = msg.sampling
         request = GenerationRequest(
             request_id=run.engine_ids[row],
-            prompt=values["prompt"],
+            prompt=self.engine.prompt_for(values),
             max_tokens=int(values.get("max_tokens") or s.max_tokens),
             temperature=s.temperature,
             top_p=s.top_p,
@@ -174,16 +227,19 @@ class Worker:
                 result.tokens += len(delta.token_ids)
             if delta.finish_reason is not None:
                 result.finish_reason = delta.finish_reason
-        return result
+        text = "".join(result.text)
+        extra = self.engine.extra_outputs(values, text, result.tokens)
+        output = RowOutput(text=text, num_output_tokens=result.tokens, finish_reason=result.finish_reason,
+                           fields=extra or None)
+        run.prompt_tokens += result.prompt_tokens
+        return output
 
-    def _final(self, run: Running, results: list[RowResult], error: str | None) -> FinalResult:
+    def _final(self, run: Running, outputs: list[RowOutput], error: str | None) -> FinalResult:
         msg = run.delivery.message
         timings = Timings(enqueued=msg.enqueued_at, started=run.started,
                           first_token=run.first_token, finished=time.time())
-        outputs = [RowOutput(text="".join(r.text), num_output_tokens=r.tokens,
-                             finish_reason=r.finish_reason) for r in results]
-        usage = Usage(prompt_tokens=sum(r.prompt_tokens for r in results),
-                      completion_tokens=sum(r.tokens for r in results))
+        usage = Usage(prompt_tokens=run.prompt_tokens,
+                      completion_tokens=sum(o.num_output_tokens for o in outputs))
         if run.stop_reason is not None:
             status = run.stop_reason
             error = ("cancelled by the client" if status is State.CANCELLED
@@ -200,7 +256,11 @@ class Worker:
     # -- background duties
     async def _every(self, interval_s: float, duty) -> None:
         while True:
-            await asyncio.sleep(interval_s)
+            try:
+                await asyncio.wait_for(self._closing.wait(), interval_s)
+                return
+            except asyncio.TimeoutError:
+                pass
             try:
                 await duty()
             except asyncio.CancelledError:
@@ -208,16 +268,28 @@ class Worker:
             except Exception as err:
                 log.warning("%s failed (%s: %s)", duty.__name__.strip("_"), type(err).__name__, err)
 
-    async def _heartbeat(self, state: str = "running") -> None:
-        if self.stopping.is_set():
-            state = "draining"
+    async def _heartbeat(self) -> None:
         await self.workers.beat(WorkerInfo(
             name=self.name, model=self.model.name, version=self.model.version,
             mode=self.model.mode.value, pid=os.getpid(), host=socket.gethostname(),
             in_flight=len(self.running), capacity=self.policy.capacity,
-            started_at=self.started_at, heartbeat_at=0.0, state=state,
+            started_at=self.started_at, heartbeat_at=0.0,
+            state="draining" if self.stopping.is_set() else "running",
         ))
         await self.consumer.refresh_name(self.settings.worker_ttl_s)
+        await self._check_version()
+
+    async def _check_version(self) -> None:
+        current = await self.models.get(self.model.name)
+        if current is None or current.version == self.model.version or self._switch.is_set():
+            return
+        if current.framework_config != self.model.framework_config or current.path != self.model.path:
+            log.warning("model %s v%d changes engine options: restart the worker to apply them",
+                        current.name, current.version)
+        log.info("model %s: v%d -> v%d (%s batching); switching after the current batches",
+                 current.name, self.model.version, current.version, current.mode.value)
+        self.model = current
+        self._switch.set()
 
     async def _lease(self) -> None:
         runs = list(self.running.values())

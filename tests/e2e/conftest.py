@@ -22,19 +22,44 @@ from sluice.broker.embedded import EmbeddedRedis, free_port
 from sluice.config.settings import Settings
 from sluice.workers.model_prep import prepare_default_model
 
-MODEL = "smollm2"
-MODELS_YAML = f"""
-models:
-  - name: {MODEL}
-    path: builtin:smollm2-135m-instruct
+MODEL = "smollm2"  # continuous batching
+DYNAMIC = "smollm2-dyn"  # reconfigured by the tests between modes
+CUSTOM = "smollm2-custom"  # the example custom runtime
+ENGINE = """
     framework_config:
       dtype: float32
       enforce_eager: true
       max_model_len: 2048
       max_num_seqs: 64
       cpu_kvcache_space_gib: 1
+"""
+MODELS_YAML = f"""
+models:
+  - name: {MODEL}
+    path: builtin:smollm2-135m-instruct{ENGINE}
     continuous_batching_config:
       max_concurrent_batch_size: 64
+  - name: {DYNAMIC}
+    path: builtin:smollm2-135m-instruct{ENGINE}
+    dynamic_batching_config:
+      max_batch_delay_ms: 50
+      batch_size_target: 4
+      batch_size_limit: 8
+  - name: {CUSTOM}
+    framework: custom
+    runtime: sluice.workers.engines.system_prompt:SystemPromptRuntime
+    path: builtin:smollm2-135m-instruct{ENGINE}
+    input_schema:
+      - {{name: prompt, type: string, nullable: false}}
+      - {{name: max_tokens, type: int64}}
+      - {{name: system_prompt, type: string}}
+    output_schema:
+      - {{name: generated_text, type: string}}
+      - {{name: num_output_tokens, type: int64}}
+      - {{name: num_words, type: int64}}
+    dynamic_batching_config:
+      max_batch_delay_ms: 100
+      batch_size_target: 2
 """
 
 
@@ -45,7 +70,7 @@ class Stack:
     env: dict[str, str]
     models_file: Path
     model_dir: Path
-    worker: subprocess.Popen
+    workers: list[subprocess.Popen]
     api: subprocess.Popen
 
 
@@ -95,15 +120,34 @@ def stack(tmp_path_factory: pytest.TempPathFactory, model_dir: Path, e2e_models_
     env = {**os.environ, "SLUICE_REDIS_URL": redis.url, "SLUICE_MODELS_FILE": str(e2e_models_file),
            "SLUICE_HEARTBEAT_INTERVAL_S": "0.5", "SLUICE_CANCEL_POLL_S": "0.1"}
     cli = [sys.executable, "-m", "sluice.cli"]
-    worker = subprocess.Popen([*cli, "worker", "--model", MODEL, "--name", "e2e"], env=env)
+    workers = [subprocess.Popen([*cli, "worker", "--model", m, "--name", f"e2e-{m}"], env=env)
+               for m in (MODEL, DYNAMIC, CUSTOM)]
     api = subprocess.Popen([*cli, "api", "--port", str(port)], env=env)
     url = f"http://127.0.0.1:{port}"
     try:
-        wait_ready(url, [worker, api])
-        yield Stack(url, redis.url, env, e2e_models_file, model_dir, worker, api)
+        wait_ready(url, [*workers, api], timeout_s=600)
+        yield Stack(url, redis.url, env, e2e_models_file, model_dir, workers, api)
     finally:
-        stop([worker, api])
+        stop([*workers, api])
         redis.stop()
+
+
+async def submit(client: httpx.AsyncClient, model: str = MODEL, **body) -> str:
+    r = await client.post("/v1/requests", json={"model": model, **body})
+    assert r.status_code == 202, r.text
+    data = r.json()
+    assert data["status"] == "queued" and data["model"] == model
+    return data["id"]
+
+
+async def wait_done(client: httpx.AsyncClient, rid: str, timeout_s: float = 120) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        r = await client.get(f"/v1/requests/{rid}", params={"wait": 30})
+        assert r.status_code == 200, r.text
+        if r.json()["status"] not in ("queued", "running"):
+            return r.json()
+    raise TimeoutError(rid)
 
 
 @pytest.fixture

@@ -8,30 +8,12 @@ import time
 import httpx
 import pytest
 
-from tests.e2e.conftest import MODEL, Stack
+from tests.e2e.conftest import MODEL, Stack, submit, wait_done
 from tests.e2e.sse import sse_events
 
 pytestmark = pytest.mark.engine
 
 GREEDY = {"temperature": 0.0}
-
-
-async def submit(client: httpx.AsyncClient, **body) -> str:
-    r = await client.post("/v1/requests", json=body)
-    assert r.status_code == 202, r.text
-    data = r.json()
-    assert data["status"] == "queued" and data["model"] == MODEL
-    return data["id"]
-
-
-async def wait_done(client: httpx.AsyncClient, rid: str, timeout_s: float = 120) -> dict:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        r = await client.get(f"/v1/requests/{rid}", params={"wait": 30})
-        assert r.status_code == 200, r.text
-        if r.json()["status"] not in ("queued", "running"):
-            return r.json()
-    raise TimeoutError(rid)
 
 
 async def test_submit_and_poll_paris(client: httpx.AsyncClient) -> None:
@@ -181,4 +163,4 @@ async def test_unknown_model_request_and_bad_bodies(client: httpx.AsyncClient) -
 async def test_health_and_readiness(client: httpx.AsyncClient) -> None:
     assert (await client.get("/healthz")).json() == {"status": "ok"}
     r = await client.get("/readyz")
-    assert r.status_code == 200 and r.json()["models"] == {MODEL: 1}
+    assert r.status_code == 200 and r.json()["models"][MODEL] == 1

@@ -297,12 +297,6 @@ async def test_an_idle_worker_stops_promptly(start_worker: WorkerFactory) -> Non
     assert time.monotonic() - started < 5.0
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG: Worker._every (workers/worker.py) loops `while True` and ends only when a "
-    "CancelledError comes out of it; a cancel that lands while a Redis call is writing is "
-    "swallowed by redis-py 8 on Python 3.11 (asyncio.wait_for around the socket write returns "
-    "the result instead of raising, CPython gh-86296), the loop goes on, and Worker.run() hangs "
-    "for ever in `await asyncio.gather(*self._background)`"))
 async def test_stop_survives_a_redis_call_that_swallows_its_cancel(start_worker: WorkerFactory) -> None:
     worker, task = start_worker(NullEngine())
     real_beat = worker.workers.beat

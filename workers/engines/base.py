@@ -5,6 +5,7 @@ from __future__ import annotations
 import abc
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -27,8 +28,21 @@ class TokenDelta:
 
 
 class Engine(abc.ABC):
+    """An engine, or a custom runtime wrapping one (see workers/engines/custom.py).
+
+    `prompt_for` and `extra_outputs` are the per-row hooks: how an input row becomes a
+    prompt, and which output fields besides generated_text and num_output_tokens a
+    finished row gets.
+    """
+
     @abc.abstractmethod
     async def start(self) -> None: ...
+
+    def prompt_for(self, row: dict[str, Any]) -> str:
+        return row["prompt"]
+
+    def extra_outputs(self, row: dict[str, Any], text: str, num_output_tokens: int) -> dict[str, Any]:
+        return {}
 
     @abc.abstractmethod
     def generate(self, request: GenerationRequest) -> AsyncIterator[TokenDelta]:

@@ -15,7 +15,14 @@ EngineKind = Literal["vllm", "null"]
 def build_engine(model: ModelConfig, cache_dir: Path, kind: EngineKind = "vllm") -> Engine:
     if kind == "null":
         return NullEngine()
-    from sluice.workers.engines.vllm import VLLMEngine
     from sluice.workers.model_prep import resolve_model_path
 
-    return VLLMEngine(resolve_model_path(model.path, cache_dir), model.framework_config)
+    path = resolve_model_path(model.path, cache_dir)
+    if model.framework == "custom":
+        from sluice.workers.engines.custom import load_runtime_class
+
+        assert model.runtime is not None  # checked when the deployment was loaded
+        return load_runtime_class(model.runtime)(model, path, model.framework_config)
+    from sluice.workers.engines.vllm import VLLMEngine
+
+    return VLLMEngine(path, model.framework_config)

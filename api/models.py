@@ -1,0 +1,131 @@
+"""Model routes: deployments and versions, reconfiguration, multi-row inference, the inference log."""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Literal
+
+from fastapi import APIRouter, Depends, Query, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ConfigDict
+
+from sluice.api.arrow import ARROW_STREAM, encode_rows, encode_table, parse_rows, wants_arrow
+from sluice.api.errors import ApiError
+from sluice.api.state import ApiState, state
+from sluice.broker.keys import ModelKeys
+from sluice.config.batching import ContinuousBatchingConfig, DynamicBatchingConfig
+from sluice.config.model import ConfigError, ModelConfig, parse_model
+from sluice.config.schema import to_arrow
+
+router = APIRouter(prefix="/v1/models", tags=["models"])
+
+
+def describe(m: ModelConfig) -> dict[str, Any]:
+    return {
+        "id": m.name, "object": "model", "created": 0, "owned_by": "sluice",
+        "version": m.version, "mode": m.mode.value, "framework": m.framework,
+        "config": m.model_dump(mode="json", exclude={"name", "version"}),
+    }
+
+
+@router.get("")
+async def list_models(s: ApiState = Depends(state)) -> dict:
+    return {"object": "list", "data": [describe(m) for m in await s.models.all()]}
+
+
+@router.get("/{model}")
+async def get_model(model: str, s: ApiState = Depends(state)) -> dict:
+    m = await s.model(model)
+    keys = ModelKeys(m.name)
+    async with s.redis.pipeline(transaction=False) as pipe:
+        pipe.xlen(keys.requests)
+        pipe.xlen(keys.bulk)
+        depth, bulk_depth = await pipe.execute()
+    live = [w for w in await s.workers.live(s.settings.worker_ttl_s) if w.model == m.name]
+    return {
+        **describe(m),
+        "queue": {"depth": depth, "bulk_depth": bulk_depth,
+                  "max_queued": m.max_queued or s.settings.max_queued},
+        "workers": [{"name": w.name, "version": w.version, "in_flight": w.in_flight} for w in live],
+    }
+
+
+class ConfigureRequest(BaseModel):
+    """The seeds' configure(): exactly one batching mode."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    continuous_batching_config: ContinuousBatchingConfig | None = None
+    dynamic_batching_config: DynamicBatchingConfig | None = None
+    batch_config: Literal["single"] | None = None
+
+
+@router.put("/{model}/config")
+async def configure(model: str, body: ConfigureRequest, s: ApiState = Depends(state)) -> dict:
+    current = await s.model(model)
+    given = body.model_dump(exclude_none=True)
+    if not given:
+        raise ApiError(400, "set one of continuous_batching_config, dynamic_batching_config, "
+                            "batch_config='single'")
+    data = current.model_dump(mode="json")
+    data.update(continuous_batching_config=None, dynamic_batching_config=None, batch_config=None)
+    data.update(given)
+    try:
+        updated = parse_model(data)
+    except ConfigError as err:
+        raise ApiError(400, str(err)) from None
+    return describe(await s.models.deploy(updated))
+
+
+@router.post("/{model}/infer")
+async def infer(
+    model: str,
+    request: Request,
+    temperature: float = Query(1.0, ge=0.0, le=2.0),
+    top_p: float = Query(1.0, gt=0.0, le=1.0),
+    seed: int | None = Query(None, ge=0, le=2**63 - 1),
+    timeout_s: float | None = Query(None, gt=0, le=86400),
+    s: ApiState = Depends(state),
+) -> Response:
+    """Rows in (JSON records or Arrow), one output row per input row, in order, out."""
+    m = await s.model(model)
+    content_type = request.headers.get("content-type")
+    body = await request.body()
+    if len(body) > s.settings.max_body_bytes:
+        raise ApiError(413, f"body: larger than {s.settings.max_body_bytes} bytes")
+    rows = parse_rows(body, content_type, to_arrow(m.input_schema))
+    message = await s.enqueue(m, rows, temperature=temperature, top_p=top_p, seed=seed, timeout_s=timeout_s)
+    status = await s.wait_final(m.name, message.id, message.deadline - message.enqueued_at)
+    state_ = status.get("state")
+    if state_ != "done":
+        result = json.loads(status["result"]) if "result" in status else {}
+        code = {"expired": 504, "cancelled": 409}.get(state_ or "", 502)
+        if state_ in ("queued", "running"):
+            code, result["error"] = 504, "no result before the request's deadline"
+        raise ApiError(code, f"request {message.id}: {state_}: {result.get('error') or 'no result'}",
+                       code="inference_failed")
+    result = json.loads(status["result"])
+    outputs = result.get("rows") or [result["output"]]
+    records = [{"generated_text": o["text"], "num_output_tokens": o["num_output_tokens"], **(o.get("fields") or {})}
+               for o in outputs]
+    schema = to_arrow(m.output_schema)
+    headers = {"X-Request-Id": message.id}
+    if wants_arrow(content_type) or ARROW_STREAM in request.headers.get("accept", ""):
+        return Response(encode_rows(records, schema), media_type=ARROW_STREAM, headers=headers)
+    return JSONResponse([{n: r.get(n) for n in schema.names} for r in records], headers=headers)
+
+
+@router.get("/{model}/logs")
+async def logs(
+    model: str,
+    request: Request,
+    limit: int = Query(100, ge=1, le=10_000),
+    s: ApiState = Depends(state),
+) -> Response:
+    """The newest `limit` inference-log records, oldest first (Arrow with Accept: arrow stream)."""
+    m = await s.model(model)
+    entries = await s.redis.xrevrange(ModelKeys(m.name).log, count=limit)
+    records = [json.loads(fields["data"]) for _, fields in reversed(entries)]
+    if ARROW_STREAM in request.headers.get("accept", ""):
+        return Response(encode_table(records), media_type=ARROW_STREAM)
+    return JSONResponse(records)

@@ -1,0 +1,28 @@
+"""An example custom runtime: an extra `system_prompt` input, rendered with the model's
+chat template, and an extra `num_words` output."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sluice.workers.engines.custom import CustomRuntime
+
+
+class SystemPromptRuntime(CustomRuntime):
+    default_system_prompt = "You are a helpful assistant."
+
+    async def start(self) -> None:
+        await super().start()
+        from transformers import AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+
+    def prompt_for(self, row: dict[str, Any]) -> str:
+        messages = [
+            {"role": "system", "content": row.get("system_prompt") or self.default_system_prompt},
+            {"role": "user", "content": row["prompt"]},
+        ]
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+    def extra_outputs(self, row: dict[str, Any], text: str, num_output_tokens: int) -> dict[str, Any]:
+        return {"num_words": len(text.split())}
