@@ -174,7 +174,7 @@ class StreamConsumer:
         rid = d.message.id
         written = await self.scripts.commit(
             keys=[d.stream, self.keys.status(rid), self.keys.reply(rid)],
-            args=[GROUP, self.consumer, d.entry_id, result.status.value, result.model_dump_json(),
+            args=[GROUP, self.consumer, d.entry_id, result.status.value, result.model_dump_json(exclude_none=True),
                   time.time(), self.status_ttl_s, self.reply_ttl_s, DONE_CHANNEL, rid],
         )
         if not written:

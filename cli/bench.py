@@ -9,52 +9,50 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import typer
 
 from sluice.broker.embedded import EmbeddedRedis, free_port
+from sluice.cli.processes import stop_processes, wait_ready
 from sluice.config.model import load_models
 from sluice.config.settings import Settings
 
-bench_app = typer.Typer(no_args_is_help=True, help="Measure Sluice against a baseline in the same run.")
+bench_app = typer.Typer(no_args_is_help=True, help="Measure Sluice against a baseline in the same run.",
+                        callback=lambda: os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING"))
 
 PROMPTS = [f"Write a short note about topic number {i}:" for i in range(256)]
 
 
-def _wait_ready(url: str, procs: list[subprocess.Popen], timeout_s: float = 900) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if any(p.poll() is not None for p in procs):
-            raise RuntimeError("a Sluice process exited before it was ready")
+@contextlib.contextmanager
+def local_stack(model: str) -> Iterator[str]:
+    """A private Redis, one worker for `model` and one api; yields the api's URL."""
+    with tempfile.TemporaryDirectory() as tmp:
+        redis = EmbeddedRedis(Path(tmp)).start()
+        port = free_port()
+        env = {**os.environ, "SLUICE_REDIS_URL": redis.url}
+        cli = [sys.executable, "-m", "sluice.cli"]
+        quiet = {"env": env, "stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
+        procs = [subprocess.Popen([*cli, "worker", "--model", model], **quiet),
+                 subprocess.Popen([*cli, "api", "--port", str(port)], **quiet)]
         try:
-            if httpx.get(f"{url}/readyz", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.25)
-    raise TimeoutError(url)
-
-
-def _stop(procs: list[subprocess.Popen]) -> None:
-    for p in procs:
-        if p.poll() is None:
-            p.send_signal(signal.SIGTERM)
-    for p in procs:
-        try:
-            p.wait(60)
-        except subprocess.TimeoutExpired:
-            p.kill()
+            url = f"http://127.0.0.1:{port}"
+            wait_ready(url, procs)
+            yield url
+        finally:
+            stop_processes(procs)
+            redis.stop()
 
 
 async def _through_api(url: str, prompts: list[str], max_tokens: int) -> tuple[float, int]:
@@ -132,23 +130,9 @@ def throughput(
         m, secs, toks = asyncio.run(_direct_round(settings, model, prompts, max_tokens))
         results["direct"].append(toks / secs)
         typer.echo(f"round {r + 1}: direct  {toks} tokens in {secs:.2f}s = {toks / secs:.1f} tok/s")
-        with tempfile.TemporaryDirectory() as tmp:
-            redis = EmbeddedRedis(Path(tmp)).start()
-            port = free_port()
-            env = {**os.environ, "SLUICE_REDIS_URL": redis.url}
-            cli = [sys.executable, "-m", "sluice.cli"]
-            procs = [subprocess.Popen([*cli, "worker", "--model", m.name], env=env,
-                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL),
-                     subprocess.Popen([*cli, "api", "--port", str(port)], env=env,
-                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]
-            try:
-                url = f"http://127.0.0.1:{port}"
-                _wait_ready(url, procs)
-                asyncio.run(_through_api(url, prompts[:2], 4))  # warm-up
-                secs, toks = asyncio.run(_through_api(url, prompts, max_tokens))
-            finally:
-                _stop(procs)
-                redis.stop()
+        with local_stack(m.name) as url:
+            asyncio.run(_through_api(url, prompts[:2], 4))  # warm-up
+            secs, toks = asyncio.run(_through_api(url, prompts, max_tokens))
         results["sluice"].append(toks / secs)
         typer.echo(f"round {r + 1}: sluice  {toks} tokens in {secs:.2f}s = {toks / secs:.1f} tok/s")
     figures = {
@@ -171,7 +155,7 @@ def _first_token_after_up(cache_dir: Path, data_dir: Path) -> float:
                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     try:
-        _wait_ready(url, [up])
+        wait_ready(url, [up])
         with httpx.Client(base_url=url, timeout=120) as client:
             rid = client.post("/v1/requests", json={"prompt": "The capital of France is", "max_tokens": 4,
                                                     "temperature": 0.0}).json()["id"]
@@ -181,7 +165,7 @@ def _first_token_after_up(cache_dir: Path, data_dir: Path) -> float:
                         return time.perf_counter() - t0
         raise RuntimeError("no token came back")
     finally:
-        _stop([up])
+        stop_processes([up])
 
 
 @bench_app.command("startup")
@@ -196,5 +180,71 @@ def startup(out: Path = typer.Option(None, help="Also write the figures as JSON 
         shutil.rmtree(cache, ignore_errors=True)
     figures = {"first_token_s_unprepared": cold, "first_token_s_prepared": warm}
     typer.echo(json.dumps(figures, indent=2))
+    if out:
+        out.write_text(json.dumps(figures, indent=2))
+
+
+MODES = {
+    "continuous": {"continuous_batching_config": {"max_concurrent_batch_size": 256}},
+    "dynamic": {"dynamic_batching_config": {"max_batch_delay_ms": 10, "batch_size_target": 8}},
+    "single": {"batch_config": "single"},
+}
+
+
+async def _burst(url: str, model: str, mode: dict, lengths: list[int]) -> dict:
+    async with httpx.AsyncClient(base_url=url, timeout=900) as client:
+        version = (await client.put(f"/v1/models/{model}/config", json=mode)).json()["version"]
+        while any(w["version"] != version for w in (await client.get(f"/v1/models/{model}")).json()["workers"]):
+            await asyncio.sleep(0.2)
+
+        async def one(i: int, n: int) -> dict:
+            r = await client.post("/v1/requests", json={"model": model, "prompt": PROMPTS[i], "max_tokens": n,
+                                                         "temperature": 0.0})
+            rid = r.json()["id"]
+            while True:
+                body = (await client.get(f"/v1/requests/{rid}", params={"wait": 60})).json()
+                if body["status"] not in ("queued", "running"):
+                    return body
+
+        results = await asyncio.gather(*(one(i, n) for i, n in enumerate(lengths)))
+    latencies = sorted(r["timings"]["finished"] - r["timings"]["enqueued"] for r in results)
+    span = max(r["timings"]["finished"] for r in results) - min(r["timings"]["enqueued"] for r in results)
+    tokens = sum(r["output"]["num_output_tokens"] for r in results)
+
+    def pct(p: float) -> float:
+        return latencies[min(len(latencies) - 1, int(p * len(latencies)))]
+
+    return {"requests": len(results), "output_tokens": tokens, "tok_s": tokens / span,
+            "p50_s": statistics.median(latencies), "p99_s": pct(0.99), "wall_s": span}
+
+
+@bench_app.command("modes")
+def modes(
+    requests: int = typer.Option(64, help="Requests in the burst."),
+    seed: int = typer.Option(0, help="Seed of the max_tokens draw (16 to 128)."),
+    model: str = typer.Option(None, help="Deployed model (default: the first in the models file)."),
+    out: Path = typer.Option(None, help="Also write the figures as JSON here."),
+) -> None:
+    """The same burst (mixed max_tokens 16-128) under continuous, dynamic (target 8) and single mode."""
+    import random
+
+    from rich.console import Console
+    from rich.table import Table
+
+    name = model or load_models(Settings().models_file)[0].name
+    rng = random.Random(seed)
+    lengths = [rng.randint(16, 128) for _ in range(requests)]
+    figures = {}
+    with local_stack(name) as url:
+        asyncio.run(_through_api(url, PROMPTS[:2], 4))  # warm-up
+        for mode, body in MODES.items():
+            figures[mode] = asyncio.run(_burst(url, name, body, lengths))
+            typer.echo(f"{mode}: {json.dumps(figures[mode])}")
+    table = Table(title=f"{requests}-request burst, max_tokens 16-128 (seed {seed}), model {name}")
+    for col in ("mode", "output tok/s", "p50 latency s", "p99 latency s", "wall s"):
+        table.add_column(col)
+    for mode, f in figures.items():
+        table.add_row(mode, f"{f['tok_s']:.1f}", f"{f['p50_s']:.2f}", f"{f['p99_s']:.2f}", f"{f['wall_s']:.1f}")
+    Console().print(table)
     if out:
         out.write_text(json.dumps(figures, indent=2))

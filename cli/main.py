@@ -104,6 +104,42 @@ def models_prepare(force: bool = typer.Option(False, "--force", help="Convert ag
     typer.echo(str(path))
 
 
+@models_app.command("configure")
+def models_configure(
+    name: str = typer.Argument(..., help="The deployed model."),
+    url: str = typer.Option("http://127.0.0.1:8000", "--url", envvar="SLUICE_URL", help="The Sluice api."),
+    continuous: Optional[int] = typer.Option(None, "--continuous", metavar="MAX_CONCURRENT",
+                                             help="Continuous batching with this max_concurrent_batch_size."),
+    dynamic: bool = typer.Option(False, "--dynamic", help="Dynamic batching (with the three options below)."),
+    max_batch_delay_ms: int = typer.Option(10, "--max-batch-delay-ms"),
+    batch_size_target: int = typer.Option(4, "--batch-size-target"),
+    batch_size_limit: Optional[int] = typer.Option(None, "--batch-size-limit"),
+    single: bool = typer.Option(False, "--single", help="Single batch mode."),
+    api_key: Optional[str] = typer.Option(None, "--api-key", envvar="SLUICE_API_KEY"),
+) -> None:
+    """Change a deployed model's batching mode: a new version, picked up by running workers."""
+    import httpx
+
+    chosen = [continuous is not None, dynamic, single]
+    if sum(chosen) != 1:
+        raise typer.BadParameter("choose exactly one of --continuous N, --dynamic, --single")
+    if continuous is not None:
+        body: dict = {"continuous_batching_config": {"max_concurrent_batch_size": continuous}}
+    elif dynamic:
+        body = {"dynamic_batching_config": {"max_batch_delay_ms": max_batch_delay_ms,
+                                            "batch_size_target": batch_size_target,
+                                            "batch_size_limit": batch_size_limit}}
+    else:
+        body = {"batch_config": "single"}
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    r = httpx.put(f"{url.rstrip('/')}/v1/models/{name}/config", json=body, headers=headers, timeout=30)
+    if r.status_code != 200:
+        typer.echo(f"error ({r.status_code}): {r.json().get('error', {}).get('message', r.text)}", err=True)
+        raise typer.Exit(1)
+    data = r.json()
+    typer.echo(f"{data['id']} v{data['version']}: {data['mode']} batching")
+
+
 @models_app.command("list")
 def models_list(models_file: Optional[Path] = ModelsFile) -> None:
     """Show the deployments of the models file."""

@@ -10,27 +10,12 @@ import sys
 import time
 from pathlib import Path
 
-import httpx
-
 from sluice.broker.embedded import EmbeddedRedis
+from sluice.cli.processes import stop_processes, wait_ready
 from sluice.config.model import DEFAULT_MODEL_PATH, load_models
 from sluice.config.settings import Settings
 
 log = logging.getLogger("sluice.up")
-
-
-def _wait_ready(url: str, children: list[subprocess.Popen], timeout_s: float = 900) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if any(c.poll() is not None for c in children):
-            return False
-        try:
-            if httpx.get(f"{url}/readyz", timeout=2).status_code == 200:
-                return True
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    return False
 
 
 def run_up(redis_url: str | None, host: str, port: int, models_file: Path | None) -> int:
@@ -67,21 +52,17 @@ def run_up(redis_url: str | None, host: str, port: int, models_file: Path | None
     signal.signal(signal.SIGTERM, on_signal)
     base = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
     try:
-        if _wait_ready(base, children):
+        if wait_ready(base, children, cancelled=lambda: stop["requested"]):
             log.info("Sluice is up at %s serving %s (%.1fs); Ctrl-C stops it", base, default.name,
                      time.monotonic() - t0)
         while not stop["requested"] and all(c.poll() is None for c in children):
             time.sleep(0.2)
         return 0 if stop["requested"] else 1
+    except (RuntimeError, TimeoutError) as err:  # a child died while starting, or never got ready
+        log.error("%s", err)
+        return 1
     finally:
         log.info("stopping")
-        for c in reversed(children):  # the worker first: it drains its running requests
-            if c.poll() is None:
-                c.send_signal(signal.SIGTERM)
-        for c in reversed(children):
-            try:
-                c.wait(60)
-            except subprocess.TimeoutExpired:
-                c.kill()
+        stop_processes(list(reversed(children)))  # the worker first: it drains its requests
         if redis:
             redis.stop()

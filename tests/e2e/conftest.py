@@ -7,7 +7,6 @@ The model runs in float32 so that batching cannot change greedy results.
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -19,6 +18,7 @@ import httpx
 import pytest
 
 from sluice.broker.embedded import EmbeddedRedis, free_port
+from sluice.cli.processes import stop_processes, wait_ready
 from sluice.config.settings import Settings
 from sluice.workers.model_prep import prepare_default_model
 
@@ -86,33 +86,6 @@ def e2e_models_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-def wait_ready(url: str, procs: list[subprocess.Popen], timeout_s: float = 300) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        for p in procs:
-            if p.poll() is not None:
-                raise RuntimeError(f"{p.args} exited with {p.returncode} before the stack was ready")
-        try:
-            if httpx.get(f"{url}/readyz", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise TimeoutError(f"{url} not ready after {timeout_s}s")
-
-
-def stop(procs: list[subprocess.Popen]) -> None:
-    for p in procs:
-        if p.poll() is None:
-            p.send_signal(signal.SIGTERM)
-    for p in procs:
-        try:
-            p.wait(60)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
-
-
 @pytest.fixture(scope="session")
 def stack(tmp_path_factory: pytest.TempPathFactory, model_dir: Path, e2e_models_file: Path) -> Iterator[Stack]:
     redis = EmbeddedRedis(tmp_path_factory.mktemp("e2e-redis")).start()
@@ -128,7 +101,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory, model_dir: Path, e2e_models_
         wait_ready(url, [*workers, api], timeout_s=600)
         yield Stack(url, redis.url, env, e2e_models_file, model_dir, workers, api)
     finally:
-        stop([*workers, api])
+        stop_processes([*workers, api])
         redis.stop()
 
 

@@ -199,3 +199,20 @@ async def test_custom_runtime_adds_inputs_and_outputs_and_still_batches(client: 
     records = await log_records(client, CUSTOM, [rid])
     assert [x["input"].get("system_prompt") for x in records] == ["You are terse.", None]
     assert [x["position"] for x in records] == [0, 1] and records[0]["batch_id"] == records[1]["batch_id"]
+
+
+async def test_models_configure_command(client: httpx.AsyncClient, stack) -> None:
+    import subprocess
+    import sys
+
+    before = (await client.get(f"/v1/models/{DYNAMIC}")).json()["version"]
+    cli = [sys.executable, "-m", "sluice.cli", "models", "configure", DYNAMIC, "--url", stack.url]
+    done = subprocess.run([*cli, "--dynamic", "--batch-size-target", "2", "--max-batch-delay-ms", "30"],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert f"v{before + 1}: dynamic" in done.stdout
+    model = (await client.get(f"/v1/models/{DYNAMIC}")).json()
+    assert model["config"]["dynamic_batching_config"] == {
+        "max_batch_delay_ms": 30, "batch_size_target": 2, "batch_size_limit": None}
+    bad = subprocess.run([*cli, "--single", "--continuous", "3"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode != 0
