@@ -5,9 +5,11 @@ from __future__ import annotations
 import logging
 from contextlib import asynccontextmanager
 
-from fastapi import FastAPI
+from fastapi import Depends, FastAPI
 
 from sluice.api import errors, health, requests
+from sluice.api.auth import key_digests, require_key
+from sluice.api.tokens import PromptLimits
 from sluice.api import models as model_routes
 from sluice.api.state import ApiState
 from sluice.broker.admission import Admission
@@ -41,7 +43,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             models=registry,
             workers=WorkerRegistry(redis),
             default_model=models[0].name if models else None,
+            configured={m.name: m for m in models},
             done=DoneListener(redis),
+            key_digests=key_digests(settings.api_keys),
+            prompt_limits=PromptLimits(settings.cache_dir),
         )
         app.state.sluice.done.start()
         yield
@@ -51,6 +56,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app = FastAPI(title="Sluice", version="0.1.0", lifespan=lifespan)
     errors.install(app)
     app.include_router(health.router)
-    app.include_router(requests.router)
-    app.include_router(model_routes.router)
+    protected = [Depends(require_key)]
+    app.include_router(requests.router, dependencies=protected)
+    app.include_router(model_routes.router, dependencies=protected)
     return app

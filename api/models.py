@@ -95,13 +95,14 @@ async def infer(
         raise ApiError(413, f"body: larger than {s.settings.max_body_bytes} bytes")
     rows = parse_rows(body, content_type, to_arrow(m.input_schema))
     message = await s.enqueue(m, rows, temperature=temperature, top_p=top_p, seed=seed, timeout_s=timeout_s)
-    status = await s.wait_final(m.name, message.id, message.deadline - message.enqueued_at)
+    status = await s.wait_final(m.name, message.id,
+                                min(message.deadline - message.enqueued_at, s.settings.max_wait_s))
     state_ = status.get("state")
     if state_ != "done":
         result = json.loads(status["result"]) if "result" in status else {}
         code = {"expired": 504, "cancelled": 409}.get(state_ or "", 502)
         if state_ in ("queued", "running"):
-            code, result["error"] = 504, "no result before the request's deadline"
+            code, result["error"] = 504, f"no result yet: poll GET /v1/requests/{message.id}"
         raise ApiError(code, f"request {message.id}: {state_}: {result.get('error') or 'no result'}",
                        code="inference_failed")
     result = json.loads(status["result"])

@@ -6,12 +6,14 @@ import asyncio
 import json
 from collections.abc import AsyncIterator
 
-from fastapi import APIRouter, Depends, Query, Request
+from fastapi import APIRouter, Depends, Header, Query, Request
 from sse_starlette.sse import EventSourceResponse
 
 from sluice.api.errors import ApiError
 from sluice.api.schemas import RequestView, Submitted, SubmitRequest
-from sluice.api.state import ApiState, state
+from sluice.api.auth import require_key
+from sluice.api.state import ApiState, new_request_id, state
+from sluice.broker import keys
 from sluice.broker.replies import read_replies, resume_index
 
 router = APIRouter(prefix="/v1/requests", tags=["requests"])
@@ -21,12 +23,33 @@ _background: set[asyncio.Task] = set()
 
 
 @router.post("", status_code=202, response_model=Submitted)
-async def submit(body: SubmitRequest, s: ApiState = Depends(state)) -> Submitted:
+async def submit(
+    body: SubmitRequest,
+    s: ApiState = Depends(state),
+    caller: str | None = Depends(require_key),
+    idempotency_key: str | None = Header(None, max_length=256),
+) -> Submitted:
+    """Enqueue one request. With an Idempotency-Key, a repeat returns the first request's id."""
     model = await s.model(body.model)
-    message = await s.enqueue(
-        model, [{"prompt": body.prompt, "max_tokens": body.max_tokens}], temperature=body.temperature,
-        top_p=body.top_p, stop=body.stop, seed=body.seed, timeout_s=body.timeout_s,
-    )
+    rid, claim = new_request_id(), None
+    if idempotency_key:
+        claim = keys.idempotency(f"{caller or 'anonymous'}:{idempotency_key}")
+        # SET NX decides which of concurrent repeats enqueues; the others get its id.
+        if not await s.redis.set(claim, json.dumps({"id": rid, "model": model.name}), nx=True,
+                                 ex=s.settings.status_ttl_s):
+            first = json.loads(await s.redis.get(claim) or "{}")
+            if first:
+                status = await s.admission.status(first["model"], first["id"])
+                return Submitted(id=first["id"], status=status.get("state", "queued"), model=first["model"])
+    try:
+        message = await s.enqueue(
+            model, [{"prompt": body.prompt, "max_tokens": body.max_tokens}], temperature=body.temperature,
+            top_p=body.top_p, stop=body.stop, seed=body.seed, timeout_s=body.timeout_s, rid=rid,
+        )
+    except Exception:
+        if claim:  # nothing was enqueued: the key may be used again
+            await s.redis.delete(claim)
+        raise
     return Submitted(id=message.id, status="queued", model=model.name)
 
 

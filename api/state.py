@@ -12,12 +12,17 @@ from fastapi import Request
 from redis.asyncio import Redis
 
 from sluice.api.errors import ApiError
+from sluice.api.tokens import PromptLimits
 from sluice.broker.admission import Admission, QueueFull
 from sluice.broker.messages import TERMINAL_STATES, RequestMessage, SamplingSpec
 from sluice.broker.notifications import DoneListener
 from sluice.broker.registry import ModelRegistry, WorkerRegistry
 from sluice.config.model import ModelConfig
 from sluice.config.settings import Settings
+
+
+def new_request_id() -> str:
+    return f"req-{uuid.uuid4().hex}"
 
 
 @dataclass
@@ -28,7 +33,10 @@ class ApiState:
     models: ModelRegistry
     workers: WorkerRegistry
     default_model: str | None
+    configured: dict[str, ModelConfig]  # the models file's deployments, re-registered if Redis lost them
     done: DoneListener
+    key_digests: list[str]
+    prompt_limits: PromptLimits
 
     async def model(self, name: str | None) -> ModelConfig:
         """The named deployment, or the default one; 404 if there is none."""
@@ -39,13 +47,15 @@ class ApiState:
                 raise ApiError(404, "no model is deployed", code="not_found")
             return deployed[0]
         found = await self.models.get(name)
+        if found is None and name in self.configured:
+            found = await self.models.deploy(self.configured[name], keep_existing=True)
         if found is None:
             raise ApiError(404, f"model {name!r} is not deployed", code="not_found", param="model")
         return found
 
     async def enqueue(self, model: ModelConfig, rows: list[dict[str, Any]], *, temperature: float = 1.0,
                       top_p: float = 1.0, stop: list[str] | None = None, seed: int | None = None,
-                      timeout_s: float | None = None) -> RequestMessage:
+                      timeout_s: float | None = None, rid: str | None = None) -> RequestMessage:
         """Admit one request of `rows` for `model` (503 with Retry-After when its queue is full)."""
         error = model.rows_error(len(rows))
         if error:
@@ -60,9 +70,12 @@ class ApiState:
                 where = "max_tokens" if len(rows) == 1 else f"rows[{i}].max_tokens"
                 raise ApiError(422, f"{where}: must be below the model's context length ({limit})",
                                param="max_tokens")
+            too_long = await self.prompt_limits.check(model, row["prompt"], row["max_tokens"])
+            if too_long:
+                raise ApiError(400, too_long if len(rows) == 1 else f"rows[{i}].{too_long}", param="prompt")
         now = time.time()
         message = RequestMessage(
-            id=f"req-{uuid.uuid4().hex}",
+            id=rid or new_request_id(),
             model=model.name,
             rows=rows,
             sampling=SamplingSpec(

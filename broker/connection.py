@@ -6,7 +6,7 @@ from redis.asyncio import Redis
 from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
-from redis.retry import Retry
+from redis.asyncio.retry import Retry  # the asyncio one: redis.retry.Retry cannot await
 
 
 def connect(url: str, *, name: str = "sluice") -> Redis:

@@ -45,6 +45,8 @@ class StreamConsumer:
         status_ttl_s: int,
         reply_ttl_s: int,
         log_max_len: int,
+        lease_timeout_s: float = 30.0,
+        max_deliveries: int = 3,
     ):
         self.redis = redis
         self.keys = ModelKeys(model)
@@ -53,12 +55,12 @@ class StreamConsumer:
         self.status_ttl_s = status_ttl_s
         self.reply_ttl_s = reply_ttl_s
         self.log_max_len = log_max_len
+        self.lease_timeout_s = lease_timeout_s
+        self.max_deliveries = max_deliveries
         self._token = uuid.uuid4().hex
+        self._next_reclaim = 0.0
         # Own pending entries are re-read once after a (re)start, following a cursor.
         self._pending_cursor: dict[str, str] = {s: "0" for s in self.streams}
-        # A blocking read over both lanes may return more than asked (COUNT is per stream):
-        # the surplus is handed out first on the next fetch.
-        self._surplus: list[Delivery] = []
 
     async def claim_name(self, ttl_s: float) -> str:
         """Take the consumer name, or the first free `<name>-<k>` if a live worker holds it.
@@ -105,7 +107,7 @@ class StreamConsumer:
         """Own pending entries first (after a restart), then new ones, at most `count`."""
         if count <= 0:
             return []
-        out, self._surplus = self._surplus[:count], self._surplus[count:]
+        out: list[Delivery] = []
         for stream, cursor in list(self._pending_cursor.items()):
             if len(out) >= count:
                 return out
@@ -120,16 +122,50 @@ class StreamConsumer:
             out.extend(await self._deliveries(stream, entries, redelivered=True))
         if out:
             return out
-        # Interactive lane without blocking, then block on both (interactive listed first).
-        got = await self.redis.xreadgroup(GROUP, self.consumer, {self.keys.requests: ">"}, count=count)
-        if not got:
-            got = await self.redis.xreadgroup(
-                GROUP, self.consumer, {s: ">" for s in self.streams}, count=count, block=block_ms
-            )
-        for stream, entries in got or []:
-            out.extend(await self._deliveries(stream, entries, redelivered=False))
-        out, self._surplus = out[:count], out[count:]
+        out = await self._reclaim(count)
+        if out:
+            return out
+        # Interactive first, then bulk, without blocking; then block on the interactive lane
+        # alone (one stream: COUNT bounds the whole read, so nothing is taken that cannot start;
+        # a bulk row arriving meanwhile waits at most block_ms).
+        for stream in self.streams:
+            got = await self.redis.xreadgroup(GROUP, self.consumer, {stream: ">"}, count=count)
+            if got:
+                return await self._deliveries(stream, got[0][1], redelivered=False)
+        got = await self.redis.xreadgroup(
+            GROUP, self.consumer, {self.keys.requests: ">"}, count=count, block=block_ms
+        )
+        return await self._deliveries(self.keys.requests, got[0][1], redelivered=False) if got else []
+
+    async def _reclaim(self, count: int) -> list[Delivery]:
+        """Take over entries idle past the lease timeout (their worker stopped renewing):
+        XAUTOCLAIM, following the cursor, at most `count`, every half lease timeout."""
+        now = time.monotonic()
+        if now < self._next_reclaim:
+            return []
+        self._next_reclaim = now + self.lease_timeout_s / 2
+        min_idle = int(self.lease_timeout_s * 1000)
+        out: list[Delivery] = []
+        for stream in self.streams:
+            cursor = "0-0"
+            while len(out) < count:
+                cursor, entries, *_deleted = await self.redis.xautoclaim(
+                    stream, GROUP, self.consumer, min_idle, start_id=cursor, count=count - len(out)
+                )
+                if entries:
+                    log.warning("reclaimed %d request(s) from %s whose lease expired", len(entries), stream)
+                out.extend(await self._deliveries(stream, entries, redelivered=True))
+                if cursor == "0-0":
+                    break
         return out
+
+    async def dead_letter(self, d: Delivery, error: str) -> bool:
+        rid = d.message.id
+        return bool(await self.scripts.dead_letter(
+            keys=[d.stream, self.keys.dead_letters, self.keys.status(rid), self.keys.reply(rid)],
+            args=[GROUP, self.consumer, d.entry_id, rid, d.message.model_dump_json(), error, d.attempt,
+                  time.time(), self.status_ttl_s, self.reply_ttl_s, DONE_CHANNEL],
+        ))
 
     async def _deliveries(self, stream: str, entries: list, *, redelivered: bool) -> list[Delivery]:
         out = []
@@ -148,7 +184,14 @@ class StreamConsumer:
             if redelivered:
                 info = await self.redis.xpending_range(stream, GROUP, entry_id, entry_id, 1)
                 attempt = int(info[0]["times_delivered"]) if info else 1
-            out.append(Delivery(stream, entry_id, message, attempt))
+            d = Delivery(stream, entry_id, message, attempt)
+            if attempt > self.max_deliveries:
+                error = (f"no result after {attempt - 1} deliveries: the worker running it "
+                         f"stopped or crashed each time")
+                if await self.dead_letter(d, error):
+                    log.error("request %s moved to the dead-letter stream: %s", message.id, error)
+                continue
+            out.append(d)
         return out
 
     async def start(self, d: Delivery) -> StartDecision:

@@ -45,7 +45,7 @@ class ReplyWriter:
         async with self._lock:
             if not self._buffer:
                 return
-            batch, self._buffer = self._buffer, []
+            batch, self._buffer = _coalesce(self._buffer), []
             async with self.redis.pipeline(transaction=False) as pipe:
                 for rid, ev in batch:
                     key = self.keys.reply(rid)
@@ -73,6 +73,21 @@ class ReplyWriter:
             for task in late:
                 task.cancel()
         await self.flush()
+
+
+def _coalesce(buffer: list[tuple[str, DeltaEvent]]) -> list[tuple[str, DeltaEvent]]:
+    """Join the buffered deltas of each (request, row) into one: when writes lag behind the
+    engine, fewer and larger entries keep Redis and the readers from falling further behind."""
+    joined: dict[tuple[str, int], tuple[str, DeltaEvent]] = {}
+    for rid, ev in buffer:
+        key = (rid, ev.row)
+        if key in joined:
+            first = joined[key][1]
+            joined[key] = (rid, first.model_copy(update={
+                "text": first.text + ev.text, "token_ids": first.token_ids + ev.token_ids}))
+        else:
+            joined[key] = (rid, ev)
+    return list(joined.values())
 
 
 @dataclass

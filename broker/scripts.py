@@ -20,6 +20,7 @@ class Scripts:
     lease: AsyncScript
     commit: AsyncScript
     cancel: AsyncScript
+    dead_letter: AsyncScript
 
     @classmethod
     def register(cls, redis: Redis) -> "Scripts":

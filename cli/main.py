@@ -15,6 +15,8 @@ from sluice.config.settings import Settings
 app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False, help="Queue-fronted LLM serving on Redis and vLLM.")
 models_app = typer.Typer(no_args_is_help=True, help="Prepare and inspect model deployments.")
 app.add_typer(models_app, name="models")
+dlq_app = typer.Typer(no_args_is_help=True, help="Requests that failed every delivery: list, retry, drop.")
+app.add_typer(dlq_app, name="dlq")
 
 
 def _bench_app() -> typer.Typer:
@@ -147,6 +149,54 @@ def models_list(models_file: Optional[Path] = ModelsFile) -> None:
 
     for m in load_models(_settings(models_file=models_file).models_file):
         typer.echo(f"{m.name}\t{m.framework}\t{m.mode.value}\t{m.path}")
+
+
+def _dead_letters(model: str, redis_url: str | None, action):
+    from sluice.broker.connection import connect
+    from sluice.broker.dead_letters import DeadLetters
+
+    async def run():
+        redis = connect(_settings(redis_url=redis_url).redis_url, name="sluice-cli")
+        try:
+            return await action(DeadLetters(redis, model))
+        finally:
+            await redis.aclose()
+
+    return asyncio.run(run())
+
+
+def _selection(ids: list[str] | None, all_: bool) -> list[str] | None:
+    if bool(ids) == all_:
+        raise typer.BadParameter("name request ids, or --all")
+    return None if all_ else ids
+
+
+@dlq_app.command("list")
+def dlq_list(model: str = typer.Option(..., "--model"), redis_url: Optional[str] = RedisUrl) -> None:
+    """The dead-letter stream of a model: request id, deliveries, last error."""
+    letters = _dead_letters(model, redis_url, lambda d: d.list())
+    for d in letters:
+        typer.echo(f"{d.request_id}\t{d.attempts}\t{d.error}")
+    if not letters:
+        typer.echo(f"no dead letters for {model}", err=True)
+
+
+@dlq_app.command("retry")
+def dlq_retry(ids: Optional[list[str]] = typer.Argument(None), all_: bool = typer.Option(False, "--all"),
+              model: str = typer.Option(..., "--model"), redis_url: Optional[str] = RedisUrl) -> None:
+    """Put dead-lettered requests back on their queue."""
+    chosen = _selection(ids, all_)
+    done = _dead_letters(model, redis_url, lambda d: d.retry(chosen))
+    typer.echo(f"retried {len(done)}: {' '.join(done)}")
+
+
+@dlq_app.command("drop")
+def dlq_drop(ids: Optional[list[str]] = typer.Argument(None), all_: bool = typer.Option(False, "--all"),
+             model: str = typer.Option(..., "--model"), redis_url: Optional[str] = RedisUrl) -> None:
+    """Delete dead-lettered requests for good."""
+    chosen = _selection(ids, all_)
+    done = _dead_letters(model, redis_url, lambda d: d.drop(chosen))
+    typer.echo(f"dropped {len(done)}: {' '.join(done)}")
 
 
 def main() -> None:

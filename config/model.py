@@ -58,6 +58,7 @@ class ModelConfig(BaseModel):
     # Per-model overrides of the settings of the same names.
     max_queued: int | None = Field(default=None, gt=0)
     request_timeout_s: float | None = Field(default=None, gt=0)
+    max_deliveries: int | None = Field(default=None, gt=0)
     default_max_tokens: int = Field(default=256, gt=0)
 
     @model_validator(mode="after")

@@ -25,7 +25,7 @@ class Settings(BaseSettings):
     api_keys: Annotated[list[str], NoDecode] = Field(default_factory=list)
     max_body_bytes: int = Field(default=8 * 1024 * 1024, gt=0)
     max_prompt_chars: int = Field(default=200_000, gt=0)
-    max_wait_s: float = Field(default=60.0, gt=0)
+    max_wait_s: float = Field(default=300.0, gt=0)  # longest long-poll / synchronous infer
 
     # Lifetimes of what a request leaves in Redis
     reply_ttl_s: int = Field(default=3600, gt=0)
@@ -44,6 +44,10 @@ class Settings(BaseSettings):
     cancel_poll_s: float = Field(default=0.2, gt=0)
     shutdown_timeout_s: float = Field(default=30.0, ge=0)
     log_max_len: int = Field(default=10_000, gt=0)
+
+    # The null engine (`sluice worker --engine null`), for tests and queue benchmarks
+    null_token_delay_s: float = Field(default=0.0, ge=0)
+    null_crash_on: str | None = None  # a prompt containing this kills the worker (fault tests)
 
     @field_validator("api_keys", mode="before")
     @classmethod

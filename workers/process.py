@@ -30,7 +30,7 @@ async def serve(settings: Settings, model_name: str, name: str | None, engine: E
                 raise ConfigError(f"model {model_name!r} is neither in {settings.models_file or 'the models file'} "
                                   f"nor deployed ({', '.join(models) or 'none'} are known)")
             model = found
-        worker = Worker(settings, model, build_engine(model, settings.cache_dir, engine), redis,
+        worker = Worker(settings, model, build_engine(model, settings, engine), redis,
                         name or f"{socket.gethostname()}-{model.name}")
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):

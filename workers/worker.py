@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass, field
 
 from redis.asyncio import Redis
+from redis.exceptions import ResponseError
 
 from sluice.batching.base import BatchingPolicy
 from sluice.batching.continuous import ContinuousAdmission
@@ -73,7 +74,8 @@ class Worker:
         self.consumer = StreamConsumer(
             redis, model.name, name,
             status_ttl_s=settings.status_ttl_s, reply_ttl_s=settings.reply_ttl_s,
-            log_max_len=settings.log_max_len,
+            log_max_len=settings.log_max_len, lease_timeout_s=settings.lease_timeout_s,
+            max_deliveries=model.max_deliveries or settings.max_deliveries,
         )
         self.replies = ReplyWriter(redis, model.name, reply_ttl_s=settings.reply_ttl_s)
         self.workers = WorkerRegistry(redis)
@@ -91,7 +93,13 @@ class Worker:
     async def fetch(self, count: int, timeout_s: float) -> list[Delivery]:
         try:
             return await self.consumer.fetch(count, int(timeout_s * 1000))
-        except Exception as err:  # Redis away: say so, wait, and try again
+        except Exception as err:
+            if isinstance(err, ResponseError) and "NOGROUP" in str(err):
+                log.warning("the consumer group of %s is gone (Redis restarted without its data, or was "
+                            "flushed): re-creating it", self.model.name)
+                await self.consumer.ensure_groups()
+                return []
+            # Redis away: say so, wait, and try again
             log.warning("fetching from Redis failed (%s: %s); retrying", type(err).__name__, err)
             await asyncio.sleep(min(timeout_s, 1.0))
             return []
@@ -154,9 +162,13 @@ class Worker:
         self._batches += 1
         batch_id = f"{self.name}-{self.started_at:.0f}-{self._batches}"
         released = time.time()
-        logs = await asyncio.gather(*(self._run_request(d) for d in batch))
+        logs = await asyncio.gather(*(self._run_request(d) for d in batch), return_exceptions=True)
         records, position = [], 0
         for d, rows in zip(batch, logs):
+            if isinstance(rows, BaseException):
+                # Redis away at start or commit: the entry stays pending and is retried.
+                log.error("request %s: %s: %s", d.message.id, type(rows).__name__, rows)
+                continue
             for record in rows:
                 records.append({"batch_id": batch_id, "position": position, "batch_size": len(batch),
                                 "released": released, **record})

@@ -139,7 +139,7 @@ async def test_requests_complete_with_deltas_then_final(
         assert [e.delta.i for e in events[:-1]] == [0, 1, 2, 3]
         final = events[-1].final
         assert final.status.value == "done"
-        assert final.output.text == " tok" * 4
+        assert final.output.text == " t0 t1 t2 t3"
         assert final.output.num_output_tokens == 4
         assert final.usage.completion_tokens == 4
         assert final.usage.prompt_tokens == 3

@@ -2,22 +2,22 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Literal
 
 from sluice.config.model import ModelConfig
+from sluice.config.settings import Settings
 from sluice.workers.engines.base import Engine
 from sluice.workers.engines.null import NullEngine
 
 EngineKind = Literal["vllm", "null"]
 
 
-def build_engine(model: ModelConfig, cache_dir: Path, kind: EngineKind = "vllm") -> Engine:
+def build_engine(model: ModelConfig, settings: Settings, kind: EngineKind = "vllm") -> Engine:
     if kind == "null":
-        return NullEngine()
+        return NullEngine(token_delay_s=settings.null_token_delay_s, crash_on=settings.null_crash_on)
     from sluice.workers.model_prep import resolve_model_path
 
-    path = resolve_model_path(model.path, cache_dir)
+    path = resolve_model_path(model.path, settings.cache_dir)
     if model.framework == "custom":
         from sluice.workers.engines.custom import load_runtime_class
 

@@ -1,0 +1,60 @@
+"""Prompt length in tokens, so that a prompt longer than the model's context gets a 4xx at the api.
+
+The tokenizer is read from the model directory when the api can see it (the default model's
+prepared directory, or a local path); where it cannot, the worker's engine still refuses
+the prompt and the request ends failed with the engine's message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from pathlib import Path
+
+from sluice.config.model import DEFAULT_MODEL_PATH, ModelConfig
+
+log = logging.getLogger(__name__)
+
+
+def _model_dir(model: ModelConfig, cache_dir: Path) -> Path | None:
+    if model.path == DEFAULT_MODEL_PATH:
+        from sluice.workers.model_prep import is_prepared, prepared_dir
+
+        return prepared_dir(cache_dir) if is_prepared(cache_dir) else None
+    path = Path(model.path)
+    return path if path.is_dir() else None
+
+
+class PromptLimits:
+    def __init__(self, cache_dir: Path):
+        self.cache_dir = cache_dir
+        self._loaded: dict[tuple[str, str], tuple[object, int] | None] = {}
+
+    def _load(self, model: ModelConfig) -> tuple[object, int] | None:
+        key = (model.name, model.path)
+        if key not in self._loaded:
+            self._loaded[key] = None
+            directory = _model_dir(model, self.cache_dir)
+            if directory is not None and (directory / "tokenizer.json").is_file():
+                from tokenizers import Tokenizer
+
+                config = json.loads((directory / "config.json").read_text())
+                context = model.framework_config.max_model_len or config.get("max_position_embeddings")
+                if context:
+                    self._loaded[key] = (Tokenizer.from_file(str(directory / "tokenizer.json")), int(context))
+        return self._loaded[key]
+
+    async def check(self, model: ModelConfig, prompt: str, max_tokens: int) -> str | None:
+        """Why this prompt cannot fit the model's context, or None."""
+        loaded = self._load(model)
+        if loaded is None:
+            return None
+        tokenizer, context = loaded
+        if len(prompt.encode()) + max_tokens <= context:  # a token is at least one byte
+            return None
+        n = len((await asyncio.to_thread(tokenizer.encode, prompt)).ids)  # type: ignore[attr-defined]
+        if n + max_tokens > context:
+            return (f"prompt: {n} tokens plus max_tokens {max_tokens} exceed the model's context "
+                    f"length ({context} tokens)")
+        return None

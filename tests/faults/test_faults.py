@@ -1,0 +1,234 @@
+"""Kill real processes and check that no accepted request is lost or answered twice."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+
+from tests.faults.conftest import KEYS, MODEL, Cluster, audit, record, wait_final
+
+
+def submit(c: Cluster, n: int, *, max_tokens: int = 20, prompt: str = "hello", **extra) -> tuple[list[str], int]:
+    """Submit n requests; returns the accepted ids and how many were refused with 503."""
+    rids, refused = [], 0
+    with httpx.Client(base_url=c.url, timeout=30) as client:
+        for i in range(n):
+            r = client.post("/v1/requests", json={"prompt": f"{prompt} {i}", "max_tokens": max_tokens, **extra})
+            if r.status_code == 503:
+                assert r.headers.get("retry-after"), r.headers
+                refused += 1
+            else:
+                assert r.status_code == 202, r.text
+                rids.append(r.json()["id"])
+    return rids, refused
+
+
+def stream_text(url: str, rid: str, out: dict[str, str]) -> None:
+    """Follow the SSE stream of one request, joining its delta texts."""
+    text = []
+    with httpx.Client(base_url=url, timeout=120) as client:
+        with client.stream("GET", f"/v1/requests/{rid}/events") as response:
+            event = None
+            for line in response.iter_lines():
+                if line.startswith("event:"):
+                    event = line.split(":", 1)[1].strip()
+                elif line.startswith("data:") and event == "delta":
+                    text.append(json.loads(line[5:])["text"])
+                elif line.startswith("data:") and event in ("done", "error"):
+                    break
+    out[rid] = "".join(text)
+
+
+def test_sigkill_a_worker_mid_generation(cluster: Cluster) -> None:
+    cluster.start_worker("a")
+    cluster.start_worker("b")
+    cluster.wait_workers(2)
+    rids, _ = submit(cluster, 24, max_tokens=40)  # 40 tokens x 20 ms: still running at the kill
+    streamed: dict[str, str] = {}
+    readers = [threading.Thread(target=stream_text, args=(cluster.url, rid, streamed)) for rid in rids]
+    for t in readers:
+        t.start()
+    time.sleep(0.4)
+    r = cluster.sync()
+    owned_by_a = [rid for rid in rids if r.hget(KEYS.status(rid), "worker") == "a"]
+    assert owned_by_a, "worker a ran nothing: the test proves nothing"
+    killed_at = time.monotonic()
+    cluster.signal("a", signal.SIGKILL)
+    wait_final(cluster, rids)
+    recovery = time.monotonic() - killed_at
+    for t in readers:
+        t.join(30)
+    figures = audit(cluster, rids)
+    record("SIGKILL worker mid-generation", 24, len(rids), figures, recovery)
+    assert figures == {"completed": 24, "duplicated": 0, "lost": 0}
+    expected = "".join(f" t{i}" for i in range(40))
+    for rid in rids:
+        status = r.hgetall(KEYS.status(rid))
+        assert json.loads(status["result"])["output"]["text"] == expected
+        assert streamed[rid] == expected, f"{rid} streamed {streamed[rid]!r}"  # no repeated tokens
+    assert all(json.loads(r.hget(KEYS.status(rid), "result"))["attempt"] == 2 for rid in owned_by_a)
+
+
+def test_sigstop_past_the_lease_is_fenced_out(cluster: Cluster) -> None:
+    cluster.start_worker("a", SLUICE_NULL_TOKEN_DELAY_S="0.05")
+    cluster.wait_workers(1)
+    (rid,), _ = submit(cluster, 1, max_tokens=60)  # 3 s of generation
+    r = cluster.sync()
+    deadline = time.monotonic() + 10
+    while r.hget(KEYS.status(rid), "state") != "running":
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    stopped_at = time.monotonic()
+    cluster.signal("a", signal.SIGSTOP)
+    cluster.start_worker("b")
+    wait_final(cluster, [rid], timeout_s=30)
+    recovery = time.monotonic() - stopped_at
+    result = json.loads(r.hget(KEYS.status(rid), "result"))
+    assert result["status"] == "done" and result["attempt"] == 2
+    cluster.signal("a", signal.SIGCONT)  # the stale worker wakes up holding a request it lost
+    time.sleep(4)  # long enough for it to notice (lease) or to try its commit
+    finals = [f for _, f in r.xrange(KEYS.reply(rid)) if f.get("kind") == "final"]
+    assert len(finals) == 1
+    assert json.loads(r.hget(KEYS.status(rid), "result")) == result
+    assert cluster.workers["a"].poll() is None  # fenced out, not crashed
+    record("SIGSTOP worker past the lease, SIGCONT", 1, 1, audit(cluster, [rid]), recovery)
+
+
+def test_final_written_but_not_acknowledged_is_not_run_again(cluster: Cluster) -> None:
+    # A worker that wrote the final result and died before acknowledging (the commit is one
+    # Lua script, so Sluice cannot crash there; this builds that state by hand): the entry is
+    # pending for a dead consumer while its result exists. Reclaiming it must not run it again.
+    (rid,), _ = submit(cluster, 1, max_tokens=5)
+    r = cluster.sync()
+    r.xgroup_create(KEYS.requests, "workers", id="0", mkstream=True)  # no worker has started yet
+    got = r.xreadgroup("workers", "dead", {KEYS.requests: ">"}, count=1)
+    entry_id = got[0][1][0][0]
+    final = {"status": "done", "output": {"text": " earlier", "num_output_tokens": 1}, "attempt": 1}
+    r.xadd(KEYS.reply(rid), {"kind": "final", "data": json.dumps(final)})
+    r.hset(KEYS.status(rid), mapping={"state": "done", "result": json.dumps(final)})
+    started = time.monotonic()
+    cluster.start_worker("b")
+    deadline = time.monotonic() + 20
+    while r.xlen(KEYS.requests):
+        assert time.monotonic() < deadline, "the orphaned entry was never reclaimed"
+        time.sleep(0.1)
+    assert not r.xpending_range(KEYS.requests, "workers", "-", "+", 10)
+    figures = audit(cluster, [rid])
+    record("final written, not acknowledged", 1, 1, figures, time.monotonic() - started)
+    assert figures["duplicated"] == 0
+    assert json.loads(r.hget(KEYS.status(rid), "result"))["output"]["text"] == " earlier"
+    assert entry_id
+
+
+def test_kill_9_redis_with_50_queued(cluster: Cluster) -> None:
+    cluster.start_worker("a")
+    cluster.wait_workers(1)
+    cluster.restart_redis()  # an idle worker and the api reconnect by themselves
+    (rids_before, _) = submit(cluster, 2, max_tokens=3)
+    wait_final(cluster, rids_before, timeout_s=30)
+    assert audit(cluster, rids_before)["completed"] == 2
+    cluster.signal("a", signal.SIGSTOP)  # hold the queue
+    rids, _ = submit(cluster, 50, max_tokens=5)
+    assert cluster.sync().xlen(KEYS.requests) == 50
+    time.sleep(1.5)  # appendfsync everysec: what was acknowledged a second ago is on disk
+    down = cluster.restart_redis()
+    restarted = time.monotonic()
+    assert cluster.sync().xlen(KEYS.requests) == 50
+    cluster.signal("a", signal.SIGCONT)
+    wait_final(cluster, rids, timeout_s=60)
+    figures = audit(cluster, rids)
+    record("kill -9 Redis (AOF) with 50 queued", 50, 50, figures, down + time.monotonic() - restarted)
+    assert figures == {"completed": 50, "duplicated": 0, "lost": 0}
+
+
+def test_poison_request_ends_in_the_dead_letter_stream(cluster: Cluster) -> None:
+    crash = {"SLUICE_NULL_CRASH_ON": "POISON", "SLUICE_MAX_DELIVERIES": "3"}
+    cluster.start_worker("a", **crash)
+    cluster.wait_workers(1)
+    (rid,), _ = submit(cluster, 1, prompt="POISON")
+    good, _ = submit(cluster, 3, max_tokens=3)
+    r = cluster.sync()
+    started = time.monotonic()
+    crashes = 0
+    while r.hget(KEYS.status(rid), "state") not in ("failed", "done"):
+        assert time.monotonic() - started < 90, f"not dead-lettered after {crashes} crashes"
+        if cluster.workers["a"].poll() is not None:  # a supervisor restarts crashed workers
+            crashes += 1
+            cluster.start_worker("a", **crash)
+        time.sleep(0.1)
+    status = r.hgetall(KEYS.status(rid))
+    assert status["state"] == "failed" and "3 deliveries" in json.loads(status["result"])["error"]
+    assert crashes == 3
+    (entry,) = r.xrange(KEYS.dead_letters)
+    assert entry[1]["id"] == rid and entry[1]["attempts"] == "4"
+    wait_final(cluster, good)
+    figures = audit(cluster, good)
+    record("request that always crashes its worker", 4, 4, {**figures, "completed": figures["completed"]},
+           time.monotonic() - started)
+    assert figures == {"completed": 3, "duplicated": 0, "lost": 0}
+    listed = subprocess.run([sys.executable, "-m", "sluice.cli", "dlq", "list", "--model", MODEL],
+                            env=cluster.env, capture_output=True, text=True, timeout=60)
+    assert listed.returncode == 0 and rid in listed.stdout, listed.stderr
+
+
+def test_200_submissions_against_a_bound_of_50(cluster: Cluster) -> None:
+    # The bound is read by the api at admission; restart it with the new setting.
+    cluster.api.send_signal(signal.SIGTERM)
+    cluster.api.wait(30)
+    cluster.env["SLUICE_MAX_QUEUED"] = "50"
+    cluster.start_api()
+    from tests.faults.conftest import _wait_api
+
+    _wait_api(cluster)
+    cluster.start_worker("a", SLUICE_NULL_TOKEN_DELAY_S="0.01")
+    cluster.wait_workers(1)
+    with ThreadPoolExecutor(16) as pool:
+        parts = list(pool.map(lambda _: submit(cluster, 25, max_tokens=10), range(8)))
+    rids = [rid for accepted, _ in parts for rid in accepted]
+    refused = sum(n for _, n in parts)
+    assert len(rids) + refused == 200 and refused > 0
+    started = time.monotonic()
+    wait_final(cluster, rids)
+    figures = audit(cluster, rids)
+    record("200 submissions, bound 50", 200, len(rids), figures, time.monotonic() - started)
+    assert figures == {"completed": len(rids), "duplicated": 0, "lost": 0}
+
+
+def test_expired_requests_never_reach_the_engine(cluster: Cluster) -> None:
+    cluster.start_worker("a")
+    cluster.wait_workers(1)
+    cluster.signal("a", signal.SIGSTOP)
+    rids, _ = submit(cluster, 5, max_tokens=3, timeout_s=0.5)
+    time.sleep(1.0)
+    cluster.signal("a", signal.SIGCONT)
+    wait_final(cluster, rids, timeout_s=30)
+    r = cluster.sync()
+    assert [r.hget(KEYS.status(rid), "state") for rid in rids] == ["expired"] * 5
+    logged = {json.loads(f["data"])["request_id"] for _, f in r.xrange(KEYS.log)}
+    assert not logged & set(rids)  # never run: no inference-log record
+    assert all(r.hget(KEYS.status(rid), "started_at") is None for rid in rids)
+    record("expired before start", 5, 5, {"completed": 0, "duplicated": 0, "lost": 0}, None)
+
+
+def test_sigterm_during_load_loses_nothing(cluster: Cluster) -> None:
+    cluster.start_worker("a")
+    cluster.start_worker("b")
+    cluster.wait_workers(2)
+    rids, _ = submit(cluster, 60, max_tokens=30)
+    time.sleep(0.3)
+    stopped_at = time.monotonic()
+    cluster.signal("a", signal.SIGTERM)
+    assert cluster.workers["a"].wait(60) == 0
+    wait_final(cluster, rids)
+    figures = audit(cluster, rids)
+    record("SIGTERM a worker during load", 60, 60, figures, time.monotonic() - stopped_at)
+    assert figures == {"completed": 60, "duplicated": 0, "lost": 0}
+    r = cluster.sync()
+    assert {r.hget(KEYS.status(rid), "worker") for rid in rids} == {"a", "b"}
