@@ -41,15 +41,18 @@ def free_port(preferred: int | None = None) -> int:
 
 
 class EmbeddedRedis:
-    def __init__(self, data_dir: Path, port: int | None = None, *, appendonly: bool = True):
+    def __init__(self, data_dir: Path, port: int | None = None, *, appendonly: bool = True,
+                 password: str | None = None):
         self.data_dir = Path(data_dir)
         self.port = port or free_port(6380)
         self.appendonly = appendonly
+        self.password = password
         self.process: subprocess.Popen | None = None
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        auth = f":{self.password}@" if self.password else ""
+        return f"redis://{auth}127.0.0.1:{self.port}/0"
 
     def start(self, timeout_s: float = 10.0) -> "EmbeddedRedis":
         self.data_dir.mkdir(parents=True, exist_ok=True)
@@ -57,7 +60,8 @@ class EmbeddedRedis:
             [redis_server_binary(), "--port", str(self.port), "--bind", "127.0.0.1",
              "--dir", str(self.data_dir), "--appendonly", "yes" if self.appendonly else "no",
              "--appendfsync", "everysec", "--maxmemory-policy", "noeviction", "--save", "",
-             "--logfile", str(self.data_dir / "redis.log")],
+             "--logfile", str(self.data_dir / "redis.log"),
+             *(["--requirepass", self.password] if self.password else [])],
             stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
         )
         deadline = time.monotonic() + timeout_s
@@ -67,7 +71,8 @@ class EmbeddedRedis:
             try:
                 with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as s:
                     s.sendall(b"PING\r\n")
-                    if s.recv(64).startswith(b"+PONG"):
+                    answer = s.recv(64)
+                    if answer.startswith(b"+PONG") or answer.startswith(b"-NOAUTH"):
                         return self
             except OSError:
                 pass

@@ -78,16 +78,18 @@ class ReplyWriter:
 def _coalesce(buffer: list[tuple[str, DeltaEvent]]) -> list[tuple[str, DeltaEvent]]:
     """Join the buffered deltas of each (request, row) into one: when writes lag behind the
     engine, fewer and larger entries keep Redis and the readers from falling further behind."""
-    joined: dict[tuple[str, int], tuple[str, DeltaEvent]] = {}
+    out: list[tuple[str, DeltaEvent]] = []
+    last: dict[tuple[str, int], int] = {}  # (request, row) -> its latest position in out
     for rid, ev in buffer:
-        key = (rid, ev.row)
-        if key in joined:
-            first = joined[key][1]
-            joined[key] = (rid, first.model_copy(update={
-                "text": first.text + ev.text, "token_ids": first.token_ids + ev.token_ids}))
+        at = last.get((rid, ev.row))
+        prev = out[at][1] if at is not None else None
+        if prev is not None and prev.attempt == ev.attempt and prev.i + len(prev.token_ids) == ev.i:
+            out[at] = (rid, prev.model_copy(update={
+                "text": prev.text + ev.text, "token_ids": prev.token_ids + ev.token_ids}))
         else:
-            joined[key] = (rid, ev)
-    return list(joined.values())
+            last[(rid, ev.row)] = len(out)
+            out.append((rid, ev))
+    return out
 
 
 @dataclass

@@ -6,6 +6,7 @@ The model runs in float32 so that batching cannot change greedy results.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -102,6 +103,28 @@ def stack(tmp_path_factory: pytest.TempPathFactory, model_dir: Path, e2e_models_
         yield Stack(url, redis.url, env, e2e_models_file, model_dir, workers, api)
     finally:
         stop_processes([*workers, api])
+        redis.stop()
+
+
+@contextlib.contextmanager
+def null_stack(tmp: Path, models_yaml: str, model: str, *, password: str | None = None,
+               **env: str) -> Iterator[tuple[str, EmbeddedRedis]]:
+    """A private Redis, a null-engine worker and an api: for tests of the api and the queue."""
+    (tmp / "models.yaml").write_text(models_yaml)
+    redis = EmbeddedRedis(tmp / "redis", password=password).start()
+    port = free_port()
+    env = {**os.environ, "SLUICE_REDIS_URL": redis.url, "SLUICE_MODELS_FILE": str(tmp / "models.yaml"),
+           "SLUICE_LOG_LEVEL": "WARNING", **env}
+    cli = [sys.executable, "-m", "sluice.cli"]
+    procs = [subprocess.Popen([*cli, "worker", "--model", model, "--engine", "null"], env=env),
+             subprocess.Popen([*cli, "api", "--port", str(port)], env=env,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(url, procs, timeout_s=60)
+        yield url, redis
+    finally:
+        stop_processes(procs)
         redis.stop()
 
 

@@ -2,19 +2,14 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
 from schemathesis.checks import not_a_server_error
 
-from sluice.broker.embedded import EmbeddedRedis, free_port
-from sluice.cli.processes import stop_processes, wait_ready
+from tests.e2e.conftest import null_stack
 
 MODELS = """
 models:
@@ -26,23 +21,9 @@ models:
 
 @pytest.fixture(scope="module")
 def fuzz_api(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    tmp: Path = tmp_path_factory.mktemp("fuzz")
-    (tmp / "models.yaml").write_text(MODELS)
-    redis = EmbeddedRedis(tmp / "redis").start()
-    port = free_port()
-    env = {**os.environ, "SLUICE_REDIS_URL": redis.url, "SLUICE_MODELS_FILE": str(tmp / "models.yaml"),
-           "SLUICE_MAX_WAIT_S": "1", "SLUICE_REQUEST_TIMEOUT_S": "5", "SLUICE_LOG_LEVEL": "WARNING"}
-    cli = [sys.executable, "-m", "sluice.cli"]
-    procs = [subprocess.Popen([*cli, "worker", "--model", "fuzz", "--engine", "null"], env=env),
-             subprocess.Popen([*cli, "api", "--port", str(port)], env=env,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_ready(url, procs, timeout_s=60)
+    with null_stack(tmp_path_factory.mktemp("fuzz"), MODELS, "fuzz", SLUICE_MAX_WAIT_S="1",
+                    SLUICE_REQUEST_TIMEOUT_S="5") as (url, _):
         yield url
-    finally:
-        stop_processes(procs)
-        redis.stop()
 
 
 def test_no_server_errors(fuzz_api: str) -> None:

@@ -563,7 +563,7 @@ async def test_read_replies_skips_token_indices_already_delivered(redis: Redis, 
     for attempt in (1, 2):
         for i, ids in chunks:
             writer.delta(rid, DeltaEvent(i=i, text=f"<{i}>", token_ids=ids, attempt=attempt))
-        await writer.flush()
+            await writer.flush()  # one entry per delta (a buffer's contiguous deltas are joined)
     # and goes one token further before the final
     writer.delta(rid, DeltaEvent(i=5, text="<5>", token_ids=[6], attempt=2))
     await writer.flush()
@@ -584,7 +584,7 @@ async def test_read_replies_keeps_rows_apart(redis: Redis, settings: Settings) -
         for i in range(3):
             for row in (0, 1):
                 writer.delta(rid, DeltaEvent(i=i, text="x", token_ids=[i], row=row))
-        await writer.flush()
+                await writer.flush()
     await redis.xadd(KEYS.reply(rid), {"kind": "final", "data": done_result().model_dump_json()})
     events = await _collect(redis, rid)
     got = sorted((e.delta.row, e.delta.i) for e in events if e.kind == "delta")
@@ -596,7 +596,7 @@ async def test_reading_resumes_after_a_given_event(redis: Redis, settings: Setti
     writer = ReplyWriter(redis, MODEL, reply_ttl_s=settings.reply_ttl_s)
     for i in range(4):
         writer.delta(rid, DeltaEvent(i=i, text=f"<{i}>", token_ids=[i]))
-    await writer.flush()
+        await writer.flush()
     await redis.xadd(KEYS.reply(rid), {"kind": "final", "data": done_result().model_dump_json()})
     first = await _collect(redis, rid)
     last_seen = first[1].entry_id  # the client saw tokens 0 and 1, then lost the connection
@@ -604,6 +604,19 @@ async def test_reading_resumes_after_a_given_event(redis: Redis, settings: Setti
     rest = await _collect(redis, rid, after=last_seen, next_index=2)
     assert [e.delta.i for e in rest if e.kind == "delta"] == [2, 3]
     assert rest[-1].kind == "final"
+
+
+async def test_buffered_contiguous_deltas_are_joined(redis: Redis, settings: Settings) -> None:
+    rid = "req-joined"
+    writer = ReplyWriter(redis, MODEL, reply_ttl_s=settings.reply_ttl_s)
+    for i in range(3):
+        writer.delta(rid, DeltaEvent(i=i, text=f"<{i}>", token_ids=[i]))
+    writer.delta(rid, DeltaEvent(i=0, text="r1", token_ids=[7], row=1))
+    writer.delta(rid, DeltaEvent(i=5, text="<5>", token_ids=[5]))  # not contiguous: kept apart
+    await writer.flush()
+    entries = [DeltaEvent.model_validate_json(f["data"]) for _, f in await redis.xrange(KEYS.reply(rid))]
+    assert [(e.row, e.i, e.text, e.token_ids) for e in entries] == [
+        (0, 0, "<0><1><2>", [0, 1, 2]), (1, 0, "r1", [7]), (0, 5, "<5>", [5])]
 
 
 async def test_read_replies_gives_up_after_the_idle_timeout(redis: Redis) -> None:

@@ -1,0 +1,61 @@
+"""API keys, idempotency keys under concurrent repeats, and a Redis that wants a password."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+
+import httpx
+import pytest
+import redis as redis_sync
+
+from sluice.broker.keys import ModelKeys
+from tests.e2e.conftest import null_stack, wait_done
+
+MODELS = "models:\n  - name: acc\n    continuous_batching_config: {max_concurrent_batch_size: 8}\n"
+KEY = "s3cret-key"
+
+
+@pytest.fixture(scope="module")
+def secured(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str]]:
+    with null_stack(tmp_path_factory.mktemp("acc"), MODELS, "acc", password="redis-pass",
+                    SLUICE_API_KEYS=f"other-key,{KEY}") as (url, redis):
+        assert ":redis-pass@" in redis.url
+        yield url, redis.url
+
+
+async def test_api_keys(secured: tuple[str, str]) -> None:
+    url, _ = secured
+    async with httpx.AsyncClient(base_url=url, timeout=30) as client:
+        assert (await client.get("/healthz")).status_code == 200  # probes need no key
+        r = await client.post("/v1/requests", json={"prompt": "hi"})
+        assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer"
+        r = await client.post("/v1/requests", json={"prompt": "hi"}, headers={"Authorization": "Bearer nope"})
+        assert r.status_code == 401 and "invalid" in r.json()["error"]["message"]
+        assert (await client.get("/v1/models")).status_code == 401
+        auth = {"Authorization": f"Bearer {KEY}"}
+        r = await client.post("/v1/requests", json={"prompt": "hi", "max_tokens": 2}, headers=auth)
+        assert r.status_code == 202
+        client.headers.update(auth)
+        assert (await wait_done(client, r.json()["id"]))["status"] == "done"  # through a password-protected Redis
+
+
+async def test_idempotency_key_under_concurrent_repeats(secured: tuple[str, str]) -> None:
+    url, redis_url = secured
+    headers = {"Authorization": f"Bearer {KEY}", "Idempotency-Key": "order-42"}
+    async with httpx.AsyncClient(base_url=url, timeout=30, headers=headers) as client:
+        answers = await asyncio.gather(*(
+            client.post("/v1/requests", json={"prompt": "once", "max_tokens": 2}) for _ in range(20)))
+        assert {r.status_code for r in answers} == {202}
+        ids = {r.json()["id"] for r in answers}
+        assert len(ids) == 1
+        (rid,) = ids
+        assert (await wait_done(client, rid))["status"] == "done"
+        again = await client.post("/v1/requests", json={"prompt": "once", "max_tokens": 2})
+        assert again.json() == {"id": rid, "status": "done", "model": "acc"}
+        other = await client.post("/v1/requests", json={"prompt": "once", "max_tokens": 2},
+                                  headers={"Idempotency-Key": "order-43"})
+        assert other.json()["id"] != rid
+    r = redis_sync.Redis.from_url(redis_url, decode_responses=True)
+    logged = [e for e in r.xrange(ModelKeys("acc").log) if rid in e[1]["data"]]
+    assert len(logged) == 1  # enqueued and run once
