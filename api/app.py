@@ -9,6 +9,7 @@ from fastapi import Depends, FastAPI
 
 from sluice.api import errors, health, requests
 from sluice.api.auth import key_digests, require_key
+from sluice.api.limits import BodySizeLimit
 from sluice.api.tokens import PromptLimits
 from sluice.api import models as model_routes
 from sluice.api.state import ApiState
@@ -54,6 +55,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         await redis.aclose()
 
     app = FastAPI(title="Sluice", version="0.1.0", lifespan=lifespan)
+    app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
     errors.install(app)
     app.include_router(health.router)
     protected = [Depends(require_key)]

@@ -90,9 +90,7 @@ async def infer(
     """Rows in (JSON records or Arrow), one output row per input row, in order, out."""
     m = await s.model(model)
     content_type = request.headers.get("content-type")
-    body = await request.body()
-    if len(body) > s.settings.max_body_bytes:
-        raise ApiError(413, f"body: larger than {s.settings.max_body_bytes} bytes")
+    body = await request.body()  # bounded by the BodySizeLimit middleware
     rows = parse_rows(body, content_type, to_arrow(m.input_schema))
     message = await s.enqueue(m, rows, temperature=temperature, top_p=top_p, seed=seed, timeout_s=timeout_s)
     status = await s.wait_final(m.name, message.id,

@@ -59,3 +59,23 @@ async def test_idempotency_key_under_concurrent_repeats(secured: tuple[str, str]
     r = redis_sync.Redis.from_url(redis_url, decode_responses=True)
     logged = [e for e in r.xrange(ModelKeys("acc").log) if rid in e[1]["data"]]
     assert len(logged) == 1  # enqueued and run once
+
+
+async def test_huge_bodies_and_wrong_content_types(secured: tuple[str, str]) -> None:
+    url, _ = secured
+    auth = {"Authorization": f"Bearer {KEY}"}
+    async with httpx.AsyncClient(base_url=url, timeout=30, headers=auth) as client:
+        huge = b'{"prompt": "' + b"x" * (9 * 1024 * 1024) + b'"}'
+        r = await client.post("/v1/requests", content=huge, headers={"content-type": "application/json"})
+        assert r.status_code == 413 and "larger than" in r.json()["error"]["message"]
+
+        async def chunks():
+            for _ in range(10):
+                yield b"x" * (1024 * 1024)
+
+        r = await client.post("/v1/models/acc/infer", content=chunks(), headers={"content-type": "application/json"})
+        assert r.status_code == 413
+        r = await client.post("/v1/requests", content=b"prompt=hi", headers={"content-type": "text/plain"})
+        assert 400 <= r.status_code < 500
+        r = await client.post("/v1/requests", json={"prompt": "x" * 300_000})
+        assert r.status_code == 413 and "prompt" in r.json()["error"]["message"]

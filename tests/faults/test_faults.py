@@ -232,3 +232,66 @@ def test_sigterm_during_load_loses_nothing(cluster: Cluster) -> None:
     assert figures == {"completed": 60, "duplicated": 0, "lost": 0}
     r = cluster.sync()
     assert {r.hget(KEYS.status(rid), "worker") for rid in rids} == {"a", "b"}
+
+
+def test_a_long_generation_on_a_live_worker_is_never_reclaimed(cluster: Cluster) -> None:
+    slow = {"SLUICE_NULL_TOKEN_DELAY_S": "0.05"}
+    cluster.start_worker("a", **slow)
+    cluster.start_worker("b", **slow)
+    cluster.wait_workers(2)
+    started = time.monotonic()
+    rids, _ = submit(cluster, 4, max_tokens=120)  # 6 s each, three lease timeouts
+    wait_final(cluster, rids, timeout_s=60)
+    r = cluster.sync()
+    results = [json.loads(r.hget(KEYS.status(rid), "result")) for rid in rids]
+    assert [x["status"] for x in results] == ["done"] * 4
+    assert [x["attempt"] for x in results] == [1] * 4
+    record("generation longer than the lease", 4, 4, audit(cluster, rids), time.monotonic() - started)
+
+
+def test_dead_letters_can_be_retried_and_dropped(cluster: Cluster) -> None:
+    crash = {"SLUICE_NULL_CRASH_ON": "POISON", "SLUICE_MAX_DELIVERIES": "1"}
+    cluster.start_worker("a", **crash)
+    cluster.wait_workers(1)
+    rids, _ = submit(cluster, 2, prompt="POISON", max_tokens=3)
+    r = cluster.sync()
+    deadline = time.monotonic() + 60
+    while r.xlen(KEYS.dead_letters) < 2:
+        assert time.monotonic() < deadline
+        if cluster.workers["a"].poll() is not None:
+            cluster.start_worker("a", **crash)
+        time.sleep(0.1)
+    cluster.signal("a", signal.SIGTERM)
+    cluster.workers["a"].wait(30)
+    cluster.start_worker("healthy")  # an engine that survives the request this time
+    cli = [sys.executable, "-m", "sluice.cli", "dlq"]
+    retried = subprocess.run([*cli, "retry", rids[0], "--model", MODEL], env=cluster.env,
+                             capture_output=True, text=True, timeout=60)
+    assert retried.returncode == 0 and rids[0] in retried.stdout, retried.stderr
+    dropped = subprocess.run([*cli, "drop", "--all", "--model", MODEL], env=cluster.env,
+                             capture_output=True, text=True, timeout=60)
+    assert dropped.returncode == 0 and rids[1] in dropped.stdout, dropped.stderr
+    wait_final(cluster, rids[:1], timeout_s=30)
+    assert r.hget(KEYS.status(rids[0]), "state") == "done"
+    assert r.hget(KEYS.status(rids[1]), "state") == "failed"
+    assert r.xlen(KEYS.dead_letters) == 0
+
+
+def test_a_wiped_redis_gets_its_groups_and_models_back(cluster: Cluster) -> None:
+    cluster.start_worker("a")
+    cluster.wait_workers(1)
+    cluster.sync().flushall()  # Redis restarted without its data
+    wiped_at = time.monotonic()
+    deadline = time.monotonic() + 30
+    while True:  # the api re-registers the models of its models file on first use
+        with httpx.Client(base_url=cluster.url, timeout=10) as client:
+            r = client.post("/v1/requests", json={"prompt": "after the wipe", "max_tokens": 3})
+        if r.status_code == 202:
+            break
+        assert time.monotonic() < deadline, r.text
+        time.sleep(0.2)
+    rid = r.json()["id"]
+    wait_final(cluster, [rid], timeout_s=30)
+    figures = audit(cluster, [rid])
+    record("Redis wiped (no AOF): groups re-created", 1, 1, figures, time.monotonic() - wiped_at)
+    assert figures == {"completed": 1, "duplicated": 0, "lost": 0}
