@@ -8,11 +8,11 @@ from contextlib import asynccontextmanager
 from fastapi import Depends, FastAPI
 
 from sluice.api import errors, health, requests
+from sluice.api import models as model_routes
 from sluice.api.auth import key_digests, require_key
 from sluice.api.limits import BodySizeLimit
-from sluice.api.tokens import PromptLimits
-from sluice.api import models as model_routes
 from sluice.api.state import ApiState
+from sluice.api.tokens import PromptLimits
 from sluice.broker.admission import Admission
 from sluice.broker.connection import connect
 from sluice.broker.notifications import DoneListener

@@ -12,7 +12,6 @@ from pydantic import BaseModel, ConfigDict
 from sluice.api.arrow import ARROW_STREAM, encode_rows, encode_table, parse_rows, wants_arrow
 from sluice.api.errors import ApiError
 from sluice.api.state import ApiState, state
-from sluice.broker.keys import ModelKeys
 from sluice.config.batching import ContinuousBatchingConfig, DynamicBatchingConfig
 from sluice.config.model import ConfigError, ModelConfig, parse_model
 from sluice.config.schema import to_arrow
@@ -36,11 +35,7 @@ async def list_models(s: ApiState = Depends(state)) -> dict:
 @router.get("/{model}")
 async def get_model(model: str, s: ApiState = Depends(state)) -> dict:
     m = await s.model(model)
-    keys = ModelKeys(m.name)
-    async with s.redis.pipeline(transaction=False) as pipe:
-        pipe.xlen(keys.requests)
-        pipe.xlen(keys.bulk)
-        depth, bulk_depth = await pipe.execute()
+    depth, bulk_depth = await s.admission.depth(m.name)
     live = [w for w in await s.workers.live(s.settings.worker_ttl_s) if w.model == m.name]
     return {
         **describe(m),
@@ -123,8 +118,7 @@ async def logs(
 ) -> Response:
     """The newest `limit` inference-log records, oldest first (Arrow with Accept: arrow stream)."""
     m = await s.model(model)
-    entries = await s.redis.xrevrange(ModelKeys(m.name).log, count=limit)
-    records = [json.loads(fields["data"]) for _, fields in reversed(entries)]
+    records = await s.admission.inference_log(m.name, limit)
     if ARROW_STREAM in request.headers.get("accept", ""):
         return Response(encode_table(records), media_type=ARROW_STREAM)
     return JSONResponse(records)

@@ -9,11 +9,10 @@ from collections.abc import AsyncIterator
 from fastapi import APIRouter, Depends, Header, Query, Request
 from sse_starlette.sse import EventSourceResponse
 
-from sluice.api.errors import ApiError
-from sluice.api.schemas import RequestView, Submitted, SubmitRequest
 from sluice.api.auth import require_key
+from sluice.api.errors import ApiError
+from sluice.api.schemas import RequestView, SubmitRequest, Submitted
 from sluice.api.state import ApiState, new_request_id, state
-from sluice.broker import keys
 from sluice.broker.replies import read_replies, resume_index
 
 router = APIRouter(prefix="/v1/requests", tags=["requests"])
@@ -31,24 +30,22 @@ async def submit(
 ) -> Submitted:
     """Enqueue one request. With an Idempotency-Key, a repeat returns the first request's id."""
     model = await s.model(body.model)
-    rid, claim = new_request_id(), None
-    if idempotency_key:
-        claim = keys.idempotency(f"{caller or 'anonymous'}:{idempotency_key}")
-        # SET NX decides which of concurrent repeats enqueues; the others get its id.
-        if not await s.redis.set(claim, json.dumps({"id": rid, "model": model.name}), nx=True,
-                                 ex=s.settings.status_ttl_s):
-            first = json.loads(await s.redis.get(claim) or "{}")
-            if first:
-                status = await s.admission.status(first["model"], first["id"])
-                return Submitted(id=first["id"], status=status.get("state", "queued"), model=first["model"])
+    rid = new_request_id()
+    key = f"{caller or 'anonymous'}:{idempotency_key}" if idempotency_key else None
+    if key:
+        first = await s.admission.claim_idempotency(key, rid, model.name)
+        if first:
+            first_model, first_id = first
+            status = await s.admission.status(first_model, first_id)
+            return Submitted(id=first_id, status=status.get("state", "queued"), model=first_model)
     try:
         message = await s.enqueue(
             model, [{"prompt": body.prompt, "max_tokens": body.max_tokens}], temperature=body.temperature,
             top_p=body.top_p, stop=body.stop, seed=body.seed, timeout_s=body.timeout_s, rid=rid,
         )
     except Exception:
-        if claim:  # nothing was enqueued: the key may be used again
-            await s.redis.delete(claim)
+        if key:
+            await s.admission.release_idempotency(key)
         raise
     return Submitted(id=message.id, status="queued", model=model.name)
 

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any
 
 from redis.asyncio import Redis
 
+from sluice.broker import keys
 from sluice.broker.keys import DONE_CHANNEL, ModelKeys
 from sluice.broker.messages import RequestMessage
 from sluice.broker.scripts import Scripts
@@ -37,6 +39,19 @@ class Admission:
             raise QueueFull(message.model)
         return entry
 
+    async def claim_idempotency(self, key: str, rid: str, model: str) -> tuple[str, str] | None:
+        """Bind an idempotency key to a new request; returns the (model, id) it is already bound
+        to, if it is. SET NX decides which of concurrent repeats enqueues."""
+        claim = keys.idempotency(key)
+        if await self.redis.set(claim, json.dumps({"id": rid, "model": model}), nx=True, ex=self.status_ttl_s):
+            return None
+        first = json.loads(await self.redis.get(claim) or "null")
+        return (first["model"], first["id"]) if first else None
+
+    async def release_idempotency(self, key: str) -> None:
+        """Nothing was enqueued under this key: it may be used again."""
+        await self.redis.delete(keys.idempotency(key))
+
     async def cancel(self, model: str, rid: str) -> str | None:
         """Returns the resulting state ('cancelled', 'cancelling', or the final one), None if unknown."""
         keys = ModelKeys(model)
@@ -47,6 +62,20 @@ class Admission:
 
     async def status(self, model: str, rid: str) -> dict[str, Any]:
         return await self.redis.hgetall(ModelKeys(model).status(rid))
+
+    async def depth(self, model: str) -> tuple[int, int]:
+        """Entries on the interactive and bulk streams (waiting plus running)."""
+        k = ModelKeys(model)
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.xlen(k.requests)
+            pipe.xlen(k.bulk)
+            interactive, bulk = await pipe.execute()
+        return interactive, bulk
+
+    async def inference_log(self, model: str, limit: int) -> list[dict[str, Any]]:
+        """The newest `limit` records of the model's inference log, oldest first."""
+        entries = await self.redis.xrevrange(ModelKeys(model).log, count=limit)
+        return [json.loads(fields["data"]) for _, fields in reversed(entries)]
 
     async def find_model(self, rid: str, models: list[str]) -> str | None:
         """Which model a request id belongs to (ids do not name their model)."""

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from redis.asyncio import Redis
+from redis.asyncio.retry import Retry  # the asyncio one: redis.retry.Retry cannot await
 from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
-from redis.asyncio.retry import Retry  # the asyncio one: redis.retry.Retry cannot await
 
 
 def connect(url: str, *, name: str = "sluice") -> Redis:

@@ -54,7 +54,7 @@ class RequestMessage(BaseModel):
         return {"id": self.id, "data": self.model_dump_json()}
 
     @classmethod
-    def from_fields(cls, fields: dict[str, str]) -> "RequestMessage":
+    def from_fields(cls, fields: dict[str, str]) -> RequestMessage:
         return cls.model_validate_json(fields["data"])
 
 

@@ -23,5 +23,5 @@ class Scripts:
     dead_letter: AsyncScript
 
     @classmethod
-    def register(cls, redis: Redis) -> "Scripts":
+    def register(cls, redis: Redis) -> Scripts:
         return cls(**{name: redis.register_script(_source(name)) for name in cls.__annotations__})

@@ -6,13 +6,13 @@ import asyncio
 import logging
 import os
 from pathlib import Path
-from typing import Optional
 
 import typer
 
 from sluice.config.settings import Settings
 
-app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False, help="Queue-fronted LLM serving on Redis and vLLM.")
+app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
+                  help="Queue-fronted LLM serving on Redis and vLLM.")
 models_app = typer.Typer(no_args_is_help=True, help="Prepare and inspect model deployments.")
 app.add_typer(models_app, name="models")
 dlq_app = typer.Typer(no_args_is_help=True, help="Requests that failed every delivery: list, retry, drop.")
@@ -44,10 +44,10 @@ def _logging(level: str = "INFO") -> None:
 
 @app.command()
 def api(
-    redis_url: Optional[str] = RedisUrl,
-    host: Optional[str] = typer.Option(None, "--host", envvar="SLUICE_API_HOST"),
-    port: Optional[int] = typer.Option(None, "--port", envvar="SLUICE_API_PORT"),
-    models_file: Optional[Path] = ModelsFile,
+    redis_url: str | None = RedisUrl,
+    host: str | None = typer.Option(None, "--host", envvar="SLUICE_API_HOST"),
+    port: int | None = typer.Option(None, "--port", envvar="SLUICE_API_PORT"),
+    models_file: Path | None = ModelsFile,
 ) -> None:
     """Start one api process."""
     import uvicorn
@@ -63,11 +63,11 @@ def api(
 @app.command()
 def worker(
     model: str = typer.Option(..., "--model", help="The deployed model this worker serves."),
-    redis_url: Optional[str] = RedisUrl,
-    name: Optional[str] = typer.Option(None, "--name", envvar="SLUICE_WORKER_NAME",
+    redis_url: str | None = RedisUrl,
+    name: str | None = typer.Option(None, "--name", envvar="SLUICE_WORKER_NAME",
                                        help="Stable consumer name (default: <host>-<model>)."),
     engine: str = typer.Option("vllm", "--engine", help="vllm, or null (no model: measures the queue)."),
-    models_file: Optional[Path] = ModelsFile,
+    models_file: Path | None = ModelsFile,
 ) -> None:
     """Start one worker for one model."""
     from sluice.workers.process import serve
@@ -80,10 +80,10 @@ def worker(
 
 @app.command()
 def up(
-    redis_url: Optional[str] = typer.Option(None, "--redis-url", help="Use this Redis instead of a local one."),
+    redis_url: str | None = typer.Option(None, "--redis-url", help="Use this Redis instead of a local one."),
     port: int = typer.Option(8000, "--port"),
     host: str = typer.Option("127.0.0.1", "--host"),
-    models_file: Optional[Path] = ModelsFile,
+    models_file: Path | None = ModelsFile,
 ) -> None:
     """The embedded default: Redis (local unless configured), the api, one worker for the default model."""
     from sluice.cli.up import run_up
@@ -110,14 +110,14 @@ def models_prepare(force: bool = typer.Option(False, "--force", help="Convert ag
 def models_configure(
     name: str = typer.Argument(..., help="The deployed model."),
     url: str = typer.Option("http://127.0.0.1:8000", "--url", envvar="SLUICE_URL", help="The Sluice api."),
-    continuous: Optional[int] = typer.Option(None, "--continuous", metavar="MAX_CONCURRENT",
+    continuous: int | None = typer.Option(None, "--continuous", metavar="MAX_CONCURRENT",
                                              help="Continuous batching with this max_concurrent_batch_size."),
     dynamic: bool = typer.Option(False, "--dynamic", help="Dynamic batching (with the three options below)."),
     max_batch_delay_ms: int = typer.Option(10, "--max-batch-delay-ms"),
     batch_size_target: int = typer.Option(4, "--batch-size-target"),
-    batch_size_limit: Optional[int] = typer.Option(None, "--batch-size-limit"),
+    batch_size_limit: int | None = typer.Option(None, "--batch-size-limit"),
     single: bool = typer.Option(False, "--single", help="Single batch mode."),
-    api_key: Optional[str] = typer.Option(None, "--api-key", envvar="SLUICE_API_KEY"),
+    api_key: str | None = typer.Option(None, "--api-key", envvar="SLUICE_API_KEY"),
 ) -> None:
     """Change a deployed model's batching mode: a new version, picked up by running workers."""
     import httpx
@@ -143,7 +143,7 @@ def models_configure(
 
 
 @models_app.command("list")
-def models_list(models_file: Optional[Path] = ModelsFile) -> None:
+def models_list(models_file: Path | None = ModelsFile) -> None:
     """Show the deployments of the models file."""
     from sluice.config.model import load_models
 
@@ -172,7 +172,7 @@ def _selection(ids: list[str] | None, all_: bool) -> list[str] | None:
 
 
 @dlq_app.command("list")
-def dlq_list(model: str = typer.Option(..., "--model"), redis_url: Optional[str] = RedisUrl) -> None:
+def dlq_list(model: str = typer.Option(..., "--model"), redis_url: str | None = RedisUrl) -> None:
     """The dead-letter stream of a model: request id, deliveries, last error."""
     letters = _dead_letters(model, redis_url, lambda d: d.list())
     for d in letters:
@@ -182,8 +182,8 @@ def dlq_list(model: str = typer.Option(..., "--model"), redis_url: Optional[str]
 
 
 @dlq_app.command("retry")
-def dlq_retry(ids: Optional[list[str]] = typer.Argument(None), all_: bool = typer.Option(False, "--all"),
-              model: str = typer.Option(..., "--model"), redis_url: Optional[str] = RedisUrl) -> None:
+def dlq_retry(ids: list[str] | None = typer.Argument(None), all_: bool = typer.Option(False, "--all"),
+              model: str = typer.Option(..., "--model"), redis_url: str | None = RedisUrl) -> None:
     """Put dead-lettered requests back on their queue."""
     chosen = _selection(ids, all_)
     done = _dead_letters(model, redis_url, lambda d: d.retry(chosen))
@@ -191,8 +191,8 @@ def dlq_retry(ids: Optional[list[str]] = typer.Argument(None), all_: bool = type
 
 
 @dlq_app.command("drop")
-def dlq_drop(ids: Optional[list[str]] = typer.Argument(None), all_: bool = typer.Option(False, "--all"),
-             model: str = typer.Option(..., "--model"), redis_url: Optional[str] = RedisUrl) -> None:
+def dlq_drop(ids: list[str] | None = typer.Argument(None), all_: bool = typer.Option(False, "--all"),
+             model: str = typer.Option(..., "--model"), redis_url: str | None = RedisUrl) -> None:
     """Delete dead-lettered requests for good."""
     chosen = _selection(ids, all_)
     done = _dead_letters(model, redis_url, lambda d: d.drop(chosen))

@@ -11,7 +11,7 @@ from sluice.config.batching import (
 )
 from sluice.config.engine import VLLMConfig
 from sluice.config.model import BatchMode, ModelConfig, load_models
-from sluice.config.schema import ArrowField, DEFAULT_INPUT_SCHEMA, DEFAULT_OUTPUT_SCHEMA
+from sluice.config.schema import DEFAULT_INPUT_SCHEMA, DEFAULT_OUTPUT_SCHEMA, ArrowField
 from sluice.config.settings import Settings
 
 __all__ = [

@@ -40,7 +40,7 @@ class DynamicBatchingConfig(BaseModel):
     batch_size_limit: int | None = Field(default=None, gt=0)
 
     @model_validator(mode="after")
-    def _limit_not_below_target(self) -> "DynamicBatchingConfig":
+    def _limit_not_below_target(self) -> DynamicBatchingConfig:
         if self.batch_size_limit is not None and self.batch_size_limit < self.batch_size_target:
             raise ValueError(
                 f"batch_size_limit ({self.batch_size_limit}) must not be below "

@@ -12,9 +12,9 @@ from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError
 from sluice.config.batching import (
     CONTINUOUS_MULTI_ROW,
     CONTINUOUS_WITH_SINGLE,
+    DYNAMIC_WITH_SINGLE,
     MAX_BATCH_SIZE_EXCEEDED,
     SINGLE_MULTI_ROW,
-    DYNAMIC_WITH_SINGLE,
     ContinuousBatchingConfig,
     DynamicBatchingConfig,
 )
@@ -62,7 +62,7 @@ class ModelConfig(BaseModel):
     default_max_tokens: int = Field(default=256, gt=0)
 
     @model_validator(mode="after")
-    def _one_batching_mode(self) -> "ModelConfig":
+    def _one_batching_mode(self) -> ModelConfig:
         if self.batch_config == "single":
             if self.continuous_batching_config is not None:
                 raise ValueError(CONTINUOUS_WITH_SINGLE)

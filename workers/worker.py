@@ -271,7 +271,7 @@ class Worker:
             try:
                 await asyncio.wait_for(self._closing.wait(), interval_s)
                 return
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
             try:
                 await duty()

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 
 class FakeClock:
-    instances: "weakref.WeakSet[FakeClock]"
+    instances: weakref.WeakSet[FakeClock]
 
     def __init__(self) -> None:
         FakeClock.instances.add(self)

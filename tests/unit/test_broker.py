@@ -642,7 +642,7 @@ class _Pipeline:
     def __init__(self, owner: _LosesFirstCancel, real) -> None:
         self.owner, self.real = owner, real
 
-    async def __aenter__(self) -> "_Pipeline":
+    async def __aenter__(self) -> _Pipeline:
         await self.real.__aenter__()
         return self
 
