@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import shutil
 import socket
+import ssl
 import subprocess
 import time
 from pathlib import Path
@@ -42,22 +43,26 @@ def free_port(preferred: int | None = None) -> int:
 
 class EmbeddedRedis:
     def __init__(self, data_dir: Path, port: int | None = None, *, appendonly: bool = True,
-                 password: str | None = None):
+                 password: str | None = None, tls: tuple[Path, Path] | None = None):
+        """`tls`: (certificate, key) files; the server then listens for TLS only."""
         self.data_dir = Path(data_dir)
         self.port = port or free_port(6380)
         self.appendonly = appendonly
         self.password = password
+        self.tls = tls
         self.process: subprocess.Popen | None = None
 
     @property
     def url(self) -> str:
         auth = f":{self.password}@" if self.password else ""
+        if self.tls:
+            return f"rediss://{auth}127.0.0.1:{self.port}/0?ssl_cert_reqs=required&ssl_ca_certs={self.tls[0]}"
         return f"redis://{auth}127.0.0.1:{self.port}/0"
 
     def start(self, timeout_s: float = 10.0) -> EmbeddedRedis:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         self.process = subprocess.Popen(
-            [redis_server_binary(), "--port", str(self.port), "--bind", "127.0.0.1",
+            [redis_server_binary(), *self._listen(), "--bind", "127.0.0.1",
              "--dir", str(self.data_dir), "--appendonly", "yes" if self.appendonly else "no",
              "--appendfsync", "everysec", "--maxmemory-policy", "noeviction", "--save", "",
              "--logfile", str(self.data_dir / "redis.log"),
@@ -69,7 +74,9 @@ class EmbeddedRedis:
             if self.process.poll() is not None:
                 raise EmbeddedRedisError(f"redis-server exited at start; see {self.data_dir / 'redis.log'}")
             try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as s:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as raw:
+                    s = ssl.create_default_context(cafile=str(self.tls[0])).wrap_socket(
+                        raw, server_hostname="127.0.0.1") if self.tls else raw
                     s.sendall(b"PING\r\n")
                     answer = s.recv(64)
                     if answer.startswith(b"+PONG") or answer.startswith(b"-NOAUTH"):
@@ -78,6 +85,13 @@ class EmbeddedRedis:
                 pass
             time.sleep(0.05)
         raise EmbeddedRedisError(f"redis-server did not answer on port {self.port} in {timeout_s}s")
+
+    def _listen(self) -> list[str]:
+        if not self.tls:
+            return ["--port", str(self.port)]
+        cert, key = self.tls
+        return ["--port", "0", "--tls-port", str(self.port), "--tls-cert-file", str(cert),
+                "--tls-key-file", str(key), "--tls-ca-cert-file", str(cert), "--tls-auth-clients", "no"]
 
     def stop(self, kill: bool = False) -> None:
         if self.process and self.process.poll() is None:

@@ -18,17 +18,34 @@ from sluice.config.settings import Settings
 log = logging.getLogger("sluice.up")
 
 
+def _reachable(url: str) -> bool:
+    import redis
+
+    try:
+        return bool(redis.Redis.from_url(url, socket_connect_timeout=3, socket_timeout=3).ping())
+    except (redis.RedisError, OSError):
+        return False
+
+
 def run_up(redis_url: str | None, host: str, port: int, models_file: Path | None) -> int:
     t0 = time.monotonic()
     settings = Settings(**({"models_file": models_file} if models_file else {}))
     models = load_models(settings.models_file)
     default = models[0]
+    if redis_url is not None and not _reachable(redis_url):
+        log.error("no Redis answers at %s (from --redis-url or SLUICE_REDIS_URL); leave both unset "
+                  "to run a local one", redis_url)
+        return 2
     if any(m.path == DEFAULT_MODEL_PATH for m in models):
-        from sluice.workers.model_prep import is_prepared, prepare_default_model
+        from sluice.workers.model_prep import ModelPrepError, is_prepared, prepare_default_model
 
         if not is_prepared(settings.cache_dir):
             log.info("preparing the default model (once)")
-        prepare_default_model(settings.cache_dir)
+        try:
+            prepare_default_model(settings.cache_dir)
+        except ModelPrepError as err:
+            log.error("%s", err)
+            return 2
 
     redis: EmbeddedRedis | None = None
     if redis_url is None:

@@ -108,10 +108,10 @@ def stack(tmp_path_factory: pytest.TempPathFactory, model_dir: Path, e2e_models_
 
 @contextlib.contextmanager
 def null_stack(tmp: Path, models_yaml: str, model: str, *, password: str | None = None,
-               **env: str) -> Iterator[tuple[str, EmbeddedRedis]]:
+               tls: tuple[Path, Path] | None = None, **env: str) -> Iterator[tuple[str, EmbeddedRedis]]:
     """A private Redis, a null-engine worker and an api: for tests of the api and the queue."""
     (tmp / "models.yaml").write_text(models_yaml)
-    redis = EmbeddedRedis(tmp / "redis", password=password).start()
+    redis = EmbeddedRedis(tmp / "redis", password=password, tls=tls).start()
     port = free_port()
     env = {**os.environ, "SLUICE_REDIS_URL": redis.url, "SLUICE_MODELS_FILE": str(tmp / "models.yaml"),
            "SLUICE_LOG_LEVEL": "WARNING", **env}

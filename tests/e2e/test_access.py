@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import shutil
+import subprocess
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
@@ -79,3 +82,18 @@ async def test_huge_bodies_and_wrong_content_types(secured: tuple[str, str]) -> 
         assert 400 <= r.status_code < 500
         r = await client.post("/v1/requests", json={"prompt": "x" * 300_000})
         assert r.status_code == 413 and "prompt" in r.json()["error"]["message"]
+
+
+def test_redis_over_tls(tmp_path: Path) -> None:
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is needed to make a test certificate")
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out",
+                    str(cert), "-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
+                   check=True, capture_output=True)
+    with null_stack(tmp_path, MODELS, "acc", password="tls-pass", tls=(cert, key)) as (url, redis):
+        assert redis.url.startswith("rediss://")
+        with httpx.Client(base_url=url, timeout=30) as client:
+            rid = client.post("/v1/requests", json={"prompt": "secure", "max_tokens": 2}).json()["id"]
+            result = client.get(f"/v1/requests/{rid}", params={"wait": 20}).json()
+        assert result["status"] == "done" and result["output"]["num_output_tokens"] == 2

