@@ -9,6 +9,7 @@ from fastapi import Depends, FastAPI
 
 from sluice.api import errors, health, requests
 from sluice.api import models as model_routes
+from sluice.api import openai as openai_routes
 from sluice.api.auth import key_digests, require_key
 from sluice.api.limits import BodySizeLimit
 from sluice.api.state import ApiState
@@ -61,4 +62,5 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     protected = [Depends(require_key)]
     app.include_router(requests.router, dependencies=protected)
     app.include_router(model_routes.router, dependencies=protected)
+    app.include_router(openai_routes.router, dependencies=protected)
     return app

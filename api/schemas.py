@@ -7,6 +7,15 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 
+def stop_list(value: str | list[str] | None) -> list[str]:
+    stops = [value] if isinstance(value, str) else list(value or [])
+    if len(stops) > 16:
+        raise ValueError("at most 16 stop strings")
+    if any(not s for s in stops):
+        raise ValueError("stop strings must not be empty")
+    return stops
+
+
 class SubmitRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -22,12 +31,7 @@ class SubmitRequest(BaseModel):
     @field_validator("stop")
     @classmethod
     def _stop_list(cls, value: str | list[str] | None) -> list[str]:
-        stops = [value] if isinstance(value, str) else list(value or [])
-        if len(stops) > 16:
-            raise ValueError("at most 16 stop strings")
-        if any(not s for s in stops):
-            raise ValueError("stop strings must not be empty")
-        return stops
+        return stop_list(value)
 
 
 class Submitted(BaseModel):

@@ -55,14 +55,17 @@ class ApiState:
 
     async def enqueue(self, model: ModelConfig, rows: list[dict[str, Any]], *, temperature: float = 1.0,
                       top_p: float = 1.0, stop: list[str] | None = None, seed: int | None = None,
-                      timeout_s: float | None = None, rid: str | None = None) -> RequestMessage:
+                      timeout_s: float | None = None, rid: str | None = None,
+                      presence_penalty: float = 0.0, frequency_penalty: float = 0.0) -> RequestMessage:
         """Admit one request of `rows` for `model` (503 with Retry-After when its queue is full)."""
         error = model.rows_error(len(rows))
         if error:
             raise ApiError(400, error, param="rows")
         limit = model.framework_config.max_model_len
         for i, row in enumerate(rows):
-            if len(row["prompt"]) > self.settings.max_prompt_chars:
+            # A chat row carries messages; its template is applied by the worker's engine.
+            text = row.get("prompt") or "".join(str(m.get("content") or "") for m in row.get("messages", ()))
+            if len(text) > self.settings.max_prompt_chars:
                 raise ApiError(413, f"prompt: longer than {self.settings.max_prompt_chars} characters",
                                param="prompt")
             row["max_tokens"] = row.get("max_tokens") or model.default_max_tokens
@@ -70,7 +73,7 @@ class ApiState:
                 where = "max_tokens" if len(rows) == 1 else f"rows[{i}].max_tokens"
                 raise ApiError(422, f"{where}: must be below the model's context length ({limit})",
                                param="max_tokens")
-            too_long = await self.prompt_limits.check(model, row["prompt"], row["max_tokens"])
+            too_long = await self.prompt_limits.check(model, text, row["max_tokens"])
             if too_long:
                 raise ApiError(400, too_long if len(rows) == 1 else f"rows[{i}].{too_long}", param="prompt")
         now = time.time()
@@ -81,6 +84,7 @@ class ApiState:
             sampling=SamplingSpec(
                 max_tokens=rows[0]["max_tokens"], temperature=temperature, top_p=top_p,
                 stop=stop or [], seed=seed if seed is not None else secrets.randbits(31),
+                presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
             ),
             enqueued_at=now,
             deadline=now + (timeout_s or model.request_timeout_s or self.settings.request_timeout_s),

@@ -223,6 +223,8 @@ class Worker:
             top_p=s.top_p,
             stop=s.stop,
             seed=s.seed + row,
+            presence_penalty=s.presence_penalty,
+            frequency_penalty=s.frequency_penalty,
         )
         result = RowResult()
         async for delta in self.engine.generate(request):

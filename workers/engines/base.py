@@ -17,6 +17,8 @@ class GenerationRequest:
     top_p: float = 1.0
     stop: list[str] = field(default_factory=list)
     seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
 
 
 @dataclass
@@ -39,7 +41,14 @@ class Engine(abc.ABC):
     async def start(self) -> None: ...
 
     def prompt_for(self, row: dict[str, Any]) -> str:
+        """The row's prompt; a chat row (`messages`) is rendered with the model's chat template."""
+        if "messages" in row and not row.get("prompt"):
+            return self.render_chat(row["messages"])
         return row["prompt"]
+
+    def render_chat(self, messages: list[dict[str, Any]]) -> str:
+        """Engines without a tokenizer join the contents (the null engine)."""
+        return "\n".join(str(m.get("content", "")) for m in messages)
 
     def extra_outputs(self, row: dict[str, Any], text: str, num_output_tokens: int) -> dict[str, Any]:
         return {}

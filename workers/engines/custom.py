@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import AsyncIterator
+from typing import Any
 
 from sluice.config.engine import VLLMConfig
 from sluice.config.model import ConfigError, ModelConfig
@@ -45,6 +46,10 @@ class CustomRuntime(Engine):
     def generate(self, request: GenerationRequest) -> AsyncIterator[TokenDelta]:
         assert self.engine is not None, "start() first"
         return self.engine.generate(request)
+
+    def render_chat(self, messages: list[dict[str, Any]]) -> str:
+        assert self.engine is not None, "start() first"
+        return self.engine.render_chat(messages)
 
     async def abort(self, request_id: str) -> None:
         if self.engine is not None:

@@ -11,18 +11,12 @@ from sluice.workers.engines.custom import CustomRuntime
 class SystemPromptRuntime(CustomRuntime):
     default_system_prompt = "You are a helpful assistant."
 
-    async def start(self) -> None:
-        await super().start()
-        from transformers import AutoTokenizer
-
-        self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
-
     def prompt_for(self, row: dict[str, Any]) -> str:
         messages = [
             {"role": "system", "content": row.get("system_prompt") or self.default_system_prompt},
             {"role": "user", "content": row["prompt"]},
         ]
-        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return self.render_chat(messages)
 
     def extra_outputs(self, row: dict[str, Any], text: str, num_output_tokens: int) -> dict[str, Any]:
         return {"num_words": len(text.split())}

@@ -45,6 +45,7 @@ class VLLMEngine(Engine):
         self.model_path = model_path
         self.config = config
         self._engine: Any = None
+        self._tokenizer: Any = None
 
     async def start(self) -> None:
         from vllm import AsyncEngineArgs, AsyncLLMEngine
@@ -53,6 +54,12 @@ class VLLMEngine(Engine):
             log.warning("engine option %s is not supported by vLLM %s here: ignored", name, _vllm_version())
         log.info("starting vLLM engine for %s", self.model_path)
         self._engine = AsyncLLMEngine.from_engine_args(AsyncEngineArgs(**kwargs))
+        from transformers import AutoTokenizer  # for chat templates; loaded once, off the request path
+
+        self._tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+
+    def render_chat(self, messages: list[dict[str, Any]]) -> str:
+        return self._tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenDelta]:
         from vllm import SamplingParams
@@ -64,6 +71,8 @@ class VLLMEngine(Engine):
             top_p=request.top_p,
             stop=request.stop or None,
             seed=request.seed,
+            presence_penalty=request.presence_penalty,
+            frequency_penalty=request.frequency_penalty,
             output_kind=RequestOutputKind.DELTA,
         )
         first = True

@@ -1,0 +1,170 @@
+"""OpenAI-compatible routes, queue-backed: /v1/completions and /v1/chat/completions.
+
+Each choice (prompt × n) is one request on the model's stream, with seed + i, so the
+OpenAI SDK gets the same queue, workers, deadlines and cancellation as everything else.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Depends
+from fastapi.responses import JSONResponse
+from sse_starlette.sse import EventSourceResponse
+
+from sluice.api.errors import ApiError
+from sluice.api.openai_schemas import ChatCompletionRequest, CompletionRequest, _Sampling
+from sluice.api.state import ApiState, state
+from sluice.broker.messages import FinalResult, RequestMessage
+from sluice.broker.replies import read_replies
+from sluice.config.model import ModelConfig
+
+router = APIRouter(prefix="/v1", tags=["openai"])
+
+_background: set[asyncio.Task] = set()
+
+
+async def _enqueue_choices(s: ApiState, model: ModelConfig, body: _Sampling,
+                           rows: list[dict[str, Any]]) -> list[RequestMessage]:
+    bad = body.unsupported()
+    if bad:
+        raise ApiError(400, f"{', '.join(bad)}: not supported by this server", param=bad[0])
+    seed = body.seed if body.seed is not None else secrets.randbits(31)
+    messages: list[RequestMessage] = []
+    try:
+        for i, row in enumerate(rows):
+            messages.append(await s.enqueue(
+                model, [row], temperature=body.temperature, top_p=body.top_p, stop=body.stop,
+                seed=seed + i, presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
+            ))
+    except ApiError:
+        for m in messages:  # all choices or none
+            await s.admission.cancel(model.name, m.id)
+        raise
+    return messages
+
+
+async def _finals(s: ApiState, model: str, messages: list[RequestMessage]) -> list[FinalResult]:
+    statuses = await asyncio.gather(*(s.wait_final(model, m.id, s.settings.max_wait_s) for m in messages))
+    finals = []
+    for m, status in zip(messages, statuses):
+        if "result" not in status:
+            raise ApiError(504, f"no result within {s.settings.max_wait_s:.0f}s; poll GET /v1/requests/{m.id}",
+                           code="timeout")
+        final = FinalResult.model_validate_json(status["result"])
+        if final.status.value != "done":
+            raise ApiError(502 if final.status.value == "failed" else 504,
+                           f"request {m.id} {final.status.value}: {final.error}", code="inference_failed")
+        finals.append(final)
+    return finals
+
+
+def _usage(finals: list[FinalResult]) -> dict[str, int]:
+    prompt = sum(f.usage.prompt_tokens for f in finals if f.usage)
+    completion = sum(f.usage.completion_tokens for f in finals if f.usage)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def _stream(s: ApiState, model: str, messages: list[RequestMessage], chunk, include_usage: bool,
+            first_chunks: list[dict] | None = None) -> EventSourceResponse:
+    """Merge the choices' reply streams into OpenAI chunks, then `data: [DONE]`."""
+
+    async def events() -> AsyncIterator[dict]:
+        queue: asyncio.Queue = asyncio.Queue()
+        finished: set[int] = set()
+
+        async def follow(index: int, rid: str) -> None:
+            try:
+                async for ev in read_replies(s.redis, model, rid):
+                    await queue.put((index, ev))
+            finally:
+                await queue.put((index, None))
+
+        readers = [asyncio.create_task(follow(i, m.id)) for i, m in enumerate(messages)]
+        usage = {"prompt_tokens": 0, "completion_tokens": 0}
+        try:
+            for c in first_chunks or []:
+                yield {"data": json.dumps(c)}
+            while len(finished) < len(messages):
+                index, ev = await queue.get()
+                if ev is None:
+                    finished.add(index)
+                elif ev.delta is not None and ev.delta.text:
+                    yield {"data": json.dumps(chunk(index, ev.delta.text, None))}
+                elif ev.final is not None:
+                    f = ev.final
+                    if f.usage:
+                        usage["prompt_tokens"] += f.usage.prompt_tokens
+                        usage["completion_tokens"] += f.usage.completion_tokens
+                    reason = f.output.finish_reason if f.output else None
+                    if f.status.value != "done":
+                        yield {"data": json.dumps({"error": {"message": f"{f.status.value}: {f.error}",
+                                                             "type": "inference_failed"}})}
+                        reason = "abort"
+                    yield {"data": json.dumps(chunk(index, "", reason or "stop"))}
+            if include_usage:
+                usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
+                yield {"data": json.dumps({**chunk(0, "", None), "choices": [], "usage": usage})}
+            yield {"data": "[DONE]"}
+        finally:
+            for r in readers:
+                r.cancel()
+            if len(finished) < len(messages):  # the client went away: free the engine
+                for m in messages:
+                    task = asyncio.create_task(s.admission.cancel(model, m.id))
+                    _background.add(task)
+                    task.add_done_callback(_background.discard)
+
+    return EventSourceResponse(events(), ping=15)
+
+
+@router.post("/completions")
+async def completions(body: CompletionRequest, s: ApiState = Depends(state)):
+    model = await s.model(body.model)
+    rows = [{"prompt": p, "max_tokens": body.max_tokens} for p in body.prompt for _ in range(body.n)]
+    messages = await _enqueue_choices(s, model, body, rows)
+    cid, created = f"cmpl-{messages[0].id.removeprefix('req-')}", int(time.time())
+
+    def chunk(index: int, text: str, reason: str | None) -> dict:
+        return {"id": cid, "object": "text_completion", "created": created, "model": model.name,
+                "choices": [{"index": index, "text": text, "logprobs": None, "finish_reason": reason}]}
+
+    if body.stream:
+        include = bool(body.stream_options and body.stream_options.include_usage)
+        return _stream(s, model.name, messages, chunk, include)
+    finals = await _finals(s, model.name, messages)
+    choices = [{"index": i, "text": f.output.text if f.output else "", "logprobs": None,
+                "finish_reason": (f.output.finish_reason if f.output else None) or "stop"}
+               for i, f in enumerate(finals)]
+    return JSONResponse({"id": cid, "object": "text_completion", "created": created, "model": model.name,
+                         "choices": choices, "usage": _usage(finals)})
+
+
+@router.post("/chat/completions")
+async def chat_completions(body: ChatCompletionRequest, s: ApiState = Depends(state)):
+    model = await s.model(body.model)
+    messages_in = [m.plain() for m in body.messages]
+    rows = [{"messages": messages_in, "max_tokens": body.max_tokens} for _ in range(body.n)]
+    messages = await _enqueue_choices(s, model, body, rows)
+    cid, created = f"chatcmpl-{messages[0].id.removeprefix('req-')}", int(time.time())
+
+    def chunk(index: int, text: str, reason: str | None, role: bool = False) -> dict:
+        delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
+        return {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model.name,
+                "choices": [{"index": index, "delta": delta, "logprobs": None, "finish_reason": reason}]}
+
+    if body.stream:
+        include = bool(body.stream_options and body.stream_options.include_usage)
+        first = [chunk(i, "", None, role=True) for i in range(len(messages))]
+        return _stream(s, model.name, messages, chunk, include, first_chunks=first)
+    finals = await _finals(s, model.name, messages)
+    choices = [{"index": i, "message": {"role": "assistant", "content": f.output.text if f.output else ""},
+                "logprobs": None, "finish_reason": (f.output.finish_reason if f.output else None) or "stop"}
+               for i, f in enumerate(finals)]
+    return JSONResponse({"id": cid, "object": "chat.completion", "created": created, "model": model.name,
+                         "choices": choices, "usage": _usage(finals)})
