@@ -1,10 +1,12 @@
-"""Liveness and readiness."""
+"""Liveness, readiness, live workers and metrics."""
 
 from __future__ import annotations
 
 from fastapi import APIRouter, Depends
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from sluice.api.metrics import OLDEST_AGE, QUEUE_DEPTH
 from sluice.api.state import ApiState, state
 
 router = APIRouter(tags=["health"])
@@ -38,3 +40,13 @@ async def readyz(s: ApiState = Depends(state)) -> JSONResponse:
 async def workers(s: ApiState = Depends(state)) -> dict:
     live = await s.workers.live(s.settings.worker_ttl_s)
     return {"workers": [w.__dict__ for w in live]}
+
+
+@router.get("/metrics", include_in_schema=False)
+async def metrics(s: ApiState = Depends(state)) -> Response:
+    """Prometheus text format; the queue gauges are read from Redis at each scrape."""
+    for m in await s.models.all():
+        for lane, (depth, age) in (await s.admission.queue_stats(m.name)).items():
+            QUEUE_DEPTH.labels(m.name, lane).set(depth)
+            OLDEST_AGE.labels(m.name, lane).set(age)
+    return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)

@@ -12,6 +12,7 @@ from fastapi import Request
 from redis.asyncio import Redis
 
 from sluice.api.errors import ApiError
+from sluice.api.metrics import ADMITTED, REJECTED
 from sluice.api.tokens import PromptLimits
 from sluice.broker.admission import Admission, QueueFull
 from sluice.broker.messages import TERMINAL_STATES, RequestMessage, SamplingSpec
@@ -60,6 +61,7 @@ class ApiState:
         """Admit one request of `rows` for `model` (503 with Retry-After when its queue is full)."""
         error = model.rows_error(len(rows))
         if error:
+            REJECTED.labels(model.name, "batch_size").inc()
             raise ApiError(400, error, param="rows")
         limit = model.framework_config.max_model_len
         for i, row in enumerate(rows):
@@ -92,8 +94,10 @@ class ApiState:
         try:
             await self.admission.submit(message, max_queued=model.max_queued or self.settings.max_queued)
         except QueueFull:
+            REJECTED.labels(model.name, "queue_full").inc()
             raise ApiError(503, f"model {model.name!r} is saturated: its queue is full, retry later",
                            code="overloaded", headers={"Retry-After": "1"}) from None
+        ADMITTED.labels(model.name, message.lane).inc()
         return message
 
     async def wait_final(self, model: str, rid: str, wait_s: float) -> dict[str, str]:

@@ -72,6 +72,23 @@ class Admission:
             interactive, bulk = await pipe.execute()
         return interactive, bulk
 
+    async def queue_stats(self, model: str) -> dict[str, tuple[int, float]]:
+        """Per lane: entries on the stream, and the age in seconds of the oldest one (0 if none)."""
+        k = ModelKeys(model)
+        lanes = {"interactive": k.requests, "bulk": k.bulk}
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for stream in lanes.values():
+                pipe.xlen(stream)
+                pipe.xrange(stream, count=1)
+            answers = await pipe.execute()
+        now_ms = time.time() * 1000
+        out = {}
+        for i, lane in enumerate(lanes):
+            depth, first = answers[2 * i], answers[2 * i + 1]
+            oldest_ms = int(first[0][0].split("-")[0]) if first else now_ms
+            out[lane] = (depth, max(now_ms - oldest_ms, 0.0) / 1000)
+        return out
+
     async def inference_log(self, model: str, limit: int) -> list[dict[str, Any]]:
         """The newest `limit` records of the model's inference log, oldest first."""
         entries = await self.redis.xrevrange(ModelKeys(model).log, count=limit)

@@ -59,6 +59,8 @@ class StreamConsumer:
         self.max_deliveries = max_deliveries
         self._token = uuid.uuid4().hex
         self._next_reclaim = 0.0
+        self.reclaimed = 0  # running totals, for the worker's metrics
+        self.dead_lettered = 0
         # Own pending entries are re-read once after a (re)start, following a cursor.
         self._pending_cursor: dict[str, str] = {s: "0" for s in self.streams}
 
@@ -153,6 +155,7 @@ class StreamConsumer:
                     stream, GROUP, self.consumer, min_idle, start_id=cursor, count=count - len(out)
                 )
                 if entries:
+                    self.reclaimed += len(entries)
                     log.warning("reclaimed %d request(s) from %s whose lease expired", len(entries), stream)
                 out.extend(await self._deliveries(stream, entries, redelivered=True))
                 if cursor == "0-0":
@@ -189,6 +192,7 @@ class StreamConsumer:
                 error = (f"no result after {attempt - 1} deliveries: the worker running it "
                          f"stopped or crashed each time")
                 if await self.dead_letter(d, error):
+                    self.dead_lettered += 1
                     log.error("request %s moved to the dead-letter stream: %s", message.id, error)
                 continue
             out.append(d)

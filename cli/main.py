@@ -67,6 +67,8 @@ def worker(
     name: str | None = typer.Option(None, "--name", envvar="SLUICE_WORKER_NAME",
                                        help="Stable consumer name (default: <host>-<model>)."),
     engine: str = typer.Option("vllm", "--engine", help="vllm, or null (no model: measures the queue)."),
+    metrics_port: int | None = typer.Option(None, "--metrics-port", envvar="SLUICE_WORKER_METRICS_PORT",
+                                            help="Serve Prometheus metrics on this port."),
     models_file: Path | None = ModelsFile,
 ) -> None:
     """Start one worker for one model."""
@@ -75,7 +77,8 @@ def worker(
     _logging()
     if engine not in ("vllm", "null"):
         raise typer.BadParameter("--engine must be vllm or null")
-    asyncio.run(serve(_settings(redis_url=redis_url, models_file=models_file), model, name, engine))  # type: ignore[arg-type]
+    settings = _settings(redis_url=redis_url, models_file=models_file)
+    asyncio.run(serve(settings, model, name, engine, metrics_port))  # type: ignore[arg-type]
 
 
 @app.command()

@@ -11,13 +11,15 @@ from sluice.broker.connection import connect
 from sluice.broker.registry import ModelRegistry
 from sluice.config.model import ConfigError, load_models
 from sluice.config.settings import Settings
+from sluice.workers import metrics
 from sluice.workers.engines.factory import EngineKind, build_engine
 from sluice.workers.worker import Worker
 
 log = logging.getLogger(__name__)
 
 
-async def serve(settings: Settings, model_name: str, name: str | None, engine: EngineKind) -> None:
+async def serve(settings: Settings, model_name: str, name: str | None, engine: EngineKind,
+                metrics_port: int | None = None) -> None:
     models = {m.name: m for m in load_models(settings.models_file)}
     redis = connect(settings.redis_url, name="sluice-worker")
     try:
@@ -30,6 +32,9 @@ async def serve(settings: Settings, model_name: str, name: str | None, engine: E
                 raise ConfigError(f"model {model_name!r} is neither in {settings.models_file or 'the models file'} "
                                   f"nor deployed ({', '.join(models) or 'none'} are known)")
             model = found
+        if metrics_port is not None:
+            metrics.serve(metrics_port)
+            log.info("metrics on :%d/metrics", metrics_port)
         worker = Worker(settings, model, build_engine(model, settings, engine), redis,
                         name or f"{socket.gethostname()}-{model.name}")
         loop = asyncio.get_running_loop()

@@ -29,6 +29,7 @@ from sluice.broker.registry import ModelRegistry, WorkerInfo, WorkerRegistry
 from sluice.broker.replies import ReplyWriter
 from sluice.config.model import BatchMode, ModelConfig
 from sluice.config.settings import Settings
+from sluice.workers import metrics
 from sluice.workers.engines.base import Engine, GenerationRequest
 
 log = logging.getLogger(__name__)
@@ -160,6 +161,7 @@ class Worker:
     # -- one batch (a list of deliveries) from the policy
     async def _handle(self, batch: list[Delivery]) -> None:
         self._batches += 1
+        metrics.BATCH_SIZE.labels(self.model.name, self.model.mode.value).observe(len(batch))
         batch_id = f"{self.name}-{self.started_at:.0f}-{self._batches}"
         released = time.time()
         logs = await asyncio.gather(*(self._run_request(d) for d in batch), return_exceptions=True)
@@ -181,6 +183,8 @@ class Worker:
     async def _run_request(self, d: Delivery) -> list[dict]:
         """Run one request to its commit; returns its inference-log records (one per row)."""
         rid = d.message.id
+        if rid in self.running:  # our own running entry, reclaimed back to us after a missed lease
+            return []
         decision = await self.consumer.start(d)
         if decision != "run":
             log.info("request %s not run: %s", rid, decision)
@@ -203,6 +207,7 @@ class Worker:
         await self.replies.flush()
         if not await self.consumer.commit(d, final):
             return []
+        metrics.observe_final(self.model.name, final)
         outputs = final.rows or ([final.output] if final.output else [])
         return [
             {"request_id": rid, "row": i, "status": final.status.value, "input": row,
@@ -282,7 +287,15 @@ class Worker:
             except Exception as err:
                 log.warning("%s failed (%s: %s)", duty.__name__.strip("_"), type(err).__name__, err)
 
+    def _sync_metrics(self) -> None:
+        metrics.RUNNING.labels(self.model.name, self.name).set(len(self.running))
+        for counter, total, attr in ((metrics.RECLAIMS, self.consumer.reclaimed, "_reclaimed_seen"),
+                                     (metrics.DEAD_LETTERS, self.consumer.dead_lettered, "_dead_seen")):
+            counter.labels(self.model.name).inc(total - getattr(self, attr, 0))
+            setattr(self, attr, total)
+
     async def _heartbeat(self) -> None:
+        self._sync_metrics()
         await self.workers.beat(WorkerInfo(
             name=self.name, model=self.model.name, version=self.model.version,
             mode=self.model.mode.value, pid=os.getpid(), host=socket.gethostname(),
