@@ -5,9 +5,10 @@ from __future__ import annotations
 import logging
 from contextlib import asynccontextmanager
 
+from celery import Celery
 from fastapi import Depends, FastAPI
 
-from sluice.api import errors, health, requests
+from sluice.api import batches, errors, health, requests
 from sluice.api import models as model_routes
 from sluice.api import openai as openai_routes
 from sluice.api.auth import key_digests, require_key
@@ -15,7 +16,9 @@ from sluice.api.limits import BodySizeLimit
 from sluice.api.state import ApiState
 from sluice.api.tokens import PromptLimits
 from sluice.broker.admission import Admission
+from sluice.broker.batches import BatchStore
 from sluice.broker.connection import connect
+from sluice.broker.files import FileStore
 from sluice.broker.notifications import DoneListener
 from sluice.broker.registry import ModelRegistry, WorkerRegistry
 from sluice.config.model import load_models
@@ -49,6 +52,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             done=DoneListener(redis),
             key_digests=key_digests(settings.api_keys),
             prompt_limits=PromptLimits(settings.cache_dir),
+            files=FileStore(redis, settings.files_path, settings.max_file_bytes),
+            batches=BatchStore(redis),
+            celery=Celery("sluice", broker=settings.redis_url),
         )
         app.state.sluice.done.start()
         yield
@@ -56,11 +62,13 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         await redis.aclose()
 
     app = FastAPI(title="Sluice", version="0.1.0", lifespan=lifespan)
-    app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
+    app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes,
+                       overrides={"/v1/files": settings.max_file_bytes})
     errors.install(app)
     app.include_router(health.router)
     protected = [Depends(require_key)]
     app.include_router(requests.router, dependencies=protected)
     app.include_router(model_routes.router, dependencies=protected)
     app.include_router(openai_routes.router, dependencies=protected)
+    app.include_router(batches.router, dependencies=protected)
     return app

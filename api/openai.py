@@ -18,9 +18,15 @@ from fastapi.responses import JSONResponse
 from sse_starlette.sse import EventSourceResponse
 
 from sluice.api.errors import ApiError
-from sluice.api.openai_schemas import ChatCompletionRequest, CompletionRequest, _Sampling
 from sluice.api.state import ApiState, state
 from sluice.broker.messages import FinalResult, RequestMessage
+from sluice.broker.openai import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    SamplingBody,
+    chat_object,
+    completion_object,
+)
 from sluice.broker.replies import read_replies
 from sluice.config.model import ModelConfig
 
@@ -29,7 +35,7 @@ router = APIRouter(prefix="/v1", tags=["openai"])
 _background: set[asyncio.Task] = set()
 
 
-async def _enqueue_choices(s: ApiState, model: ModelConfig, body: _Sampling,
+async def _enqueue_choices(s: ApiState, model: ModelConfig, body: SamplingBody,
                            rows: list[dict[str, Any]]) -> list[RequestMessage]:
     bad = body.unsupported()
     if bad:
@@ -62,12 +68,6 @@ async def _finals(s: ApiState, model: str, messages: list[RequestMessage]) -> li
                            f"request {m.id} {final.status.value}: {final.error}", code="inference_failed")
         finals.append(final)
     return finals
-
-
-def _usage(finals: list[FinalResult]) -> dict[str, int]:
-    prompt = sum(f.usage.prompt_tokens for f in finals if f.usage)
-    completion = sum(f.usage.completion_tokens for f in finals if f.usage)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
 def _stream(s: ApiState, model: str, messages: list[RequestMessage], chunk, include_usage: bool,
@@ -137,12 +137,7 @@ async def completions(body: CompletionRequest, s: ApiState = Depends(state)):
     if body.stream:
         include = bool(body.stream_options and body.stream_options.include_usage)
         return _stream(s, model.name, messages, chunk, include)
-    finals = await _finals(s, model.name, messages)
-    choices = [{"index": i, "text": f.output.text if f.output else "", "logprobs": None,
-                "finish_reason": (f.output.finish_reason if f.output else None) or "stop"}
-               for i, f in enumerate(finals)]
-    return JSONResponse({"id": cid, "object": "text_completion", "created": created, "model": model.name,
-                         "choices": choices, "usage": _usage(finals)})
+    return JSONResponse(completion_object(cid, model.name, created, await _finals(s, model.name, messages)))
 
 
 @router.post("/chat/completions")
@@ -162,9 +157,4 @@ async def chat_completions(body: ChatCompletionRequest, s: ApiState = Depends(st
         include = bool(body.stream_options and body.stream_options.include_usage)
         first = [chunk(i, "", None, role=True) for i in range(len(messages))]
         return _stream(s, model.name, messages, chunk, include, first_chunks=first)
-    finals = await _finals(s, model.name, messages)
-    choices = [{"index": i, "message": {"role": "assistant", "content": f.output.text if f.output else ""},
-                "logprobs": None, "finish_reason": (f.output.finish_reason if f.output else None) or "stop"}
-               for i, f in enumerate(finals)]
-    return JSONResponse({"id": cid, "object": "chat.completion", "created": created, "model": model.name,
-                         "choices": choices, "usage": _usage(finals)})
+    return JSONResponse(chat_object(cid, model.name, created, await _finals(s, model.name, messages)))

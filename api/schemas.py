@@ -6,14 +6,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-
-def stop_list(value: str | list[str] | None) -> list[str]:
-    stops = [value] if isinstance(value, str) else list(value or [])
-    if len(stops) > 16:
-        raise ValueError("at most 16 stop strings")
-    if any(not s for s in stops):
-        raise ValueError("stop strings must not be empty")
-    return stops
+from sluice.broker.openai import stop_list
 
 
 class SubmitRequest(BaseModel):

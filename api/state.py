@@ -8,6 +8,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from celery import Celery
 from fastapi import Request
 from redis.asyncio import Redis
 
@@ -15,6 +16,8 @@ from sluice.api.errors import ApiError
 from sluice.api.metrics import ADMITTED, REJECTED
 from sluice.api.tokens import PromptLimits
 from sluice.broker.admission import Admission, QueueFull
+from sluice.broker.batches import BatchStore
+from sluice.broker.files import FileStore
 from sluice.broker.messages import TERMINAL_STATES, RequestMessage, SamplingSpec
 from sluice.broker.notifications import DoneListener
 from sluice.broker.registry import ModelRegistry, WorkerRegistry
@@ -38,6 +41,9 @@ class ApiState:
     done: DoneListener
     key_digests: list[str]
     prompt_limits: PromptLimits
+    files: FileStore
+    batches: BatchStore
+    celery: Celery  # a client only: sends jobs to `sluice jobs` workers
 
     async def model(self, name: str | None) -> ModelConfig:
         """The named deployment, or the default one; 404 if there is none."""

@@ -82,6 +82,15 @@ def worker(
 
 
 @app.command()
+def jobs(redis_url: str | None = RedisUrl, models_file: Path | None = ModelsFile) -> None:
+    """Start a Celery worker that runs bulk jobs (batches) on the same Redis."""
+    from sluice.workers.jobs import run_worker
+
+    _logging()
+    run_worker(_settings(redis_url=redis_url, models_file=models_file))
+
+
+@app.command()
 def up(
     redis_url: str | None = typer.Option(None, "--redis-url", help="Use this Redis instead of a local one."),
     port: int = typer.Option(8000, "--port"),

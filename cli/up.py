@@ -59,6 +59,7 @@ def run_up(redis_url: str | None, host: str, port: int, models_file: Path | None
     children = [
         subprocess.Popen([*cli, "api", "--host", host, "--port", str(port)], env=env),
         subprocess.Popen([*cli, "worker", "--model", default.name], env=env),
+        subprocess.Popen([*cli, "jobs"], env=env),
     ]
     stop = {"requested": False}
 

@@ -45,6 +45,17 @@ class Settings(BaseSettings):
     shutdown_timeout_s: float = Field(default=30.0, ge=0)
     log_max_len: int = Field(default=10_000, gt=0)
 
+    # Files and bulk jobs
+    files_dir: Path | None = None  # default: <data_dir>/files
+    max_file_bytes: int = Field(default=200 * 1024 * 1024, gt=0)
+    bulk_outstanding: int = Field(default=64, gt=0)  # rows of one job on the bulk stream at once
+    job_lock_ttl_s: float = Field(default=15.0, gt=0)
+    jobs_concurrency: int = Field(default=4, gt=0)
+
+    @property
+    def files_path(self) -> Path:
+        return self.files_dir or self.data_dir / "files"
+
     # The null engine (`sluice worker --engine null`), for tests and queue benchmarks
     null_token_delay_s: float = Field(default=0.0, ge=0)
     null_crash_on: str | None = None  # a prompt containing this kills the worker (fault tests)

@@ -108,17 +108,20 @@ def stack(tmp_path_factory: pytest.TempPathFactory, model_dir: Path, e2e_models_
 
 @contextlib.contextmanager
 def null_stack(tmp: Path, models_yaml: str, model: str, *, password: str | None = None,
-               tls: tuple[Path, Path] | None = None, **env: str) -> Iterator[tuple[str, EmbeddedRedis]]:
+               tls: tuple[Path, Path] | None = None, jobs: bool = False,
+               **env: str) -> Iterator[tuple[str, EmbeddedRedis]]:
     """A private Redis, a null-engine worker and an api: for tests of the api and the queue."""
     (tmp / "models.yaml").write_text(models_yaml)
     redis = EmbeddedRedis(tmp / "redis", password=password, tls=tls).start()
     port = free_port()
     env = {**os.environ, "SLUICE_REDIS_URL": redis.url, "SLUICE_MODELS_FILE": str(tmp / "models.yaml"),
-           "SLUICE_LOG_LEVEL": "WARNING", **env}
+           "SLUICE_DATA_DIR": str(tmp / "data"), "SLUICE_LOG_LEVEL": "WARNING", **env}
     cli = [sys.executable, "-m", "sluice.cli"]
     procs = [subprocess.Popen([*cli, "worker", "--model", model, "--engine", "null"], env=env),
              subprocess.Popen([*cli, "api", "--port", str(port)], env=env,
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]
+    if jobs:
+        procs.append(subprocess.Popen([*cli, "jobs"], env=env))
     url = f"http://127.0.0.1:{port}"
     try:
         wait_ready(url, procs, timeout_s=60)

@@ -50,7 +50,7 @@ def test_up_serves_and_stops_everything_it_started(tmp_path: Path, model_dir: Pa
         assert (tmp_path / "data" / "redis" / "appendonlydir").is_dir()  # a local Redis, AOF on
         children = [int(p) for p in subprocess.run(["pgrep", "-P", str(up.pid)], capture_output=True,
                                                    text=True).stdout.split()]
-        assert len(children) == 3  # redis-server, api, worker
+        assert len(children) == 4  # redis-server, api, worker, jobs
         up.send_signal(signal.SIGTERM)
         assert up.wait(90) == 0
         assert not port_open(port)

@@ -1,5 +1,5 @@
-"""Request bodies of the OpenAI-compatible routes (the fields Sluice serves; others are refused
-with a 400 naming them, or ignored where OpenAI clients send them by default)."""
+"""OpenAI request bodies and response objects, shared by the api's routes and by batch jobs
+(whose input lines carry the same bodies). Fields Sluice does not serve are refused by name."""
 
 from __future__ import annotations
 
@@ -7,14 +7,23 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from sluice.api.schemas import stop_list
+from sluice.broker.messages import FinalResult
+
+
+def stop_list(value: str | list[str] | None) -> list[str]:
+    stops = [value] if isinstance(value, str) else list(value or [])
+    if len(stops) > 16:
+        raise ValueError("at most 16 stop strings")
+    if any(not s for s in stops):
+        raise ValueError("stop strings must not be empty")
+    return stops
 
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class _Sampling(BaseModel):
+class SamplingBody(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = Field(default=None, max_length=128)
@@ -39,7 +48,7 @@ class _Sampling(BaseModel):
         return []
 
 
-class CompletionRequest(_Sampling):
+class CompletionRequest(SamplingBody):
     prompt: str | list[str]
     max_tokens: int | None = Field(default=16, ge=1)
     logprobs: int | None = None
@@ -79,7 +88,7 @@ class ChatMessage(BaseModel):
         return {"role": "system" if self.role == "developer" else self.role, "content": text}
 
 
-class ChatCompletionRequest(_Sampling):
+class ChatCompletionRequest(SamplingBody):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
@@ -99,3 +108,27 @@ class ChatCompletionRequest(_Sampling):
         rf = (self.response_format or {}).get("type", "text")
         out += ["response_format"] if rf != "text" else []
         return out
+
+
+def usage(finals: list[FinalResult]) -> dict[str, int]:
+    prompt = sum(f.usage.prompt_tokens for f in finals if f.usage)
+    completion = sum(f.usage.completion_tokens for f in finals if f.usage)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def _reason(f: FinalResult) -> str:
+    return (f.output.finish_reason if f.output else None) or "stop"
+
+
+def completion_object(cid: str, model: str, created: int, finals: list[FinalResult]) -> dict[str, Any]:
+    choices = [{"index": i, "text": f.output.text if f.output else "", "logprobs": None,
+                "finish_reason": _reason(f)} for i, f in enumerate(finals)]
+    return {"id": cid, "object": "text_completion", "created": created, "model": model,
+            "choices": choices, "usage": usage(finals)}
+
+
+def chat_object(cid: str, model: str, created: int, finals: list[FinalResult]) -> dict[str, Any]:
+    choices = [{"index": i, "message": {"role": "assistant", "content": f.output.text if f.output else ""},
+                "logprobs": None, "finish_reason": _reason(f)} for i, f in enumerate(finals)]
+    return {"id": cid, "object": "chat.completion", "created": created, "model": model,
+            "choices": choices, "usage": usage(finals)}
