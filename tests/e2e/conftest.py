@@ -106,10 +106,18 @@ def stack(tmp_path_factory: pytest.TempPathFactory, model_dir: Path, e2e_models_
         redis.stop()
 
 
+@dataclass
+class NullStack:
+    url: str
+    redis: EmbeddedRedis
+    env: dict[str, str]
+    procs: dict[str, subprocess.Popen]
+
+
 @contextlib.contextmanager
 def null_stack(tmp: Path, models_yaml: str, model: str, *, password: str | None = None,
                tls: tuple[Path, Path] | None = None, jobs: bool = False,
-               **env: str) -> Iterator[tuple[str, EmbeddedRedis]]:
+               **env: str) -> Iterator[NullStack]:
     """A private Redis, a null-engine worker and an api: for tests of the api and the queue."""
     (tmp / "models.yaml").write_text(models_yaml)
     redis = EmbeddedRedis(tmp / "redis", password=password, tls=tls).start()
@@ -117,17 +125,17 @@ def null_stack(tmp: Path, models_yaml: str, model: str, *, password: str | None 
     env = {**os.environ, "SLUICE_REDIS_URL": redis.url, "SLUICE_MODELS_FILE": str(tmp / "models.yaml"),
            "SLUICE_DATA_DIR": str(tmp / "data"), "SLUICE_LOG_LEVEL": "WARNING", **env}
     cli = [sys.executable, "-m", "sluice.cli"]
-    procs = [subprocess.Popen([*cli, "worker", "--model", model, "--engine", "null"], env=env),
-             subprocess.Popen([*cli, "api", "--port", str(port)], env=env,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]
+    procs = {"worker": subprocess.Popen([*cli, "worker", "--model", model, "--engine", "null"], env=env),
+             "api": subprocess.Popen([*cli, "api", "--port", str(port)], env=env,
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)}
     if jobs:
-        procs.append(subprocess.Popen([*cli, "jobs"], env=env))
+        procs["jobs"] = subprocess.Popen([*cli, "jobs"], env=env)
     url = f"http://127.0.0.1:{port}"
     try:
-        wait_ready(url, procs, timeout_s=60)
-        yield url, redis
+        wait_ready(url, list(procs.values()), timeout_s=60)
+        yield NullStack(url, redis, env, procs)
     finally:
-        stop_processes(procs)
+        stop_processes(list(procs.values()))
         redis.stop()
 
 

@@ -22,9 +22,9 @@ KEY = "s3cret-key"
 @pytest.fixture(scope="module")
 def secured(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str]]:
     with null_stack(tmp_path_factory.mktemp("acc"), MODELS, "acc", password="redis-pass",
-                    SLUICE_API_KEYS=f"other-key,{KEY}") as (url, redis):
-        assert ":redis-pass@" in redis.url
-        yield url, redis.url
+                    SLUICE_API_KEYS=f"other-key,{KEY}") as stack:
+        assert ":redis-pass@" in stack.redis.url
+        yield stack.url, stack.redis.url
 
 
 async def test_api_keys(secured: tuple[str, str]) -> None:
@@ -91,9 +91,9 @@ def test_redis_over_tls(tmp_path: Path) -> None:
     subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out",
                     str(cert), "-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
                    check=True, capture_output=True)
-    with null_stack(tmp_path, MODELS, "acc", password="tls-pass", tls=(cert, key)) as (url, redis):
-        assert redis.url.startswith("rediss://")
-        with httpx.Client(base_url=url, timeout=30) as client:
+    with null_stack(tmp_path, MODELS, "acc", password="tls-pass", tls=(cert, key)) as stack:
+        assert stack.redis.url.startswith("rediss://")
+        with httpx.Client(base_url=stack.url, timeout=30) as client:
             rid = client.post("/v1/requests", json={"prompt": "secure", "max_tokens": 2}).json()["id"]
             result = client.get(f"/v1/requests/{rid}", params={"wait": 20}).json()
         assert result["status"] == "done" and result["output"]["num_output_tokens"] == 2

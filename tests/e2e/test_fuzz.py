@@ -22,8 +22,8 @@ models:
 @pytest.fixture(scope="module")
 def fuzz_api(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     with null_stack(tmp_path_factory.mktemp("fuzz"), MODELS, "fuzz", SLUICE_MAX_WAIT_S="1",
-                    SLUICE_REQUEST_TIMEOUT_S="5") as (url, _):
-        yield url
+                    SLUICE_REQUEST_TIMEOUT_S="5") as stack:
+        yield stack.url
 
 
 def test_no_server_errors(fuzz_api: str) -> None:

@@ -23,8 +23,8 @@ def samples(text: str) -> dict[tuple[str, frozenset], float]:
 def metered(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, int]]:
     port = free_port()
     with null_stack(tmp_path_factory.mktemp("met"), MODELS, "met", SLUICE_MAX_QUEUED="6",
-                    SLUICE_WORKER_METRICS_PORT=str(port)) as (url, _):
-        yield url, port
+                    SLUICE_WORKER_METRICS_PORT=str(port)) as stack:
+        yield stack.url, port
 
 
 async def test_api_and_worker_metrics(metered: tuple[str, int]) -> None:

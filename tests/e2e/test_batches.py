@@ -1,0 +1,137 @@
+"""Bulk jobs through the openai SDK (files + batches), run by Celery on null-engine workers."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+import httpx
+import openai
+import pytest
+import redis as redis_sync
+
+from sluice.broker.keys import ModelKeys
+from tests.e2e.conftest import NullStack, null_stack, wait_done
+
+MODEL = "bat"
+MODELS = f"models:\n  - name: {MODEL}\n    continuous_batching_config: {{max_concurrent_batch_size: 16}}\n"
+
+
+def batch_file(n: int, *, max_tokens: int = 3, broken_at: int | None = None) -> bytes:
+    lines = [json.dumps({"custom_id": f"row-{i}", "method": "POST", "url": "/v1/completions",
+                         "body": {"model": MODEL, "prompt": f"line {i}", "max_tokens": max_tokens}})
+             for i in range(n)]
+    if broken_at is not None:
+        lines.insert(broken_at, '{"custom_id": "broken", "method": "POST"')
+    return "\n".join(lines).encode()
+
+
+def wait_batch(client: openai.OpenAI, batch_id: str, until: set[str], timeout_s: float = 120):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        batch = client.batches.retrieve(batch_id)
+        if batch.status in until:
+            return batch
+        assert time.monotonic() < deadline, batch
+        time.sleep(0.2)
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NullStack]:
+    with null_stack(tmp_path_factory.mktemp("bat"), MODELS, MODEL, jobs=True, SLUICE_NULL_TOKEN_DELAY_S="0.01",
+                    SLUICE_BULK_OUTSTANDING="8", SLUICE_JOB_LOCK_TTL_S="3") as s:
+        yield s
+
+
+@pytest.fixture
+def sdk(stack: NullStack) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{stack.url}/v1", api_key="unused", max_retries=0)
+
+
+def test_a_200_line_batch_through_the_sdk(sdk: openai.OpenAI) -> None:
+    f = sdk.files.create(file=("in.jsonl", io.BytesIO(batch_file(200, broken_at=7))), purpose="batch")
+    assert sdk.files.retrieve(f.id).bytes == len(batch_file(200, broken_at=7))
+    batch = sdk.batches.create(input_file_id=f.id, endpoint="/v1/completions", completion_window="24h")
+    assert batch.status == "validating"
+    batch = wait_batch(sdk, batch.id, {"completed", "failed"})
+    assert batch.status == "completed", batch
+    assert batch.request_counts.total == 201 and batch.request_counts.completed == 200
+    assert batch.request_counts.failed == 1
+    out = [json.loads(x) for x in sdk.files.content(batch.output_file_id).text.splitlines()]
+    assert sorted(r["custom_id"] for r in out) == sorted(f"row-{i}" for i in range(200))
+    for r in out:
+        assert r["response"]["status_code"] == 200 and r["error"] is None
+        assert r["response"]["body"]["choices"][0]["text"] == " t0 t1 t2", r
+    errors = [json.loads(x) for x in sdk.files.content(batch.error_file_id).text.splitlines()]
+    assert len(errors) == 1 and "line 8" in errors[0]["error"]["message"]
+    assert batch.id in [b.id for b in sdk.batches.list()]
+
+
+def test_bad_batches_are_refused(sdk: openai.OpenAI) -> None:
+    with pytest.raises(openai.NotFoundError):
+        sdk.batches.create(input_file_id="file-nope", endpoint="/v1/completions", completion_window="24h")
+    f = sdk.files.create(file=("in.jsonl", io.BytesIO(batch_file(2))), purpose="batch")
+    with pytest.raises(openai.BadRequestError, match="endpoint"):
+        sdk.batches.create(input_file_id=f.id, endpoint="/v1/embeddings", completion_window="24h")
+    with pytest.raises(openai.BadRequestError, match="purpose"):
+        sdk.files.create(file=("x.jsonl", io.BytesIO(b"{}")), purpose="fine-tune")
+
+
+def test_cancel_a_running_batch(sdk: openai.OpenAI) -> None:
+    f = sdk.files.create(file=("in.jsonl", io.BytesIO(batch_file(200, max_tokens=40))), purpose="batch")
+    batch = sdk.batches.create(input_file_id=f.id, endpoint="/v1/completions", completion_window="24h")
+    deadline = time.monotonic() + 60
+    while sdk.batches.retrieve(batch.id).request_counts.completed < 10:
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    assert sdk.batches.cancel(batch.id).status == "cancelling"
+    batch = wait_batch(sdk, batch.id, {"cancelled", "completed"})
+    assert batch.status == "cancelled"
+    assert 10 <= batch.request_counts.completed < 200
+    out = sdk.files.content(batch.output_file_id).text.splitlines()
+    assert len(out) == batch.request_counts.completed  # partial output: what finished
+
+
+def test_the_job_survives_a_killed_celery_worker(stack: NullStack, sdk: openai.OpenAI) -> None:
+    f = sdk.files.create(file=("in.jsonl", io.BytesIO(batch_file(120, max_tokens=20))), purpose="batch")
+    batch = sdk.batches.create(input_file_id=f.id, endpoint="/v1/completions", completion_window="24h")
+    deadline = time.monotonic() + 60
+    while sdk.batches.retrieve(batch.id).request_counts.completed < 10:
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    stack.procs["jobs"].send_signal(signal.SIGKILL)  # mid-job
+    stack.procs["jobs"].wait(10)
+    stack.procs["jobs"] = subprocess.Popen([sys.executable, "-m", "sluice.cli", "jobs"], env=stack.env)
+    batch = wait_batch(sdk, batch.id, {"completed", "failed"}, timeout_s=120)
+    assert batch.status == "completed" and batch.request_counts.completed == 120
+    r = redis_sync.Redis.from_url(stack.redis.url, decode_responses=True)
+    rids = r.hgetall(f"sluice:batch:{batch.id}:rids")
+    assert len(rids) == 120 and len(set(rids.values())) == 120
+    logged = [json.loads(e[1]["data"])["request_id"] for e in r.xrange(ModelKeys(MODEL).log)]
+    ran = [rid for rid in logged if rid in set(rids.values())]
+    assert len(ran) == 120 and len(set(ran)) == 120  # every row ran, none twice
+
+
+async def test_interactive_requests_overtake_a_bulk_job(stack: NullStack, sdk: openai.OpenAI) -> None:
+    f = sdk.files.create(file=("in.jsonl", io.BytesIO(batch_file(500, max_tokens=10))), purpose="batch")
+    batch = sdk.batches.create(input_file_id=f.id, endpoint="/v1/completions", completion_window="24h")
+    r = redis_sync.Redis.from_url(stack.redis.url, decode_responses=True)
+    deadline = time.monotonic() + 30
+    while r.xlen(ModelKeys(MODEL).bulk) < 8:  # the job has filled its share of the bulk stream
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.05)
+    async with httpx.AsyncClient(base_url=stack.url, timeout=60) as client:
+        rids = [(await client.post("/v1/requests", json={"model": MODEL, "prompt": f"now {i}", "max_tokens": 10}))
+                .json()["id"] for i in range(10)]
+        results = await asyncio.gather(*(wait_done(client, rid) for rid in rids))
+    finished = max(x["timings"]["finished"] for x in results)
+    assert all(x["status"] == "done" for x in results)
+    done = await asyncio.to_thread(wait_batch, sdk, batch.id, {"completed"}, 300)
+    assert done.completed_at >= int(finished)
+    assert done.request_counts.completed == 500
