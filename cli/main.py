@@ -9,6 +9,8 @@ from pathlib import Path
 
 import typer
 
+from sluice.cli.batch import batch_app
+from sluice.cli.bench import bench_app
 from sluice.config.settings import Settings
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
@@ -17,15 +19,8 @@ models_app = typer.Typer(no_args_is_help=True, help="Prepare and inspect model d
 app.add_typer(models_app, name="models")
 dlq_app = typer.Typer(no_args_is_help=True, help="Requests that failed every delivery: list, retry, drop.")
 app.add_typer(dlq_app, name="dlq")
-
-
-def _bench_app() -> typer.Typer:
-    from sluice.cli.bench import bench_app
-
-    return bench_app
-
-
-app.add_typer(_bench_app(), name="bench")
+app.add_typer(bench_app, name="bench")
+app.add_typer(batch_app, name="batch")
 
 RedisUrl = typer.Option(None, "--redis-url", envvar="SLUICE_REDIS_URL", help="Redis URL (redis:// or rediss://).")
 ModelsFile = typer.Option(None, "--models-file", envvar="SLUICE_MODELS_FILE", help="Model deployments YAML.")

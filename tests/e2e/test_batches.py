@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import openai
@@ -135,3 +136,32 @@ async def test_interactive_requests_overtake_a_bulk_job(stack: NullStack, sdk: o
     done = await asyncio.to_thread(wait_batch, sdk, batch.id, {"completed"}, 300)
     assert done.completed_at >= int(finished)
     assert done.request_counts.completed == 500
+
+
+@pytest.mark.parametrize("suffix", [".parquet", ".arrow", ".jsonl"])
+def test_batch_run_command(stack: NullStack, tmp_path: Path, suffix: str) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    source = tmp_path / f"in{suffix}"
+    table = pa.table({"prompt": [f"p{i}" for i in range(30)], "max_tokens": [2 + i % 3 for i in range(30)]})
+    if suffix == ".parquet":
+        pq.write_table(table, source)
+    elif suffix == ".arrow":
+        with pa.OSFile(str(source), "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
+            writer.write_table(table)
+    else:
+        source.write_bytes(batch_file(30))
+    out = tmp_path / f"out{suffix}"
+    done = subprocess.run([sys.executable, "-m", "sluice.cli", "batch", "run", str(source), "-o", str(out),
+                           "--model", MODEL, "--url", stack.url], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "completed: 30 done, 0 failed of 30" in done.stdout
+    if suffix == ".jsonl":
+        records = [json.loads(x) for x in out.read_text().splitlines()]
+        assert sorted(r["custom_id"] for r in records) == sorted(f"row-{i}" for i in range(30))
+        return
+    result = pq.read_table(out) if suffix == ".parquet" else pa.ipc.open_file(out).read_all()
+    assert result.column("custom_id").to_pylist() == [str(i) for i in range(30)]  # input order
+    assert result.column("num_output_tokens").to_pylist() == table.column("max_tokens").to_pylist()
+    assert result.column("generated_text").to_pylist()[0] == " t0 t1"
