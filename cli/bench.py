@@ -36,16 +36,18 @@ PROMPTS = [f"Write a short note about topic number {i}:" for i in range(256)]
 
 
 @contextlib.contextmanager
-def local_stack(model: str) -> Iterator[str]:
-    """A private Redis, one worker for `model` and one api; yields the api's URL."""
+def local_stack(model: str, *, jobs: bool = False) -> Iterator[str]:
+    """A private Redis, one worker for `model` and one api (and a jobs worker); yields the api's URL."""
     with tempfile.TemporaryDirectory() as tmp:
-        redis = EmbeddedRedis(Path(tmp)).start()
+        redis = EmbeddedRedis(Path(tmp) / "redis").start()
         port = free_port()
-        env = {**os.environ, "SLUICE_REDIS_URL": redis.url}
+        env = {**os.environ, "SLUICE_REDIS_URL": redis.url, "SLUICE_DATA_DIR": str(Path(tmp) / "data")}
         cli = [sys.executable, "-m", "sluice.cli"]
         quiet = {"env": env, "stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
         procs = [subprocess.Popen([*cli, "worker", "--model", model], **quiet),
                  subprocess.Popen([*cli, "api", "--port", str(port)], **quiet)]
+        if jobs:
+            procs.append(subprocess.Popen([*cli, "jobs"], **quiet))
         try:
             url = f"http://127.0.0.1:{port}"
             wait_ready(url, procs)
@@ -246,5 +248,66 @@ def modes(
     for mode, f in figures.items():
         table.add_row(mode, f"{f['tok_s']:.1f}", f"{f['p50_s']:.2f}", f"{f['p99_s']:.2f}", f"{f['wall_s']:.1f}")
     Console().print(table)
+    if out:
+        out.write_text(json.dumps(figures, indent=2))
+
+
+async def _interactive_latencies(url: str, model: str, n: int, max_tokens: int) -> list[float]:
+    """End-to-end latencies of n interactive requests, four at a time."""
+    sem = asyncio.Semaphore(4)
+    async with httpx.AsyncClient(base_url=url, timeout=900) as client:
+        async def one(i: int) -> float:
+            async with sem:
+                r = await client.post("/v1/requests", json={"model": model, "prompt": PROMPTS[i % len(PROMPTS)],
+                                                             "max_tokens": max_tokens, "temperature": 0.0})
+                rid = r.json()["id"]
+                while True:
+                    body = (await client.get(f"/v1/requests/{rid}", params={"wait": 60})).json()
+                    if body["status"] not in ("queued", "running"):
+                        return body["timings"]["finished"] - body["timings"]["enqueued"]
+
+        return sorted(await asyncio.gather(*(one(i) for i in range(n))))
+
+
+def _pcts(xs: list[float]) -> dict[str, float]:
+    return {"p50_s": statistics.median(xs), "p99_s": xs[min(len(xs) - 1, int(0.99 * len(xs)))]}
+
+
+@bench_app.command("bulk")
+def bulk(
+    rows: int = typer.Option(1000, help="Rows in the bulk job."),
+    max_tokens: int = typer.Option(32, help="Output tokens per row."),
+    interactive: int = typer.Option(40, help="Interactive requests measured, alone and during the job."),
+    model: str = typer.Option(None, help="Deployed model (default: the first in the models file)."),
+    out: Path = typer.Option(None, help="Also write the figures as JSON here."),
+) -> None:
+    """Rows/s and output tokens/s of a bulk job, and interactive latency with and without it."""
+    name = model or load_models(Settings().models_file)[0].name
+    lines = "\n".join(json.dumps({"custom_id": str(i), "method": "POST", "url": "/v1/completions",
+                                  "body": {"model": name, "prompt": PROMPTS[i % len(PROMPTS)],
+                                           "max_tokens": max_tokens, "temperature": 0.0}})
+                      for i in range(rows)).encode()
+    with local_stack(name, jobs=True) as url:
+        asyncio.run(_through_api(url, PROMPTS[:2], 4))  # warm-up
+        alone = asyncio.run(_interactive_latencies(url, name, interactive, max_tokens))
+        with httpx.Client(base_url=url, timeout=120) as client:
+            f = client.post("/v1/files", files={"file": ("bulk.jsonl", lines)}, data={"purpose": "batch"}).json()
+            t0 = time.perf_counter()
+            batch = client.post("/v1/batches", json={"input_file_id": f["id"], "endpoint": "/v1/completions",
+                                                      "completion_window": "24h"}).json()
+            while client.get(f"/v1/batches/{batch['id']}").json()["request_counts"]["completed"] < rows // 10:
+                time.sleep(0.2)
+            during = asyncio.run(_interactive_latencies(url, name, interactive, max_tokens))
+            while (batch := client.get(f"/v1/batches/{batch['id']}").json())["status"] not in (
+                    "completed", "failed", "cancelled"):
+                time.sleep(0.5)
+            wall = time.perf_counter() - t0
+    figures = {
+        "rows": rows, "max_tokens": max_tokens, "status": batch["status"], "wall_s": wall,
+        "rows_per_s": batch["request_counts"]["completed"] / wall,
+        "output_tok_s": batch["usage"]["output_tokens"] / wall,
+        "interactive_alone": _pcts(alone), "interactive_during_job": _pcts(during),
+    }
+    typer.echo(json.dumps(figures, indent=2))
     if out:
         out.write_text(json.dumps(figures, indent=2))

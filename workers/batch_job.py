@@ -225,9 +225,11 @@ class BatchJob:
         if errors:
             fields["error_file_id"] = (await self.files.create(
                 f"{name}_errors.jsonl", "batch_output", _jsonl(errors)))["id"]
-        await self.store.update(self.batch_id, status="cancelled" if cancelled else "completed", **fields)
-        log.info("batch %s %s: %d ok, %d errors", self.batch_id, "cancelled" if cancelled else "completed",
-                 len(ok), len(errors))
+        # Rows still unfinished at the completion window's end expired with their deadline.
+        expired = any(r.get("error", {}) and r["error"].get("code") == "expired" for r in errors)
+        status = "cancelled" if cancelled else "expired" if expired else "completed"
+        await self.store.update(self.batch_id, status=status, **fields)
+        log.info("batch %s %s: %d ok, %d errors", self.batch_id, status, len(ok), len(errors))
 
 
 def _jsonl(records: list[dict[str, Any]]) -> bytes:
