@@ -1,0 +1,81 @@
+"""The compose file, the Prometheus config and the Grafana dashboard agree with the code."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import typer
+import yaml
+from prometheus_client import REGISTRY
+
+import sluice.api.metrics  # noqa: F401  (registers the api's metrics)
+import sluice.workers.metrics  # noqa: F401  (registers the workers' metrics)
+from sluice.cli.main import app
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+class _ComposeLoader(yaml.SafeLoader):
+    """Compose's own tags (`!reset`) read as plain values."""
+
+
+_ComposeLoader.add_multi_constructor("!", lambda loader, suffix, node: None)
+
+
+def compose(name: str = "docker-compose.yml") -> dict:
+    return yaml.load((ROOT / name).read_text(), Loader=_ComposeLoader)
+
+
+def test_services_and_their_wiring() -> None:
+    services = compose()["services"]
+    assert {"redis", "api", "worker", "jobs", "prometheus", "grafana"} <= set(services)
+    redis = services["redis"]
+    command = " ".join(redis["command"])
+    for setting in ("--appendonly yes", "--appendfsync everysec", "--maxmemory-policy noeviction"):
+        assert setting in command
+    assert redis["volumes"] and redis["healthcheck"]
+    for name in ("api", "worker", "jobs"):
+        assert services[name]["depends_on"]["redis"]["condition"] == "service_healthy"
+    assert services["worker"]["depends_on"]["api"]["condition"] == "service_healthy"
+    devices = services["worker"]["deploy"]["resources"]["reservations"]["devices"]
+    assert devices[0]["driver"] == "nvidia" and "gpu" in devices[0]["capabilities"]
+    assert "container_name" not in services["worker"]  # --scale needs distinct containers
+    for name in ("prometheus", "grafana"):
+        assert services[name]["profiles"] == ["monitoring"]
+
+
+def test_service_commands_exist_in_the_cli() -> None:
+    cli = typer.main.get_command(app)
+    for name in ("api", "worker", "jobs"):
+        command = compose()["services"][name]["command"]
+        sub = cli.commands[command[0]]  # type: ignore[attr-defined]
+        options = {opt for p in sub.params for opt in p.opts}
+        for word in command[1:]:
+            if word.startswith("--"):
+                assert word in options, f"{name}: {word} is not an option of sluice {command[0]}"
+
+
+def test_dashboard_shows_only_metrics_that_exist() -> None:
+    known = set(REGISTRY._names_to_collectors)  # noqa: SLF001
+    dashboard = json.loads((ROOT / "deploy/grafana/dashboards/sluice.json").read_text())
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+    used = {m for e in exprs for m in re.findall(r"\bsluice_[a-z0-9_]+", e)}
+    assert len(used) >= 12
+    assert used <= known, used - known
+    scraped = yaml.safe_load((ROOT / "deploy/prometheus.yml").read_text())
+    assert {j["job_name"] for j in scraped["scrape_configs"]} == {"sluice-api", "sluice-worker"}
+
+
+def test_docker_compose_config_accepts_the_files() -> None:
+    docker = shutil.which("docker")
+    if docker is None or subprocess.run([docker, "compose", "version"], capture_output=True).returncode != 0:
+        pytest.skip("no docker compose client here; the YAML checks above still ran")
+    for files in (["docker-compose.yml"], ["docker-compose.yml", "docker-compose.cpu.yml"]):
+        args = [a for f in files for a in ("-f", str(ROOT / f))]
+        done = subprocess.run([docker, "compose", *args, "config", "--quiet"], capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr
