@@ -69,7 +69,9 @@ async def configure(model: str, body: ConfigureRequest, s: ApiState = Depends(st
         updated = parse_model(data)
     except ConfigError as err:
         raise ApiError(400, str(err)) from None
-    return describe(await s.models.deploy(updated))
+    deployed = await s.models.deploy(updated)
+    await s.deployed(fresh=True)
+    return describe(deployed)
 
 
 @router.post("/{model}/infer")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import secrets
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from celery import Celery
@@ -44,18 +44,31 @@ class ApiState:
     files: FileStore
     batches: BatchStore
     celery: Celery  # a client only: sends jobs to `sluice jobs` workers
+    # Deployments read from Redis at most once a second per api process: every request needs
+    # them, and a reconfiguration reaching other api replicas a second later is fine.
+    deployments_ttl_s: float = 1.0
+    _deployments: dict[str, ModelConfig] = field(default_factory=dict)
+    _deployments_until: float = 0.0
+
+    async def deployed(self, *, fresh: bool = False) -> dict[str, ModelConfig]:
+        now = time.monotonic()
+        if fresh or now >= self._deployments_until:
+            self._deployments = {m.name: m for m in await self.models.all()}
+            self._deployments_until = now + self.deployments_ttl_s
+        return self._deployments
 
     async def model(self, name: str | None) -> ModelConfig:
         """The named deployment, or the default one; 404 if there is none."""
         name = name or self.default_model
+        deployed = await self.deployed()
         if name is None:
-            deployed = await self.models.all()
             if not deployed:
                 raise ApiError(404, "no model is deployed", code="not_found")
-            return deployed[0]
-        found = await self.models.get(name)
+            return next(iter(sorted(deployed.values(), key=lambda m: m.name)))
+        found = deployed.get(name)
         if found is None and name in self.configured:
             found = await self.models.deploy(self.configured[name], keep_existing=True)
+            await self.deployed(fresh=True)
         if found is None:
             raise ApiError(404, f"model {name!r} is not deployed", code="not_found", param="model")
         return found
@@ -120,8 +133,7 @@ class ApiState:
                 await self.done.wait(done, remaining)
 
     async def model_of(self, rid: str) -> str:
-        names = [m.name for m in await self.models.all()]
-        model = await self.admission.find_model(rid, names)
+        model = await self.admission.find_model(rid, list(await self.deployed()))
         if model is None:
             raise ApiError(404, f"request {rid!r} not found", code="not_found")
         return model

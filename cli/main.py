@@ -9,6 +9,7 @@ from pathlib import Path
 
 import typer
 
+from sluice.cli import bench_queue, bench_serve  # noqa: F401  (add `bench serve|queue|scale`)
 from sluice.cli.batch import batch_app
 from sluice.cli.bench import bench_app
 from sluice.config.settings import Settings

@@ -1,0 +1,148 @@
+"""`sluice bench queue` and `sluice bench scale`: what the queue itself costs, with the null
+engine (no model): Sluice round trips against a Celery task round trip on the same Redis,
+and Sluice's throughput with 1, 2, 4 ... workers."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import typer
+
+from sluice.broker.embedded import EmbeddedRedis, free_port
+from sluice.cli.bench import bench_app
+from sluice.cli.processes import stop_processes, wait_ready
+
+MODELS = "models:\n  - name: echo\n    continuous_batching_config: {max_concurrent_batch_size: 256}\n"
+
+
+@contextlib.contextmanager
+def _null_stack(workers: int) -> Iterator[tuple[str, str]]:
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "models.yaml").write_text(MODELS)
+        redis = EmbeddedRedis(Path(tmp) / "redis", appendonly=False).start()
+        port = free_port()
+        env = {**os.environ, "SLUICE_REDIS_URL": redis.url, "SLUICE_MODELS_FILE": str(Path(tmp) / "models.yaml"),
+               "SLUICE_LOG_LEVEL": "WARNING"}
+        cli = [sys.executable, "-m", "sluice.cli"]
+        quiet = {"env": env, "stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
+        procs = [subprocess.Popen([*cli, "api", "--port", str(port)], **quiet)]
+        procs += [subprocess.Popen([*cli, "worker", "--model", "echo", "--engine", "null", "--name", f"w{i}"], **quiet)
+                  for i in range(workers)]
+        try:
+            url = f"http://127.0.0.1:{port}"
+            wait_ready(url, procs, timeout_s=60)
+            deadline = time.monotonic() + 30
+            while len(httpx.get(f"{url}/v1/workers").json()["workers"]) < workers:
+                assert time.monotonic() < deadline, "workers did not come up"
+                time.sleep(0.2)
+            yield url, redis.url
+        finally:
+            stop_processes(procs)
+            redis.stop()
+
+
+async def _sluice_round_trips(url: str, n: int, concurrency: int) -> tuple[float, list[float], dict]:
+    sem = asyncio.Semaphore(concurrency)
+    limits = httpx.Limits(max_connections=concurrency * 2, max_keepalive_connections=concurrency * 2)
+    async with httpx.AsyncClient(base_url=url, timeout=120, limits=limits) as client:
+        async def one(i: int) -> float:
+            async with sem:
+                t0 = time.perf_counter()
+                rid = (await client.post("/v1/requests", json={"prompt": f"echo {i}", "max_tokens": 4})).json()["id"]
+                body = (await client.get(f"/v1/requests/{rid}", params={"wait": 60})).json()
+                assert body["status"] == "done", body
+                return time.perf_counter() - t0
+
+        await asyncio.gather(*(one(i) for i in range(min(n, 50))))  # warm-up
+        t0 = time.perf_counter()
+        latencies = await asyncio.gather(*(one(i) for i in range(n)))
+        wall = time.perf_counter() - t0
+        workers = (await client.get("/v1/workers")).json()["workers"]
+    return wall, sorted(latencies), {"workers": len(workers)}
+
+
+def _celery_round_trips(redis_url: str, n: int, concurrency: int) -> tuple[float, list[float]]:
+    env = {**os.environ, "SLUICE_REDIS_URL": redis_url}
+    worker = subprocess.Popen([sys.executable, "-m", "celery", "-A", "sluice.cli.celery_echo", "worker",
+                               "--pool=threads", "--concurrency=8", "--loglevel=WARNING", "-Q", "sluice-echo",
+                               "--without-gossip", "--without-mingle"],
+                              env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    os.environ["SLUICE_REDIS_URL"] = redis_url
+    from sluice.cli.celery_echo import app, echo
+
+    app.conf.broker_url = app.conf.result_backend = redis_url
+    try:
+        echo.delay("warm-up", 4).get(timeout=60)
+
+        def one(i: int) -> float:
+            t0 = time.perf_counter()
+            result = echo.delay(f"echo {i}", 4).get(timeout=120)
+            assert result["num_output_tokens"] == 4
+            return time.perf_counter() - t0
+
+        with ThreadPoolExecutor(concurrency) as pool:
+            list(pool.map(one, range(min(n, 50))))  # warm-up
+            t0 = time.perf_counter()
+            latencies = list(pool.map(one, range(n)))
+            wall = time.perf_counter() - t0
+    finally:
+        worker.terminate()
+        worker.wait(30)
+    return wall, sorted(latencies)
+
+
+def _stats(wall: float, lat: list[float], n: int) -> dict:
+    return {"round_trips_per_s": n / wall, "latency_p50_ms": statistics.median(lat) * 1e3,
+            "latency_p99_ms": lat[min(len(lat) - 1, int(0.99 * len(lat)))] * 1e3}
+
+
+@bench_app.command("queue")
+def queue(
+    requests: int = typer.Option(2000, help="Round trips per system."),
+    concurrency: int = typer.Option(32, help="Round trips in flight at once."),
+    out: Path = typer.Option(None, help="Write the figures as JSON here."),
+) -> None:
+    """Null engine: Sluice round trips (submit + long-poll) vs a Celery echo task (delay + get)."""
+    with _null_stack(1) as (url, redis_url):
+        wall, lat, _ = asyncio.run(_sluice_round_trips(url, requests, concurrency))
+        sluice = _stats(wall, lat, requests)
+        typer.echo(f"sluice: {json.dumps(sluice)}")
+        wall, lat = _celery_round_trips(redis_url, requests, concurrency)
+        celery = _stats(wall, lat, requests)
+        typer.echo(f"celery: {json.dumps(celery)}")
+    figures = {"requests": requests, "concurrency": concurrency, "sluice": sluice, "celery": celery,
+               "sluice_vs_celery_throughput": sluice["round_trips_per_s"] / celery["round_trips_per_s"]}
+    typer.echo(json.dumps(figures, indent=2))
+    if out:
+        out.write_text(json.dumps(figures, indent=2))
+
+
+@bench_app.command("scale")
+def scale(
+    workers: str = typer.Option("1,2,4", help="Worker counts to measure."),
+    requests: int = typer.Option(2000, help="Round trips per measurement."),
+    concurrency: int = typer.Option(128, help="Round trips in flight at once."),
+    out: Path = typer.Option(None, help="Write the figures as JSON here."),
+) -> None:
+    """Null engine: Sluice's round trips per second with 1, 2, 4 ... workers on one Redis."""
+    figures = []
+    for n in [int(x) for x in workers.split(",")]:
+        with _null_stack(n) as (url, _):
+            wall, lat, info = asyncio.run(_sluice_round_trips(url, requests, concurrency))
+        row = {"workers": n, **_stats(wall, lat, requests)}
+        figures.append(row)
+        typer.echo(json.dumps(row))
+    if out:
+        out.write_text(json.dumps(figures, indent=2))

@@ -1,0 +1,190 @@
+"""The load generator behind `sluice bench serve`, in the style of `vllm bench serve`.
+
+Three targets share one driver: the Sluice api (submit + SSE events), vLLM's
+AsyncLLMEngine in this process, and any OpenAI-style URL (streamed /v1/completions).
+Arrivals are Poisson or fixed-rate, or a concurrency cap; prompt and output lengths are
+drawn uniformly from ranges, from a seed, so every target gets the same requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import statistics
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+import httpx
+
+WORDS = ("river stone light garden window silver market engine harbor forest signal winter paper "
+         "candle bridge orbit meadow copper lantern valley").split()
+
+
+@dataclass
+class Job:
+    prompt: str
+    max_tokens: int
+
+
+@dataclass
+class Record:
+    ok: bool = False
+    start: float = 0.0
+    ttft: float | None = None
+    token_times: list[float] = field(default_factory=list)
+    end: float = 0.0
+    output_tokens: int = 0
+    queue_wait: float | None = None  # Sluice only: enqueued -> started on a worker
+    error: str | None = None
+
+
+Send = Callable[[Job], Awaitable[Record]]
+
+
+def make_jobs(n: int, prompt_words: tuple[int, int], output_tokens: tuple[int, int], seed: int) -> list[Job]:
+    rng = random.Random(seed)
+    return [Job(" ".join(rng.choice(WORDS) for _ in range(rng.randint(*prompt_words))),
+                rng.randint(*output_tokens)) for _ in range(n)]
+
+
+async def drive(send: Send, jobs: list[Job], *, rate: float | None, poisson: bool, concurrency: int | None,
+                seed: int) -> tuple[list[Record], float]:
+    """Send the jobs with the arrival process (rate: requests/s) and/or a concurrency cap."""
+    rng = random.Random(seed + 1)
+    sem = asyncio.Semaphore(concurrency) if concurrency else None
+
+    async def one(job: Job) -> Record:
+        if sem is None:
+            return await send(job)
+        async with sem:
+            return await send(job)
+
+    t0 = time.perf_counter()
+    tasks = []
+    for job in jobs:
+        tasks.append(asyncio.create_task(one(job)))
+        if rate:
+            await asyncio.sleep(rng.expovariate(rate) if poisson else 1.0 / rate)
+    records = await asyncio.gather(*tasks)
+    return list(records), time.perf_counter() - t0
+
+
+def _pct(xs: list[float], p: float) -> float | None:
+    if not xs:
+        return None
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(p / 100 * (len(xs) - 1))))]
+
+
+def summarize(records: list[Record], wall: float, *, slo_ttft_s: float, slo_tpot_s: float) -> dict:
+    ok = [r for r in records if r.ok]
+    ttft = [r.ttft for r in ok if r.ttft is not None]
+    tpot = [(r.end - r.start - r.ttft) / (r.output_tokens - 1)
+            for r in ok if r.ttft is not None and r.output_tokens > 1]
+    itl = [b - a for r in ok for a, b in zip(r.token_times, r.token_times[1:])]
+    e2e = [r.end - r.start for r in ok]
+    queue = [r.queue_wait for r in ok if r.queue_wait is not None]
+    good = [r for r in ok if r.ttft is not None and r.ttft <= slo_ttft_s and (
+        r.output_tokens <= 1 or (r.end - r.start - r.ttft) / (r.output_tokens - 1) <= slo_tpot_s)]
+    out: dict = {"requests": len(records), "completed": len(ok), "failed": len(records) - len(ok),
+                 "wall_s": wall, "request_throughput": len(ok) / wall,
+                 "output_token_throughput": sum(r.output_tokens for r in ok) / wall,
+                 "goodput": len(good) / wall, "slo": {"ttft_s": slo_ttft_s, "tpot_s": slo_tpot_s}}
+    for name, xs in (("ttft", ttft), ("tpot", tpot), ("itl", itl), ("queue_wait", queue), ("e2e", e2e)):
+        out[name] = {f"p{p}": _pct(xs, p) for p in (50, 90, 99)} | {"mean": statistics.fmean(xs) if xs else None}
+    return out
+
+
+def sluice_sender(url: str, model: str | None) -> Send:
+    client = httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(600, connect=30),
+                               limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256))
+
+    async def send(job: Job) -> Record:
+        rec = Record(start=time.perf_counter())
+        body = {"prompt": job.prompt, "max_tokens": job.max_tokens, "temperature": 0.0}
+        if model:
+            body["model"] = model
+        r = await client.post("/v1/requests", json=body)
+        if r.status_code != 202:
+            rec.error, rec.end = f"{r.status_code}: {r.text[:200]}", time.perf_counter()
+            return rec
+        rid = r.json()["id"]
+        event = None
+        async with client.stream("GET", f"/v1/requests/{rid}/events") as response:
+            async for line in response.aiter_lines():
+                if line.startswith("event:"):
+                    event = line[6:].strip()
+                elif line.startswith("data:") and event == "delta":
+                    now = time.perf_counter()
+                    rec.ttft = rec.ttft if rec.ttft is not None else now - rec.start
+                    rec.token_times.append(now)
+                elif line.startswith("data:") and event in ("done", "error"):
+                    final = json.loads(line[5:])
+                    rec.end = time.perf_counter()
+                    rec.ok = event == "done"
+                    rec.output_tokens = (final.get("output") or {}).get("num_output_tokens", 0)
+                    t = final.get("timings") or {}
+                    if t.get("started") and t.get("enqueued"):
+                        rec.queue_wait = t["started"] - t["enqueued"]
+                    rec.error = final.get("error")
+                    break
+        return rec
+
+    return send
+
+
+def openai_sender(url: str, model: str, api_key: str | None = None) -> Send:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    client = httpx.AsyncClient(base_url=url.rstrip("/"), timeout=httpx.Timeout(600, connect=30), headers=headers,
+                               limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256))
+
+    async def send(job: Job) -> Record:
+        rec = Record(start=time.perf_counter())
+        body = {"model": model, "prompt": job.prompt, "max_tokens": job.max_tokens, "temperature": 0.0,
+                "stream": True, "stream_options": {"include_usage": True}}
+        async with client.stream("POST", "/v1/completions", json=body) as response:
+            if response.status_code != 200:
+                rec.error, rec.end = f"{response.status_code}", time.perf_counter()
+                return rec
+            async for line in response.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                chunk = json.loads(data)
+                if chunk.get("usage"):
+                    rec.output_tokens = chunk["usage"]["completion_tokens"]
+                if any(c.get("text") for c in chunk.get("choices", [])):
+                    now = time.perf_counter()
+                    rec.ttft = rec.ttft if rec.ttft is not None else now - rec.start
+                    rec.token_times.append(now)
+        rec.end, rec.ok = time.perf_counter(), True
+        rec.output_tokens = rec.output_tokens or len(rec.token_times)
+        return rec
+
+    return send
+
+
+def engine_sender(engine) -> Send:
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    counter = iter(range(10**12))
+
+    async def send(job: Job) -> Record:
+        rec = Record(start=time.perf_counter())
+        params = SamplingParams(max_tokens=job.max_tokens, temperature=0.0, output_kind=RequestOutputKind.DELTA)
+        async for out in engine.generate(job.prompt, params, request_id=f"bench-{next(counter)}"):
+            ids = out.outputs[0].token_ids
+            if ids:
+                now = time.perf_counter()
+                rec.ttft = rec.ttft if rec.ttft is not None else now - rec.start
+                rec.token_times.append(now)
+                rec.output_tokens += len(ids)
+        rec.end, rec.ok = time.perf_counter(), True
+        return rec
+
+    return send
