@@ -140,7 +140,7 @@ def serve(
              "added_ttft_p50_s": s["ttft"]["p50"] - e["ttft"]["p50"],
              "added_ttft_p99_s": s["ttft"]["p99"] - e["ttft"]["p99"]}
             for s, e in zip(runs["sluice"], runs["engine"])]
-    console = Console()
+    console = Console(width=170)
     console.print(_table(f"{requests} requests per level, prompts {prompt_words} words, "
                          f"max_tokens {output_tokens}", by, runs))
     for row in figures.get("sluice_vs_engine", []):
