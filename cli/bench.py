@@ -57,18 +57,22 @@ def local_stack(model: str, *, jobs: bool = False) -> Iterator[str]:
             redis.stop()
 
 
+async def request_result(client: httpx.AsyncClient, prompt: str, max_tokens: int, model: str | None = None) -> dict:
+    """Submit one greedy request and long-poll until its final result."""
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, **({"model": model} if model else {})}
+    rid = (await client.post("/v1/requests", json=body)).json()["id"]
+    while True:
+        result = (await client.get(f"/v1/requests/{rid}", params={"wait": 60})).json()
+        if result["status"] not in ("queued", "running"):
+            return result
+
+
 async def _through_api(url: str, prompts: list[str], max_tokens: int) -> tuple[float, int]:
     async with httpx.AsyncClient(base_url=url, timeout=600) as client:
         t0 = time.perf_counter()
 
         async def one(prompt: str) -> int:
-            r = await client.post("/v1/requests", json={"prompt": prompt, "max_tokens": max_tokens,
-                                                         "temperature": 0.0})
-            rid = r.json()["id"]
-            while True:
-                body = (await client.get(f"/v1/requests/{rid}", params={"wait": 30})).json()
-                if body["status"] not in ("queued", "running"):
-                    return body["output"]["num_output_tokens"]
+            return (await request_result(client, prompt, max_tokens))["output"]["num_output_tokens"]
 
         tokens = sum(await asyncio.gather(*(one(p) for p in prompts)))
         return time.perf_counter() - t0, tokens
@@ -199,16 +203,8 @@ async def _burst(url: str, model: str, mode: dict, lengths: list[int]) -> dict:
         while any(w["version"] != version for w in (await client.get(f"/v1/models/{model}")).json()["workers"]):
             await asyncio.sleep(0.2)
 
-        async def one(i: int, n: int) -> dict:
-            r = await client.post("/v1/requests", json={"model": model, "prompt": PROMPTS[i], "max_tokens": n,
-                                                         "temperature": 0.0})
-            rid = r.json()["id"]
-            while True:
-                body = (await client.get(f"/v1/requests/{rid}", params={"wait": 60})).json()
-                if body["status"] not in ("queued", "running"):
-                    return body
-
-        results = await asyncio.gather(*(one(i, n) for i, n in enumerate(lengths)))
+        results = await asyncio.gather(*(request_result(client, PROMPTS[i], n, model)
+                                         for i, n in enumerate(lengths)))
     latencies = sorted(r["timings"]["finished"] - r["timings"]["enqueued"] for r in results)
     span = max(r["timings"]["finished"] for r in results) - min(r["timings"]["enqueued"] for r in results)
     tokens = sum(r["output"]["num_output_tokens"] for r in results)
@@ -258,13 +254,8 @@ async def _interactive_latencies(url: str, model: str, n: int, max_tokens: int) 
     async with httpx.AsyncClient(base_url=url, timeout=900) as client:
         async def one(i: int) -> float:
             async with sem:
-                r = await client.post("/v1/requests", json={"model": model, "prompt": PROMPTS[i % len(PROMPTS)],
-                                                             "max_tokens": max_tokens, "temperature": 0.0})
-                rid = r.json()["id"]
-                while True:
-                    body = (await client.get(f"/v1/requests/{rid}", params={"wait": 60})).json()
-                    if body["status"] not in ("queued", "running"):
-                        return body["timings"]["finished"] - body["timings"]["enqueued"]
+                t = (await request_result(client, PROMPTS[i % len(PROMPTS)], max_tokens, model))["timings"]
+                return t["finished"] - t["enqueued"]
 
         return sorted(await asyncio.gather(*(one(i) for i in range(n))))
 
