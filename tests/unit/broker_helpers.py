@@ -1,0 +1,92 @@
+"""Shared helpers of the broker unit tests (a private Redis from tests/conftest.py)."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+from redis.asyncio import Redis
+
+from sluice.broker.admission import Admission
+from sluice.broker.consumer import Delivery, StreamConsumer
+from sluice.broker.keys import GROUP, ModelKeys
+from sluice.broker.messages import (
+    FinalResult,
+    RequestMessage,
+    RowOutput,
+    SamplingSpec,
+    State,
+    Usage,
+)
+from sluice.config.settings import Settings
+
+MODEL = "t"
+KEYS = ModelKeys(MODEL)
+
+
+def message(*, deadline_in: float = 60.0, lane: str = "interactive", rows: int = 1) -> RequestMessage:
+    now = time.time()
+    return RequestMessage(
+        id=f"req-{uuid.uuid4().hex}",
+        model=MODEL,
+        rows=[{"prompt": f"hello {i}", "max_tokens": 4} for i in range(rows)],
+        sampling=SamplingSpec(max_tokens=4, seed=7),
+        enqueued_at=now,
+        deadline=now + deadline_in,
+        lane=lane,
+    )
+
+
+def admission(redis: Redis, settings: Settings) -> Admission:
+    return Admission(redis, status_ttl_s=settings.status_ttl_s, reply_ttl_s=settings.reply_ttl_s,
+                     cancel_ttl_s=settings.cancel_ttl_s)
+
+
+def consumer(redis: Redis, settings: Settings, name: str = "w1") -> StreamConsumer:
+    return StreamConsumer(redis, MODEL, name, status_ttl_s=settings.status_ttl_s,
+                          reply_ttl_s=settings.reply_ttl_s, log_max_len=settings.log_max_len)
+
+
+async def ready_consumer(redis: Redis, settings: Settings, name: str = "w1") -> StreamConsumer:
+    c = consumer(redis, settings, name)
+    await c.ensure_groups()
+    return c
+
+
+async def submit_n(adm: Admission, n: int, **kw) -> list[RequestMessage]:
+    out = []
+    for _ in range(n):
+        m = message(**kw)
+        await adm.submit(m, max_queued=1000)
+        out.append(m)
+    return out
+
+
+async def pending(redis: Redis, stream: str = KEYS.requests) -> list[dict]:
+    return await redis.xpending_range(stream, GROUP, "-", "+", 100)
+
+
+async def replies(redis: Redis, rid: str) -> list[tuple[str, dict]]:
+    return await redis.xrange(KEYS.reply(rid))
+
+
+def done_result(text: str = " tok tok") -> FinalResult:
+    return FinalResult(status=State.DONE, output=RowOutput(text=text, num_output_tokens=2,
+                                                           finish_reason="length"),
+                       usage=Usage(prompt_tokens=2, completion_tokens=2))
+
+
+async def fetch_one(c: StreamConsumer) -> Delivery:
+    (d,) = await c.fetch(1, 1000)
+    return d
+
+
+async def assert_request_keys_expire(redis: Redis) -> None:
+    """Every key but the model's request streams (and the group they carry) has a TTL."""
+    without_ttl = []
+    async for key in redis.scan_iter("*"):
+        if key in (KEYS.requests, KEYS.bulk):
+            continue
+        if await redis.ttl(key) <= 0:
+            without_ttl.append(key)
+    assert without_ttl == []

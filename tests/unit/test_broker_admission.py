@@ -1,0 +1,169 @@
+"""Admission, cancel and the model registry against a real Redis."""
+
+from __future__ import annotations
+
+import pytest
+from redis.asyncio import Redis
+
+from sluice.broker.admission import QueueFull
+from sluice.broker.keys import MODELS
+from sluice.broker.messages import (
+    FinalResult,
+    RequestMessage,
+    State,
+)
+from sluice.broker.registry import ModelRegistry
+from sluice.config.batching import ContinuousBatchingConfig, DynamicBatchingConfig
+from sluice.config.model import ModelConfig
+from sluice.config.settings import Settings
+from tests.unit.broker_helpers import (
+    KEYS,
+    MODEL,
+    admission,
+    assert_request_keys_expire,
+    done_result,
+    fetch_one,
+    message,
+    pending,
+    ready_consumer,
+    replies,
+    submit_n,
+)
+
+# -- admission --------------------------------------------------------------------------------
+
+
+async def test_submit_enqueues_and_creates_a_queued_status(redis: Redis, settings: Settings) -> None:
+    adm = admission(redis, settings)
+    m = message()
+    entry = await adm.submit(m, max_queued=10)
+    assert await redis.xlen(KEYS.requests) == 1
+    assert await redis.xlen(KEYS.bulk) == 0
+    (got_id, fields), = await redis.xrange(KEYS.requests)
+    assert got_id == entry
+    assert RequestMessage.from_fields(fields) == m
+    status = await adm.status(MODEL, m.id)
+    assert status["state"] == "queued"
+    assert status["entry"] == entry
+    assert 0 < await redis.ttl(KEYS.status(m.id)) <= settings.status_ttl_s
+    assert await adm.find_model(m.id, ["other", MODEL]) == MODEL
+    assert await adm.find_model("req-unknown", ["other", MODEL]) is None
+
+
+async def test_bulk_requests_go_to_the_bulk_stream(redis: Redis, settings: Settings) -> None:
+    adm = admission(redis, settings)
+    await adm.submit(message(lane="bulk"), max_queued=10)
+    assert await redis.xlen(KEYS.bulk) == 1
+    assert await redis.xlen(KEYS.requests) == 0
+
+
+async def test_submit_refuses_at_the_bound(redis: Redis, settings: Settings) -> None:
+    adm = admission(redis, settings)
+    for _ in range(3):
+        await adm.submit(message(), max_queued=3)
+    refused = message()
+    with pytest.raises(QueueFull):
+        await adm.submit(refused, max_queued=3)
+    assert await redis.xlen(KEYS.requests) == 3
+    assert await adm.status(MODEL, refused.id) == {}
+
+
+async def test_pending_entries_count_toward_the_bound_until_committed(
+        redis: Redis, settings: Settings) -> None:
+    adm = admission(redis, settings)
+    await adm.submit(message(), max_queued=1)
+    c = await ready_consumer(redis, settings)
+    d = await fetch_one(c)
+    with pytest.raises(QueueFull):  # fetched but not finished: still counts
+        await adm.submit(message(), max_queued=1)
+    assert await c.start(d) == "run"
+    assert await c.commit(d, done_result())
+    await adm.submit(message(), max_queued=1)
+
+
+# -- cancel -----------------------------------------------------------------------------------
+
+
+async def test_cancel_of_a_queued_request_ends_it_at_once(redis: Redis, settings: Settings) -> None:
+    adm = admission(redis, settings)
+    (m,) = await submit_n(adm, 1)
+    assert await adm.cancel(MODEL, m.id) == "cancelled"
+    status = await adm.status(MODEL, m.id)
+    assert status["state"] == "cancelled"
+    events = await replies(redis, m.id)
+    assert [f["kind"] for _, f in events] == ["final"]
+    assert FinalResult.model_validate_json(events[0][1]["data"]).status is State.CANCELLED
+    await assert_request_keys_expire(redis)
+
+    # the worker that later fetches it drops it without running it or writing again
+    c = await ready_consumer(redis, settings)
+    d = await fetch_one(c)
+    assert await c.start(d) == "final"
+    assert await redis.xlen(KEYS.requests) == 0
+    assert await pending(redis) == []
+    assert len(await replies(redis, m.id)) == 1
+    # a second cancel reports the final state and changes nothing
+    assert await adm.cancel(MODEL, m.id) == "cancelled"
+    assert len(await replies(redis, m.id)) == 1
+
+
+async def test_cancel_of_a_running_request_sets_the_flag(redis: Redis, settings: Settings) -> None:
+    adm = admission(redis, settings)
+    (m,) = await submit_n(adm, 1)
+    c = await ready_consumer(redis, settings)
+    d = await fetch_one(c)
+    assert await c.start(d) == "run"
+    assert await adm.cancel(MODEL, m.id) == "cancelling"
+    assert (await adm.status(MODEL, m.id))["state"] == "running"
+    assert 0 < await redis.ttl(KEYS.cancel(m.id)) <= settings.cancel_ttl_s
+    assert await c.cancelled([m.id, "req-other"]) == {m.id}
+    assert await replies(redis, m.id) == []
+
+
+async def test_cancel_of_a_finished_or_unknown_request(redis: Redis, settings: Settings) -> None:
+    adm = admission(redis, settings)
+    (m,) = await submit_n(adm, 1)
+    c = await ready_consumer(redis, settings)
+    d = await fetch_one(c)
+    assert await c.start(d) == "run"
+    assert await c.commit(d, done_result())
+    assert await adm.cancel(MODEL, m.id) == "done"
+    assert await redis.exists(KEYS.cancel(m.id)) == 0
+    assert await adm.cancel(MODEL, "req-unknown") is None
+
+
+# -- model registry ---------------------------------------------------------------------------
+
+
+async def test_deploy_versions_changed_deployments_only(redis: Redis) -> None:
+    registry = ModelRegistry(redis)
+    base = ModelConfig(name="m")
+    assert (await registry.deploy(base)).version == 1
+    assert (await registry.deploy(base)).version == 1
+    assert (await registry.deploy(base.model_copy(update={"version": 9}))).version == 1
+
+    changed = ModelConfig(name="m", continuous_batching_config=ContinuousBatchingConfig(
+        max_concurrent_batch_size=8))
+    v2 = await registry.deploy(changed)
+    assert v2.version == 2
+    assert v2.continuous.max_concurrent_batch_size == 8
+    assert (await registry.deploy(changed)).version == 2
+
+    kept = await registry.deploy(
+        ModelConfig(name="m", dynamic_batching_config=DynamicBatchingConfig()), keep_existing=True)
+    assert kept == v2
+    assert await registry.get("m") == v2
+
+    # another model is versioned on its own; keep_existing stores a model not yet there
+    other = await registry.deploy(ModelConfig(name="n", batch_config="single"), keep_existing=True)
+    assert other.version == 1
+    assert [m.name for m in await registry.all()] == ["m", "n"]
+    assert await registry.get("absent") is None
+    assert await redis.hlen(MODELS) == 2
+
+
+async def test_back_to_an_earlier_deployment_is_a_new_version(redis: Redis) -> None:
+    registry = ModelRegistry(redis)
+    a = ModelConfig(name="m")
+    b = ModelConfig(name="m", batch_config="single")
+    assert [(await registry.deploy(x)).version for x in (a, b, a)] == [1, 2, 3]

@@ -1,0 +1,309 @@
+"""The stream consumer: groups and names, fetch, the start guard, commit and lease."""
+
+from __future__ import annotations
+
+import json
+
+from redis.asyncio import Redis
+
+from sluice.broker.keys import GROUP
+from sluice.broker.messages import (
+    FinalResult,
+)
+from sluice.config.settings import Settings
+from tests.unit.broker_helpers import (
+    KEYS,
+    MODEL,
+    admission,
+    assert_request_keys_expire,
+    consumer,
+    done_result,
+    fetch_one,
+    message,
+    pending,
+    ready_consumer,
+    replies,
+    submit_n,
+)
+
+# -- consumer groups and names ----------------------------------------------------------------
+
+
+async def test_ensure_groups_is_idempotent_and_starts_at_the_beginning(
+        redis: Redis, settings: Settings) -> None:
+    adm = admission(redis, settings)
+    (m,) = await submit_n(adm, 1)  # enqueued before any worker created the group
+    c = consumer(redis, settings)
+    await c.ensure_groups()
+    await c.ensure_groups()
+    for stream in (KEYS.requests, KEYS.bulk):
+        groups = await redis.xinfo_groups(stream)
+        assert [g["name"] for g in groups] == [GROUP]
+    assert [d.message.id for d in await c.fetch(5, 100)] == [m.id]
+
+
+async def test_claim_name_takes_the_next_free_suffix(redis: Redis, settings: Settings) -> None:
+    a, b, c = (consumer(redis, settings, "gpu0") for _ in range(3))
+    assert await a.claim_name(10) == "gpu0"
+    assert await b.claim_name(10) == "gpu0-1"
+    assert await c.claim_name(10) == "gpu0-2"
+    assert (a.consumer, b.consumer, c.consumer) == ("gpu0", "gpu0-1", "gpu0-2")
+    assert await redis.pttl(KEYS.consumer_lock("gpu0")) > 0
+    await a.release_name()
+    again = consumer(redis, settings, "gpu0")
+    assert await again.claim_name(10) == "gpu0"
+
+
+async def test_release_name_leaves_another_holders_lock(redis: Redis, settings: Settings) -> None:
+    a = consumer(redis, settings, "gpu0")
+    assert await a.claim_name(10) == "gpu0"
+    impostor = consumer(redis, settings, "gpu0")  # same name, never claimed it
+    await impostor.release_name()
+    assert await redis.exists(KEYS.consumer_lock("gpu0")) == 1
+
+
+# -- fetch ------------------------------------------------------------------------------------
+
+
+async def test_fetch_returns_at_most_count_in_order(redis: Redis, settings: Settings) -> None:
+    adm = admission(redis, settings)
+    sent = [m.id for m in await submit_n(adm, 5)]
+    c = await ready_consumer(redis, settings)
+    batches = [await c.fetch(2, 100) for _ in range(4)]
+    assert [len(b) for b in batches] == [2, 2, 1, 0]
+    got = [d.message.id for b in batches for d in b]
+    assert got == sent
+    assert all(d.attempt == 1 for b in batches for d in b)
+    assert await c.fetch(0, 100) == []
+
+
+async def test_fetch_takes_interactive_before_bulk(redis: Redis, settings: Settings) -> None:
+    adm = admission(redis, settings)
+    bulk = [m.id for m in await submit_n(adm, 2, lane="bulk")]
+    interactive = [m.id for m in await submit_n(adm, 2)]
+    c = await ready_consumer(redis, settings)
+    first = await c.fetch(4, 100)
+    assert [d.message.id for d in first] == interactive
+    assert all(d.stream == KEYS.requests for d in first)
+    second = await c.fetch(4, 100)
+    assert [d.message.id for d in second] == bulk
+    assert all(d.stream == KEYS.bulk for d in second)
+
+
+async def test_a_restarted_consumer_rereads_its_pending_entries_once(
+        redis: Redis, settings: Settings) -> None:
+    adm = admission(redis, settings)
+    sent = [m.id for m in await submit_n(adm, 3)]
+    before = await ready_consumer(redis, settings, "w1")
+    assert [d.message.id for d in await before.fetch(3, 100)] == sent
+    later = await submit_n(adm, 1)
+
+    after = await ready_consumer(redis, settings, "w1")  # the same worker, restarted
+    again = await after.fetch(2, 100)
+    again += await after.fetch(2, 100)
+    assert [d.message.id for d in again] == sent
+    assert all(d.attempt == 2 for d in again)
+    # then new entries, and never the old ones a second time
+    rest = await after.fetch(10, 100)
+    assert [d.message.id for d in rest] == [later[0].id]
+    assert rest[0].attempt == 1
+    assert await after.fetch(10, 100) == []
+
+
+async def test_another_consumer_does_not_see_foreign_pending_entries(
+        redis: Redis, settings: Settings) -> None:
+    adm = admission(redis, settings)
+    await submit_n(adm, 2)
+    w1 = await ready_consumer(redis, settings, "w1")
+    assert len(await w1.fetch(2, 100)) == 2
+    w2 = await ready_consumer(redis, settings, "w2")
+    assert await w2.fetch(5, 100) == []
+
+
+# -- start (the guard) ------------------------------------------------------------------------
+
+
+async def test_start_marks_the_request_running(redis: Redis, settings: Settings) -> None:
+    adm = admission(redis, settings)
+    (m,) = await submit_n(adm, 1)
+    c = await ready_consumer(redis, settings)
+    d = await fetch_one(c)
+    assert await c.start(d) == "run"
+    status = await adm.status(MODEL, m.id)
+    assert status["state"] == "running"
+    assert status["worker"] == "w1"
+    assert status["attempt"] == "1"
+    assert await redis.ttl(KEYS.status(m.id)) > 0
+    assert await redis.xlen(KEYS.requests) == 1  # still there until committed
+    assert [p["consumer"] for p in await pending(redis)] == ["w1"]
+
+
+async def _assert_finished_by_guard(redis: Redis, rid: str, state: str) -> None:
+    events = await replies(redis, rid)
+    assert len(events) == 1
+    assert events[0][1]["kind"] == "final"
+    final = FinalResult.model_validate_json(events[0][1]["data"])
+    assert final.status.value == state
+    assert final.error
+    status = await redis.hgetall(KEYS.status(rid))
+    assert status["state"] == state
+    assert FinalResult.model_validate_json(status["result"]) == final
+    assert await redis.xlen(KEYS.requests) == 0
+    assert await pending(redis) == []
+    await assert_request_keys_expire(redis)
+
+
+async def test_start_skips_a_cancelled_request(redis: Redis, settings: Settings) -> None:
+    adm = admission(redis, settings)
+    (m,) = await submit_n(adm, 1)
+    c = await ready_consumer(redis, settings)
+    d = await fetch_one(c)
+    await redis.set(KEYS.cancel(m.id), "1", ex=60)
+    assert await c.start(d) == "cancelled"
+    await _assert_finished_by_guard(redis, m.id, "cancelled")
+
+
+async def test_start_skips_an_expired_request(redis: Redis, settings: Settings) -> None:
+    adm = admission(redis, settings)
+    m = message(deadline_in=-1.0)
+    await adm.submit(m, max_queued=10)
+    c = await ready_consumer(redis, settings)
+    d = await fetch_one(c)
+    assert await c.start(d) == "expired"
+    await _assert_finished_by_guard(redis, m.id, "expired")
+
+
+async def test_start_is_fenced_for_an_entry_owned_by_another_consumer(
+        redis: Redis, settings: Settings) -> None:
+    adm = admission(redis, settings)
+    (m,) = await submit_n(adm, 1)
+    c = await ready_consumer(redis, settings)
+    d = await fetch_one(c)
+    await redis.xclaim(KEYS.requests, GROUP, "w2", 0, [d.entry_id], justid=True)
+    assert await c.start(d) == "fenced"
+    assert (await adm.status(MODEL, m.id))["state"] == "queued"
+    assert await replies(redis, m.id) == []
+    assert [p["consumer"] for p in await pending(redis)] == ["w2"]
+
+
+async def test_start_skips_an_already_final_request(redis: Redis, settings: Settings) -> None:
+    adm = admission(redis, settings)
+    (m,) = await submit_n(adm, 1)
+    w1 = await ready_consumer(redis, settings, "w1")
+    d = await fetch_one(w1)
+    assert await w1.start(d) == "run"
+    assert await w1.commit(d, done_result())
+    # a stale copy of the same request (e.g. redelivered before the commit) is not run again
+    await redis.xadd(KEYS.requests, m.to_fields())
+    w2 = await ready_consumer(redis, settings, "w2")
+    d2 = await fetch_one(w2)
+    assert await w2.start(d2) == "final"
+    assert await redis.xlen(KEYS.requests) == 0
+    assert await pending(redis) == []
+    assert len(await replies(redis, m.id)) == 1
+
+
+# -- commit -----------------------------------------------------------------------------------
+
+
+async def test_commit_writes_the_final_and_removes_the_entry(redis: Redis, settings: Settings) -> None:
+    adm = admission(redis, settings)
+    (m,) = await submit_n(adm, 1)
+    c = await ready_consumer(redis, settings)
+    d = await fetch_one(c)
+    assert await c.start(d) == "run"
+    result = done_result()
+    assert await c.commit(d, result) is True
+
+    events = await replies(redis, m.id)
+    assert [f["kind"] for _, f in events] == ["final"]
+    assert FinalResult.model_validate_json(events[0][1]["data"]) == result
+    status = await adm.status(MODEL, m.id)
+    assert status["state"] == "done"
+    assert FinalResult.model_validate_json(status["result"]) == result
+    assert 0 < await redis.ttl(KEYS.reply(m.id)) <= settings.reply_ttl_s
+    assert 0 < await redis.ttl(KEYS.status(m.id)) <= settings.status_ttl_s
+    assert await redis.xlen(KEYS.requests) == 0
+    assert await pending(redis) == []
+    await assert_request_keys_expire(redis)
+
+
+async def test_the_inference_log_keeps_records_in_order(redis: Redis, settings: Settings) -> None:
+    c = await ready_consumer(redis, settings)
+    records = [{"rid": "req-a", "row": 0}, {"rid": "req-b", "row": 0}, {"rid": "req-a", "row": 1}]
+    await c.append_log(records[:2])
+    await c.append_log(records[2:])
+    await c.append_log([])
+    logged = [json.loads(f["data"]) for _, f in await redis.xrange(KEYS.log)]
+    assert logged == records
+
+
+async def test_commit_by_a_fenced_out_consumer_writes_nothing(redis: Redis, settings: Settings) -> None:
+    adm = admission(redis, settings)
+    (m,) = await submit_n(adm, 1)
+    c = await ready_consumer(redis, settings)
+    d = await fetch_one(c)
+    assert await c.start(d) == "run"
+    await redis.xclaim(KEYS.requests, GROUP, "w2", 0, [d.entry_id], justid=True)
+    assert await c.commit(d, done_result()) is False
+    assert await replies(redis, m.id) == []
+    assert await redis.exists(KEYS.reply(m.id)) == 0
+    assert (await adm.status(MODEL, m.id))["state"] == "running"
+    assert await redis.xlen(KEYS.requests) == 1
+    assert [p["consumer"] for p in await pending(redis)] == ["w2"]
+
+
+async def test_a_second_commit_of_the_same_entry_writes_nothing(redis: Redis, settings: Settings) -> None:
+    adm = admission(redis, settings)
+    (m,) = await submit_n(adm, 1)
+    c = await ready_consumer(redis, settings)
+    d = await fetch_one(c)
+    assert await c.start(d) == "run"
+    assert await c.commit(d, done_result())
+    assert await c.commit(d, done_result("other")) is False
+    assert len(await replies(redis, m.id)) == 1
+
+
+# -- lease ------------------------------------------------------------------------------------
+
+
+async def test_lease_refreshes_own_entries_and_reports_lost_ones(redis: Redis, settings: Settings) -> None:
+    adm = admission(redis, settings)
+    await submit_n(adm, 3)
+    c = await ready_consumer(redis, settings, "w1")
+    ds = await c.fetch(3, 100)
+    for d in ds:
+        assert await c.start(d) == "run"
+    ids = [d.entry_id for d in ds]
+    # age every entry by 100 s (keeping its owner), then hand the middle one to w2
+    await redis.xclaim(KEYS.requests, GROUP, "w1", 0, ids, idle=100_000, justid=True)
+    await redis.xclaim(KEYS.requests, GROUP, "w2", 0, [ids[1]], idle=100_000, justid=True)
+
+    assert await c.lease(ds) == [ids[1]]
+
+    by_id = {p["message_id"]: p for p in await pending(redis)}
+    assert by_id[ids[1]]["consumer"] == "w2"  # not stolen back
+    assert by_id[ids[1]]["time_since_delivered"] >= 100_000  # and left alone
+    for eid in (ids[0], ids[2]):
+        assert by_id[eid]["consumer"] == "w1"
+        assert by_id[eid]["time_since_delivered"] < 50_000  # refreshed
+
+
+async def test_lease_reports_an_entry_no_longer_pending(redis: Redis, settings: Settings) -> None:
+    adm = admission(redis, settings)
+    await submit_n(adm, 1)
+    c = await ready_consumer(redis, settings)
+    d = await fetch_one(c)
+    await redis.xack(KEYS.requests, GROUP, d.entry_id)
+    assert await c.lease([d]) == [d.entry_id]
+    assert await pending(redis) == []
+
+
+async def test_lease_covers_both_lanes(redis: Redis, settings: Settings) -> None:
+    adm = admission(redis, settings)
+    await submit_n(adm, 1)
+    await submit_n(adm, 1, lane="bulk")
+    c = await ready_consumer(redis, settings)
+    ds = await c.fetch(1, 100) + await c.fetch(1, 100)
+    assert {d.stream for d in ds} == {KEYS.requests, KEYS.bulk}
+    assert await c.lease(ds) == []

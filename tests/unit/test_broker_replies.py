@@ -1,0 +1,176 @@
+"""Reply channels: the writer, the reader's skipping and resuming, closing under a lost cancel."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from redis.asyncio import Redis
+
+from sluice.broker.messages import (
+    DeltaEvent,
+)
+from sluice.broker.replies import ReplyWriter, read_replies, resume_index
+from sluice.config.settings import Settings
+from tests.unit.broker_helpers import (
+    KEYS,
+    MODEL,
+    admission,
+    done_result,
+    fetch_one,
+    ready_consumer,
+    submit_n,
+)
+
+# -- replies ----------------------------------------------------------------------------------
+
+
+async def _collect(redis: Redis, rid: str, **kw) -> list:
+    return [ev async for ev in read_replies(redis, MODEL, rid, block_ms=100, idle_timeout_s=10, **kw)]
+
+
+async def test_deltas_then_final_arrive_in_order(redis: Redis, settings: Settings) -> None:
+    adm = admission(redis, settings)
+    (m,) = await submit_n(adm, 1)
+    c = await ready_consumer(redis, settings)
+    d = await fetch_one(c)
+    assert await c.start(d) == "run"
+    reader = asyncio.create_task(_collect(redis, m.id))  # follows the stream as it grows
+    writer = ReplyWriter(redis, MODEL, reply_ttl_s=settings.reply_ttl_s)
+    writer.start()
+    try:
+        for i in range(5):
+            writer.delta(m.id, DeltaEvent(i=i, text=f" t{i}", token_ids=[100 + i]))
+            await asyncio.sleep(0.01)
+        await writer.flush()
+        assert 0 < await redis.ttl(KEYS.reply(m.id)) <= settings.reply_ttl_s
+        result = done_result("".join(f" t{i}" for i in range(5)))
+        assert await c.commit(d, result)
+    finally:
+        await writer.close()
+    events = await asyncio.wait_for(reader, 15)
+    assert [e.kind for e in events] == ["delta"] * 5 + ["final"]
+    assert [e.delta.i for e in events[:-1]] == [0, 1, 2, 3, 4]
+    assert "".join(e.delta.text for e in events[:-1]) == result.output.text
+    assert events[-1].final == result
+
+
+async def test_read_replies_skips_token_indices_already_delivered(redis: Redis, settings: Settings) -> None:
+    rid = "req-retried"
+    writer = ReplyWriter(redis, MODEL, reply_ttl_s=settings.reply_ttl_s)
+    chunks = [(0, [1, 2]), (2, [3]), (3, [4, 5])]
+    # attempt 1 wrote everything but died before its commit; attempt 2 (same seed) repeats it
+    for attempt in (1, 2):
+        for i, ids in chunks:
+            writer.delta(rid, DeltaEvent(i=i, text=f"<{i}>", token_ids=ids, attempt=attempt))
+            await writer.flush()  # one entry per delta (a buffer's contiguous deltas are joined)
+    # and goes one token further before the final
+    writer.delta(rid, DeltaEvent(i=5, text="<5>", token_ids=[6], attempt=2))
+    await writer.flush()
+    await redis.xadd(KEYS.reply(rid), {"kind": "final", "data": done_result().model_dump_json()})
+    assert await redis.xlen(KEYS.reply(rid)) == 8
+
+    events = await _collect(redis, rid)
+    deltas = [e.delta for e in events if e.kind == "delta"]
+    assert [(d.i, d.attempt) for d in deltas] == [(0, 1), (2, 1), (3, 1), (5, 2)]
+    assert [t for d in deltas for t in d.token_ids] == [1, 2, 3, 4, 5, 6]
+    assert events[-1].kind == "final"
+
+
+async def test_read_replies_keeps_rows_apart(redis: Redis, settings: Settings) -> None:
+    rid = "req-rows"
+    writer = ReplyWriter(redis, MODEL, reply_ttl_s=settings.reply_ttl_s)
+    for _attempt in range(2):
+        for i in range(3):
+            for row in (0, 1):
+                writer.delta(rid, DeltaEvent(i=i, text="x", token_ids=[i], row=row))
+                await writer.flush()
+    await redis.xadd(KEYS.reply(rid), {"kind": "final", "data": done_result().model_dump_json()})
+    events = await _collect(redis, rid)
+    got = sorted((e.delta.row, e.delta.i) for e in events if e.kind == "delta")
+    assert got == [(row, i) for row in (0, 1) for i in range(3)]
+
+
+async def test_reading_resumes_after_a_given_event(redis: Redis, settings: Settings) -> None:
+    rid = "req-resume"
+    writer = ReplyWriter(redis, MODEL, reply_ttl_s=settings.reply_ttl_s)
+    for i in range(4):
+        writer.delta(rid, DeltaEvent(i=i, text=f"<{i}>", token_ids=[i]))
+        await writer.flush()
+    await redis.xadd(KEYS.reply(rid), {"kind": "final", "data": done_result().model_dump_json()})
+    first = await _collect(redis, rid)
+    last_seen = first[1].entry_id  # the client saw tokens 0 and 1, then lost the connection
+    assert await resume_index(redis, MODEL, rid, last_seen) == 2
+    rest = await _collect(redis, rid, after=last_seen, next_index=2)
+    assert [e.delta.i for e in rest if e.kind == "delta"] == [2, 3]
+    assert rest[-1].kind == "final"
+
+
+async def test_buffered_contiguous_deltas_are_joined(redis: Redis, settings: Settings) -> None:
+    rid = "req-joined"
+    writer = ReplyWriter(redis, MODEL, reply_ttl_s=settings.reply_ttl_s)
+    for i in range(3):
+        writer.delta(rid, DeltaEvent(i=i, text=f"<{i}>", token_ids=[i]))
+    writer.delta(rid, DeltaEvent(i=0, text="r1", token_ids=[7], row=1))
+    writer.delta(rid, DeltaEvent(i=5, text="<5>", token_ids=[5]))  # not contiguous: kept apart
+    await writer.flush()
+    entries = [DeltaEvent.model_validate_json(f["data"]) for _, f in await redis.xrange(KEYS.reply(rid))]
+    assert [(e.row, e.i, e.text, e.token_ids) for e in entries] == [
+        (0, 0, "<0><1><2>", [0, 1, 2]), (1, 0, "r1", [7]), (0, 5, "<5>", [5])]
+
+
+async def test_read_replies_gives_up_after_the_idle_timeout(redis: Redis) -> None:
+    events = [ev async for ev in read_replies(redis, MODEL, "req-silent", block_ms=50, idle_timeout_s=0.2)]
+    assert events == []
+
+
+class _LosesFirstCancel:
+    """A client whose first pipeline write loses a cancel, as redis-py 8 can on Python 3.11
+    (asyncio.wait_for around the socket write returns its result when the cancel and the
+    end of the write meet, CPython gh-86296)."""
+
+    def __init__(self, redis: Redis) -> None:
+        self.redis = redis
+        self.entered = asyncio.Event()
+        self.swallowed: list[bool] = []
+
+    def pipeline(self, **kw):
+        return _Pipeline(self, self.redis.pipeline(**kw))
+
+
+class _Pipeline:
+    def __init__(self, owner: _LosesFirstCancel, real) -> None:
+        self.owner, self.real = owner, real
+
+    async def __aenter__(self) -> _Pipeline:
+        await self.real.__aenter__()
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.real.__aexit__(*exc)
+
+    def __getattr__(self, name: str):
+        return getattr(self.real, name)
+
+    async def execute(self):
+        if not self.owner.swallowed:
+            self.owner.entered.set()
+            try:
+                await asyncio.sleep(3600)  # the write in flight when the writer is closed
+            except asyncio.CancelledError:
+                self.owner.swallowed.append(True)
+        return await self.real.execute()
+
+
+async def test_closing_the_reply_writer_survives_a_lost_cancel(redis: Redis, settings: Settings) -> None:
+    client = _LosesFirstCancel(redis)
+    writer = ReplyWriter(client, MODEL, reply_ttl_s=settings.reply_ttl_s)  # type: ignore[arg-type]
+    writer.start()
+    writer.delta("req-w", DeltaEvent(i=0, text="a", token_ids=[1]))
+    await asyncio.wait_for(client.entered.wait(), 5)
+    try:
+        await asyncio.wait_for(writer.close(), 3)
+    except TimeoutError:
+        pytest.fail("ReplyWriter.close() did not return within 3 s: its task lost its cancel")
+    assert client.swallowed == [True]
+    assert await redis.xlen(KEYS.reply("req-w")) == 1
