@@ -32,9 +32,6 @@ from sluice.config.model import ModelConfig
 
 router = APIRouter(prefix="/v1", tags=["openai"])
 
-_background: set[asyncio.Task] = set()
-
-
 async def _enqueue_choices(s: ApiState, model: ModelConfig, body: SamplingBody,
                            rows: list[dict[str, Any]]) -> list[RequestMessage]:
     bad = body.unsupported()
@@ -116,9 +113,7 @@ def _stream(s: ApiState, model: str, messages: list[RequestMessage], chunk, incl
                 r.cancel()
             if len(finished) < len(messages):  # the client went away: free the engine
                 for m in messages:
-                    task = asyncio.create_task(s.admission.cancel(model, m.id))
-                    _background.add(task)
-                    task.add_done_callback(_background.discard)
+                    s.cancel_soon(model, m.id)
 
     return EventSourceResponse(events(), ping=15)
 

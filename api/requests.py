@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 from collections.abc import AsyncIterator
 
@@ -16,10 +15,6 @@ from sluice.api.state import ApiState, new_request_id, state
 from sluice.broker.replies import read_replies, resume_index
 
 router = APIRouter(prefix="/v1/requests", tags=["requests"])
-
-# Disconnect-triggered cancels outlive the request task that started them.
-_background: set[asyncio.Task] = set()
-
 
 @router.post("", status_code=202, response_model=Submitted)
 async def submit(
@@ -110,8 +105,6 @@ async def events(rid: str, request: Request, s: ApiState = Depends(state)) -> Ev
                            "data": final.model_dump_json(exclude_none=True)}
         finally:
             if not finished:
-                task = asyncio.create_task(s.admission.cancel(model, rid))
-                _background.add(task)
-                task.add_done_callback(_background.discard)
+                s.cancel_soon(model, rid)
 
     return EventSourceResponse(stream(), ping=15)

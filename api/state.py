@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import secrets
 import time
 import uuid
@@ -23,6 +24,9 @@ from sluice.broker.notifications import DoneListener
 from sluice.broker.registry import ModelRegistry, WorkerRegistry
 from sluice.config.model import ModelConfig
 from sluice.config.settings import Settings
+
+# Cancels started by cancel_soon, kept referenced until they finish.
+_cancels: set[asyncio.Task] = set()
 
 
 def new_request_id() -> str:
@@ -131,6 +135,12 @@ class ApiState:
                 if status.get("state") in TERMINAL_STATES or remaining <= 0:
                     return status
                 await self.done.wait(done, remaining)
+
+    def cancel_soon(self, model: str, rid: str) -> None:
+        """Cancel from a request task that is itself being torn down (a client went away)."""
+        task = asyncio.create_task(self.admission.cancel(model, rid))
+        _cancels.add(task)
+        task.add_done_callback(_cancels.discard)
 
     async def model_of(self, rid: str) -> str:
         model = await self.admission.find_model(rid, list(await self.deployed()))

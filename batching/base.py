@@ -6,8 +6,8 @@ import abc
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
-from typing import Generic, Protocol, TypeVar
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any, Generic, Protocol, TypeVar
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +68,11 @@ class BatchingPolicy(abc.ABC, Generic[T]):
     async def run(self, source: Source[T], handle: Handler[T], stopping: asyncio.Event) -> None: ...
 
     def _launch(self, handle: Handler[T], batch: list[T]) -> asyncio.Task[None]:
-        task = asyncio.create_task(handle(batch))
+        return self._track(handle(batch))
+
+    def _track(self, work: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
+        """Run `work` as a batch task: counted in flight, waited for by drain()."""
+        task = asyncio.create_task(work)
         self._running.add(task)
         task.add_done_callback(self._finished)
         return task

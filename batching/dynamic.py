@@ -87,15 +87,13 @@ class DynamicBatcher(BatchingPolicy[T]):
             if fetching is not None:
                 self._arrived(await fetching)
             if self.pending:
-                self._launch(self._run_rest(handle), [])
+                self._track(self._run_rest(handle))
 
     def _arrived(self, items: list[T]) -> None:
         now = self.clock.now()
         self.pending.extend((now, item) for item in items)
 
-    def _run_rest(self, handle: Handler[T]) -> Handler[T]:
-        async def rest(_: list[T]) -> None:
-            while self.pending:
-                await handle(self.take())
-
-        return rest
+    async def _run_rest(self, handle: Handler[T]) -> None:
+        """After a stop: the fetched requests, batch after batch."""
+        while self.pending:
+            await handle(self.take())

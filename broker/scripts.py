@@ -9,8 +9,13 @@ from redis.asyncio import Redis
 from redis.commands.core import AsyncScript
 
 
-def _source(name: str) -> str:
+def _read(name: str) -> str:
     return resources.files("sluice.broker").joinpath(f"lua/{name}.lua").read_text()
+
+
+def _source(name: str) -> str:
+    """A script with the shared functions of lua/_lib.lua in front (Redis scripts cannot import)."""
+    return _read("_lib") + "\n" + _read(name)
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,7 @@ import httpx
 import typer
 
 from sluice.broker.embedded import EmbeddedRedis, free_port
+from sluice.cli.loadgen import p50_p99
 from sluice.cli.processes import stop_processes, wait_ready
 from sluice.config.model import load_models
 from sluice.config.settings import Settings
@@ -95,7 +96,9 @@ async def _direct(engine, prompts: list[str], max_tokens: int) -> tuple[float, i
     return time.perf_counter() - t0, tokens
 
 
-def _direct_engine(settings: Settings, model_name: str | None):
+def direct_engine(settings: Settings, model_name: str | None):
+    """The baseline: AsyncLLMEngine in this process, with the deployment's engine options.
+    Create it inside the event loop that uses it (its output handler lives there)."""
     from vllm import AsyncEngineArgs, AsyncLLMEngine
 
     from sluice.workers.engines.vllm import engine_args
@@ -110,7 +113,7 @@ def _direct_engine(settings: Settings, model_name: str | None):
 
 async def _direct_round(settings: Settings, model: str | None, prompts: list[str], max_tokens: int):
     # The engine's output handler lives on the running loop: create, use and shut it down in one.
-    m, engine = _direct_engine(settings, model)
+    m, engine = direct_engine(settings, model)
     try:
         await _direct(engine, prompts[:2], 4)  # warm-up
         secs, toks = await _direct(engine, prompts, max_tokens)
@@ -209,11 +212,8 @@ async def _burst(url: str, model: str, mode: dict, lengths: list[int]) -> dict:
     span = max(r["timings"]["finished"] for r in results) - min(r["timings"]["enqueued"] for r in results)
     tokens = sum(r["output"]["num_output_tokens"] for r in results)
 
-    def pct(p: float) -> float:
-        return latencies[min(len(latencies) - 1, int(p * len(latencies)))]
-
-    return {"requests": len(results), "output_tokens": tokens, "tok_s": tokens / span,
-            "p50_s": statistics.median(latencies), "p99_s": pct(0.99), "wall_s": span}
+    return {"requests": len(results), "output_tokens": tokens, "tok_s": tokens / span, **p50_p99(latencies),
+            "wall_s": span}
 
 
 @bench_app.command("modes")
@@ -260,10 +260,6 @@ async def _interactive_latencies(url: str, model: str, n: int, max_tokens: int) 
         return sorted(await asyncio.gather(*(one(i) for i in range(n))))
 
 
-def _pcts(xs: list[float]) -> dict[str, float]:
-    return {"p50_s": statistics.median(xs), "p99_s": xs[min(len(xs) - 1, int(0.99 * len(xs)))]}
-
-
 @bench_app.command("bulk")
 def bulk(
     rows: int = typer.Option(1000, help="Rows in the bulk job."),
@@ -297,7 +293,7 @@ def bulk(
         "rows": rows, "max_tokens": max_tokens, "status": batch["status"], "wall_s": wall,
         "rows_per_s": batch["request_counts"]["completed"] / wall,
         "output_tok_s": batch["usage"]["output_tokens"] / wall,
-        "interactive_alone": _pcts(alone), "interactive_during_job": _pcts(during),
+        "interactive_alone": p50_p99(alone), "interactive_during_job": p50_p99(during),
     }
     typer.echo(json.dumps(figures, indent=2))
     if out:

@@ -8,7 +8,6 @@ import asyncio
 import contextlib
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -22,6 +21,7 @@ import typer
 
 from sluice.broker.embedded import EmbeddedRedis, free_port
 from sluice.cli.bench import bench_app
+from sluice.cli.loadgen import p50_p99
 from sluice.cli.processes import stop_processes, wait_ready
 
 MODELS = "models:\n  - name: echo\n    continuous_batching_config: {max_concurrent_batch_size: 256}\n"
@@ -104,8 +104,7 @@ def _celery_round_trips(redis_url: str, n: int, concurrency: int) -> tuple[float
 
 
 def _stats(wall: float, lat: list[float], n: int) -> dict:
-    return {"round_trips_per_s": n / wall, "latency_p50_ms": statistics.median(lat) * 1e3,
-            "latency_p99_ms": lat[min(len(lat) - 1, int(0.99 * len(lat)))] * 1e3}
+    return {"round_trips_per_s": n / wall, **{f"latency_{k}": v for k, v in p50_p99(lat, "ms", 1e3).items()}}
 
 
 @bench_app.command("queue")

@@ -12,7 +12,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from sluice.cli.bench import bench_app, local_stack
+from sluice.cli.bench import bench_app, direct_engine, local_stack
 from sluice.cli.loadgen import drive, engine_sender, make_jobs, openai_sender, sluice_sender, summarize
 from sluice.config.model import load_models
 from sluice.config.settings import Settings
@@ -40,15 +40,7 @@ async def _levels_run(send, levels: list[float], by: str, n: int, words, outputs
 
 
 async def _engine_levels(settings: Settings, model: str | None, *args) -> list[dict]:
-    from vllm import AsyncEngineArgs, AsyncLLMEngine
-
-    from sluice.workers.engines.vllm import engine_args
-    from sluice.workers.model_prep import resolve_model_path
-
-    models = load_models(settings.models_file)
-    m = next((x for x in models if x.name == model), models[0])
-    kwargs, _ = engine_args(resolve_model_path(m.path, settings.cache_dir), m.framework_config)
-    engine = AsyncLLMEngine.from_engine_args(AsyncEngineArgs(**kwargs))
+    _, engine = direct_engine(settings, model)
     try:
         return await _levels_run(engine_sender(engine), *args)
     finally:

@@ -71,11 +71,16 @@ async def drive(send: Send, jobs: list[Job], *, rate: float | None, poisson: boo
     return list(records), time.perf_counter() - t0
 
 
-def _pct(xs: list[float], p: float) -> float | None:
+def percentile(xs: list[float], p: float) -> float | None:
+    """The p-th percentile (nearest rank), None for no data."""
     if not xs:
         return None
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(round(p / 100 * (len(xs) - 1))))]
+
+
+def p50_p99(xs: list[float], unit: str = "s", scale: float = 1.0) -> dict[str, float | None]:
+    return {f"p{p}_{unit}": (v * scale if (v := percentile(xs, p)) is not None else None) for p in (50, 99)}
 
 
 def summarize(records: list[Record], wall: float, *, slo_ttft_s: float, slo_tpot_s: float) -> dict:
@@ -93,7 +98,7 @@ def summarize(records: list[Record], wall: float, *, slo_ttft_s: float, slo_tpot
                  "output_token_throughput": sum(r.output_tokens for r in ok) / wall,
                  "goodput": len(good) / wall, "slo": {"ttft_s": slo_ttft_s, "tpot_s": slo_tpot_s}}
     for name, xs in (("ttft", ttft), ("tpot", tpot), ("itl", itl), ("queue_wait", queue), ("e2e", e2e)):
-        out[name] = {f"p{p}": _pct(xs, p) for p in (50, 90, 99)} | {"mean": statistics.fmean(xs) if xs else None}
+        out[name] = {f"p{p}": percentile(xs, p) for p in (50, 90, 99)} | {"mean": statistics.fmean(xs) if xs else None}
     return out
 
 

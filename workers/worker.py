@@ -88,6 +88,7 @@ class Worker:
         self._switch = asyncio.Event()  # stops the current policy for a new version or shutdown
         self._closing = asyncio.Event()  # ends the background duties
         self._batches = 0
+        self._counted = (0, 0)  # the consumer's reclaims and dead letters already in the metrics
         self._background: list[asyncio.Task] = []
 
     # -- the Source the batching policy pulls from
@@ -289,10 +290,10 @@ class Worker:
 
     def _sync_metrics(self) -> None:
         metrics.RUNNING.labels(self.model.name, self.name).set(len(self.running))
-        for counter, total, attr in ((metrics.RECLAIMS, self.consumer.reclaimed, "_reclaimed_seen"),
-                                     (metrics.DEAD_LETTERS, self.consumer.dead_lettered, "_dead_seen")):
-            counter.labels(self.model.name).inc(total - getattr(self, attr, 0))
-            setattr(self, attr, total)
+        reclaimed, dead = self.consumer.reclaimed, self.consumer.dead_lettered
+        metrics.RECLAIMS.labels(self.model.name).inc(reclaimed - self._counted[0])
+        metrics.DEAD_LETTERS.labels(self.model.name).inc(dead - self._counted[1])
+        self._counted = (reclaimed, dead)
 
     async def _heartbeat(self) -> None:
         self._sync_metrics()

@@ -10,14 +10,8 @@ if state ~= 'queued' and state ~= 'running' then
 end
 redis.call('SET', KEYS[2], '1', 'EX', ARGV[2])
 if state == 'queued' then
-  local final = cjson.encode({status = 'cancelled', error = 'cancelled by the client',
-    timings = {enqueued = tonumber(redis.call('HGET', KEYS[1], 'enqueued_at')),
-               finished = tonumber(ARGV[1])}})
-  redis.call('XADD', KEYS[3], '*', 'kind', 'final', 'data', final)
-  redis.call('EXPIRE', KEYS[3], ARGV[4])
-  redis.call('HSET', KEYS[1], 'state', 'cancelled', 'result', final, 'finished_at', ARGV[1])
-  redis.call('EXPIRE', KEYS[1], ARGV[3])
-  redis.call('PUBLISH', ARGV[5], ARGV[6])
+  local final = bare_final(KEYS[1], 'cancelled', 'cancelled by the client', nil, ARGV[1])
+  write_final(KEYS[1], KEYS[3], 'cancelled', final, ARGV[1], ARGV[3], ARGV[4], ARGV[5], ARGV[6])
   return 'cancelled'
 end
 return 'cancelling'

@@ -3,8 +3,7 @@
 -- KEYS: stream   ARGV: group, consumer, entry ids...   Returns the ids this consumer lost.
 local lost = {}
 for i = 3, #ARGV do
-  local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1)
-  if #p == 1 and p[1][2] == ARGV[2] then
+  if owns(KEYS[1], ARGV[1], ARGV[i], ARGV[2]) then
     redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, ARGV[i], 'JUSTID')
   else
     lost[#lost + 1] = ARGV[i]

@@ -43,6 +43,17 @@ def wait_batch(client: openai.OpenAI, batch_id: str, until: set[str], timeout_s:
         time.sleep(0.2)
 
 
+def start_batch(client: openai.OpenAI, n: int, *, max_tokens: int, running: int):
+    """Upload n lines, create the batch, and return once `running` rows have completed."""
+    f = client.files.create(file=("in.jsonl", io.BytesIO(batch_file(n, max_tokens=max_tokens))), purpose="batch")
+    batch = client.batches.create(input_file_id=f.id, endpoint="/v1/completions", completion_window="24h")
+    deadline = time.monotonic() + 60
+    while client.batches.retrieve(batch.id).request_counts.completed < running:
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    return batch
+
+
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NullStack]:
     with null_stack(tmp_path_factory.mktemp("bat"), MODELS, MODEL, jobs=True, SLUICE_NULL_TOKEN_DELAY_S="0.01",
@@ -85,12 +96,7 @@ def test_bad_batches_are_refused(sdk: openai.OpenAI) -> None:
 
 
 def test_cancel_a_running_batch(sdk: openai.OpenAI) -> None:
-    f = sdk.files.create(file=("in.jsonl", io.BytesIO(batch_file(200, max_tokens=40))), purpose="batch")
-    batch = sdk.batches.create(input_file_id=f.id, endpoint="/v1/completions", completion_window="24h")
-    deadline = time.monotonic() + 60
-    while sdk.batches.retrieve(batch.id).request_counts.completed < 10:
-        assert time.monotonic() < deadline
-        time.sleep(0.1)
+    batch = start_batch(sdk, 200, max_tokens=40, running=10)
     assert sdk.batches.cancel(batch.id).status == "cancelling"
     batch = wait_batch(sdk, batch.id, {"cancelled", "completed"})
     assert batch.status == "cancelled"
@@ -100,12 +106,7 @@ def test_cancel_a_running_batch(sdk: openai.OpenAI) -> None:
 
 
 def test_the_job_survives_a_killed_celery_worker(stack: NullStack, sdk: openai.OpenAI) -> None:
-    f = sdk.files.create(file=("in.jsonl", io.BytesIO(batch_file(120, max_tokens=20))), purpose="batch")
-    batch = sdk.batches.create(input_file_id=f.id, endpoint="/v1/completions", completion_window="24h")
-    deadline = time.monotonic() + 60
-    while sdk.batches.retrieve(batch.id).request_counts.completed < 10:
-        assert time.monotonic() < deadline
-        time.sleep(0.1)
+    batch = start_batch(sdk, 120, max_tokens=20, running=10)
     stack.procs["jobs"].send_signal(signal.SIGKILL)  # mid-job
     stack.procs["jobs"].wait(10)
     stack.procs["jobs"] = subprocess.Popen([sys.executable, "-m", "sluice.cli", "jobs"], env=stack.env)

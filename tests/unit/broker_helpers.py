@@ -90,3 +90,13 @@ async def assert_request_keys_expire(redis: Redis) -> None:
         if await redis.ttl(key) <= 0:
             without_ttl.append(key)
     assert without_ttl == []
+
+
+async def running_request(redis: Redis, settings: Settings, name: str = "w1"):
+    """One request admitted, fetched by consumer `name` and started: (admission, message, consumer, delivery)."""
+    adm = admission(redis, settings)
+    (m,) = await submit_n(adm, 1)
+    c = await ready_consumer(redis, settings, name)
+    d = await fetch_one(c)
+    assert await c.start(d) == "run"
+    return adm, m, c, d

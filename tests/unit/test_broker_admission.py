@@ -27,6 +27,7 @@ from tests.unit.broker_helpers import (
     pending,
     ready_consumer,
     replies,
+    running_request,
     submit_n,
 )
 
@@ -108,11 +109,7 @@ async def test_cancel_of_a_queued_request_ends_it_at_once(redis: Redis, settings
 
 
 async def test_cancel_of_a_running_request_sets_the_flag(redis: Redis, settings: Settings) -> None:
-    adm = admission(redis, settings)
-    (m,) = await submit_n(adm, 1)
-    c = await ready_consumer(redis, settings)
-    d = await fetch_one(c)
-    assert await c.start(d) == "run"
+    adm, m, c, d = await running_request(redis, settings)
     assert await adm.cancel(MODEL, m.id) == "cancelling"
     assert (await adm.status(MODEL, m.id))["state"] == "running"
     assert 0 < await redis.ttl(KEYS.cancel(m.id)) <= settings.cancel_ttl_s
@@ -121,11 +118,7 @@ async def test_cancel_of_a_running_request_sets_the_flag(redis: Redis, settings:
 
 
 async def test_cancel_of_a_finished_or_unknown_request(redis: Redis, settings: Settings) -> None:
-    adm = admission(redis, settings)
-    (m,) = await submit_n(adm, 1)
-    c = await ready_consumer(redis, settings)
-    d = await fetch_one(c)
-    assert await c.start(d) == "run"
+    adm, m, c, d = await running_request(redis, settings)
     assert await c.commit(d, done_result())
     assert await adm.cancel(MODEL, m.id) == "done"
     assert await redis.exists(KEYS.cancel(m.id)) == 0

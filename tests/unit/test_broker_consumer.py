@@ -23,6 +23,7 @@ from tests.unit.broker_helpers import (
     pending,
     ready_consumer,
     replies,
+    running_request,
     submit_n,
 )
 
@@ -124,11 +125,7 @@ async def test_another_consumer_does_not_see_foreign_pending_entries(
 
 
 async def test_start_marks_the_request_running(redis: Redis, settings: Settings) -> None:
-    adm = admission(redis, settings)
-    (m,) = await submit_n(adm, 1)
-    c = await ready_consumer(redis, settings)
-    d = await fetch_one(c)
-    assert await c.start(d) == "run"
+    adm, m, c, d = await running_request(redis, settings)
     status = await adm.status(MODEL, m.id)
     assert status["state"] == "running"
     assert status["worker"] == "w1"
@@ -207,11 +204,7 @@ async def test_start_skips_an_already_final_request(redis: Redis, settings: Sett
 
 
 async def test_commit_writes_the_final_and_removes_the_entry(redis: Redis, settings: Settings) -> None:
-    adm = admission(redis, settings)
-    (m,) = await submit_n(adm, 1)
-    c = await ready_consumer(redis, settings)
-    d = await fetch_one(c)
-    assert await c.start(d) == "run"
+    adm, m, c, d = await running_request(redis, settings)
     result = done_result()
     assert await c.commit(d, result) is True
 
@@ -239,11 +232,7 @@ async def test_the_inference_log_keeps_records_in_order(redis: Redis, settings: 
 
 
 async def test_commit_by_a_fenced_out_consumer_writes_nothing(redis: Redis, settings: Settings) -> None:
-    adm = admission(redis, settings)
-    (m,) = await submit_n(adm, 1)
-    c = await ready_consumer(redis, settings)
-    d = await fetch_one(c)
-    assert await c.start(d) == "run"
+    adm, m, c, d = await running_request(redis, settings)
     await redis.xclaim(KEYS.requests, GROUP, "w2", 0, [d.entry_id], justid=True)
     assert await c.commit(d, done_result()) is False
     assert await replies(redis, m.id) == []
@@ -254,11 +243,7 @@ async def test_commit_by_a_fenced_out_consumer_writes_nothing(redis: Redis, sett
 
 
 async def test_a_second_commit_of_the_same_entry_writes_nothing(redis: Redis, settings: Settings) -> None:
-    adm = admission(redis, settings)
-    (m,) = await submit_n(adm, 1)
-    c = await ready_consumer(redis, settings)
-    d = await fetch_one(c)
-    assert await c.start(d) == "run"
+    adm, m, c, d = await running_request(redis, settings)
     assert await c.commit(d, done_result())
     assert await c.commit(d, done_result("other")) is False
     assert len(await replies(redis, m.id)) == 1

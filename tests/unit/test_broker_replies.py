@@ -15,11 +15,8 @@ from sluice.config.settings import Settings
 from tests.unit.broker_helpers import (
     KEYS,
     MODEL,
-    admission,
     done_result,
-    fetch_one,
-    ready_consumer,
-    submit_n,
+    running_request,
 )
 
 # -- replies ----------------------------------------------------------------------------------
@@ -30,11 +27,7 @@ async def _collect(redis: Redis, rid: str, **kw) -> list:
 
 
 async def test_deltas_then_final_arrive_in_order(redis: Redis, settings: Settings) -> None:
-    adm = admission(redis, settings)
-    (m,) = await submit_n(adm, 1)
-    c = await ready_consumer(redis, settings)
-    d = await fetch_one(c)
-    assert await c.start(d) == "run"
+    adm, m, c, d = await running_request(redis, settings)
     reader = asyncio.create_task(_collect(redis, m.id))  # follows the stream as it grows
     writer = ReplyWriter(redis, MODEL, reply_ttl_s=settings.reply_ttl_s)
     writer.start()

@@ -79,3 +79,12 @@ def test_docker_compose_config_accepts_the_files() -> None:
         args = [a for f in files for a in ("-f", str(ROOT / f))]
         done = subprocess.run([docker, "compose", *args, "config", "--quiet"], capture_output=True, text=True)
         assert done.returncode == 0, done.stderr
+
+
+def test_compose_build_args_are_declared_in_the_dockerfile() -> None:
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    args = compose()["x-sluice"]["build"]["args"]
+    for name in args:
+        assert re.search(rf"^ARG {name}\b", dockerfile, re.M), name
+    for variant in ("cpu", "gpu"):
+        assert f"AS base-{variant}" in dockerfile

@@ -1,0 +1,29 @@
+-- Shared by the scripts below (Scripts.register prepends it): ownership, acknowledgement,
+-- and writing a request's final event and status in one place.
+
+-- Whether `consumer` owns pending entry `id` (otherwise it has been fenced out).
+local function owns(stream, group, id, consumer)
+  local p = redis.call('XPENDING', stream, group, id, id, 1)
+  return #p == 1 and p[1][2] == consumer
+end
+
+local function ack_and_delete(stream, group, id)
+  redis.call('XACK', stream, group, id)
+  redis.call('XDEL', stream, id)
+end
+
+-- The final event on the reply stream, the status hash, both with their TTLs, and the
+-- announcement that wakes long-polling readers.
+local function write_final(status, reply, state, final, now, status_ttl, reply_ttl, channel, rid)
+  redis.call('XADD', reply, '*', 'kind', 'final', 'data', final)
+  redis.call('EXPIRE', reply, reply_ttl)
+  redis.call('HSET', status, 'state', state, 'result', final, 'finished_at', now)
+  redis.call('EXPIRE', status, status_ttl)
+  redis.call('PUBLISH', channel, rid)
+end
+
+-- A final without output (cancelled, expired, failed), timed from the status hash.
+local function bare_final(status, state, err, attempt, now)
+  return cjson.encode({status = state, error = err, attempt = attempt,
+    timings = {enqueued = tonumber(redis.call('HGET', status, 'enqueued_at')), finished = tonumber(now)}})
+end
