@@ -13,18 +13,26 @@ log = logging.getLogger(__name__)
 
 
 class Item(Protocol):
-    """Something to run: a request of one or more rows (never split)."""
+    """Something to run: a request of one or more rows (never split).
+
+    An `isolated` item (a redelivered request that may have crashed its last worker) runs in
+    quarantine: in a batch of its own, at most one at a time, so that a crash is charged to
+    it alone."""
 
     @property
     def rows(self) -> int: ...
+
+    @property
+    def isolated(self) -> bool: ...
 
 
 T = TypeVar("T", bound=Item)
 
 
 class Source(Protocol[T]):
-    async def fetch(self, count: int, timeout_s: float) -> list[T]:
-        """Up to `count` items, waiting at most `timeout_s` for the first one."""
+    async def fetch(self, count: int, timeout_s: float, isolated: int) -> list[T]:
+        """Up to `count` items, of which at most `isolated` isolated ones, waiting at most
+        `timeout_s` for the first one."""
         ...
 
 

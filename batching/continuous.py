@@ -9,12 +9,14 @@ from sluice.config.batching import ContinuousBatchingConfig
 
 
 class ContinuousAdmission(BatchingPolicy[T]):
-    """Up to `max_concurrent_batch_size` single-row requests in the engine at once."""
+    """Up to `max_concurrent_batch_size` single-row requests in the engine at once, one of
+    the slots at most taken by an isolated request (the quarantine slot)."""
 
     def __init__(self, config: ContinuousBatchingConfig, *, poll_s: float = 0.5):
         super().__init__()
         self.config = config
         self.poll_s = poll_s
+        self._quarantine: set[asyncio.Task[None]] = set()
 
     @property
     def capacity(self) -> int:
@@ -26,5 +28,8 @@ class ContinuousAdmission(BatchingPolicy[T]):
             if free <= 0:
                 await self._wait_freed_or(stopping)
                 continue
-            for item in await source.fetch(free, self.poll_s):
-                self._launch(handle, [item])
+            for item in await source.fetch(free, self.poll_s, 0 if self._quarantine else 1):
+                task = self._launch(handle, [item])
+                if item.isolated:
+                    self._quarantine.add(task)
+                    task.add_done_callback(self._quarantine.discard)

@@ -5,7 +5,9 @@
 - a batch never holds more than `batch_size_limit` rows; a multi-row request is never
   split: if it does not fit, it waits for the next batch (FIFO is kept, nothing overtakes);
 - the next batch is released only when the current one is done; meanwhile only what the
-  next batch can take is fetched.
+  next batch can take is fetched;
+- an isolated request (redelivered: it may be what crashed its last worker) is a batch of
+  its own, released as soon as it reaches the head of the queue; at most one waits at a time.
 """
 
 from __future__ import annotations
@@ -34,20 +36,27 @@ class DynamicBatcher(BatchingPolicy[T]):
     def pending_rows(self) -> int:
         return sum(item.rows for _, item in self.pending)
 
+    @property
+    def isolated_pending(self) -> bool:
+        return any(item.isolated for _, item in self.pending)
+
     def ready(self, now: float) -> bool:
         if not self.pending:
             return False
-        if self.pending_rows >= self.config.batch_size_target:
-            return True
+        if self.pending_rows >= self.config.batch_size_target or self.isolated_pending:
+            return True  # an isolated request ends the batch before it (or is one): nothing to wait for
         return now - self.pending[0][0] >= self.config.max_batch_delay_ms / 1000
 
     def take(self) -> list[T]:
-        """The longest FIFO prefix that fits the limit (the first item always goes)."""
+        """The longest FIFO prefix that fits the limit (the first item always goes), up to the
+        first isolated item; an isolated item at the head goes alone."""
         limit = self.config.batch_size_limit
         batch: list[T] = []
         rows = 0
         while self.pending:
             item = self.pending[0][1]
+            if batch and (item.isolated or batch[0].isolated):
+                break
             if batch and limit is not None and rows + item.rows > limit:
                 break
             self.pending.popleft()
@@ -66,7 +75,8 @@ class DynamicBatcher(BatchingPolicy[T]):
                     continue
                 room = self.capacity - self.pending_rows
                 if fetching is None and room > 0:
-                    fetching = asyncio.ensure_future(source.fetch(room, self.poll_s))
+                    isolated = 0 if self.isolated_pending else 1
+                    fetching = asyncio.ensure_future(source.fetch(room, self.poll_s, isolated))
                 waits: set[asyncio.Future] = {stop_wait, *self._running}
                 if fetching is not None:
                     waits.add(fetching)

@@ -18,21 +18,32 @@ from sluice.broker.scripts import Scripts
 
 log = logging.getLogger(__name__)
 
-StartDecision = Literal["run", "final", "cancelled", "expired", "fenced"]
+StartDecision = Literal["run", "final", "duplicate", "cancelled", "expired", "fenced"]
 
 
 @dataclass
 class Delivery:
-    """One fetched stream entry."""
+    """One fetched stream entry, held (and leased) by `consumer` from its fetch to its commit."""
 
     stream: str
     entry_id: str
     message: RequestMessage
+    consumer: str
     attempt: int = 1
 
     @property
     def rows(self) -> int:
         return len(self.message.rows)
+
+    @property
+    def isolated(self) -> bool:
+        """A redelivered entry may be the one that brought its last worker down: it runs alone
+        (in the quarantine slot), so that a crash is charged to it and to nothing beside it."""
+        return self.attempt > 1
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return self.stream, self.entry_id
 
 
 class StreamConsumer:
@@ -47,6 +58,7 @@ class StreamConsumer:
         log_max_len: int,
         lease_timeout_s: float = 30.0,
         max_deliveries: int = 3,
+        dlq_max_len: int = 10_000,
     ):
         self.redis = redis
         self.keys = ModelKeys(model)
@@ -57,8 +69,9 @@ class StreamConsumer:
         self.log_max_len = log_max_len
         self.lease_timeout_s = lease_timeout_s
         self.max_deliveries = max_deliveries
+        self.dlq_max_len = dlq_max_len
         self._token = uuid.uuid4().hex
-        self._next_reclaim = 0.0
+        self.held: dict[tuple[str, str], Delivery] = {}
         self.reclaimed = 0  # running totals, for the worker's metrics
         self.dead_lettered = 0
         # Own pending entries are re-read once after a (re)start, following a cursor.
@@ -105,49 +118,51 @@ class StreamConsumer:
                 if "BUSYGROUP" not in str(err):
                     raise
 
-    async def fetch(self, count: int, block_ms: int) -> list[Delivery]:
-        """Own pending entries first (after a restart), then new ones, at most `count`."""
-        if count <= 0:
-            return []
-        out: list[Delivery] = []
-        for stream, cursor in list(self._pending_cursor.items()):
-            if len(out) >= count:
-                return out
-            pending = await self.redis.xreadgroup(
-                GROUP, self.consumer, {stream: cursor}, count=count - len(out)
-            )
-            entries = pending[0][1] if pending else []
-            if entries:
-                self._pending_cursor[stream] = entries[-1][0]
-            else:
-                del self._pending_cursor[stream]
-            out.extend(await self._deliveries(stream, entries, redelivered=True))
-        if out:
-            return out
-        out = await self._reclaim(count)
-        if out:
-            return out
+    async def fetch(self, count: int, block_ms: int, *, isolated: int = 1) -> list[Delivery]:
+        """At most `count` entries, of which at most `isolated` redelivered ones: first own
+        pending entries (after a restart), then entries whose lease expired elsewhere, then
+        new ones. What is returned is held, and leased by lease_held(), until released."""
+        out = await self._redelivered(min(count, isolated)) if count > 0 else []
+        if out or count <= 0:
+            return self._hold(out)
         # Interactive first, then bulk, without blocking; then block on the interactive lane
         # alone (one stream: COUNT bounds the whole read, so nothing is taken that cannot start;
         # a bulk row arriving meanwhile waits at most block_ms).
         for stream in self.streams:
             got = await self.redis.xreadgroup(GROUP, self.consumer, {stream: ">"}, count=count)
             if got:
-                return await self._deliveries(stream, got[0][1], redelivered=False)
+                return self._hold(await self._deliveries(stream, got[0][1], redelivered=False))
         got = await self.redis.xreadgroup(
             GROUP, self.consumer, {self.keys.requests: ">"}, count=count, block=block_ms
         )
-        return await self._deliveries(self.keys.requests, got[0][1], redelivered=False) if got else []
+        return self._hold(await self._deliveries(self.keys.requests, got[0][1], redelivered=False) if got else [])
 
-    async def _reclaim(self, count: int) -> list[Delivery]:
-        """Take over entries idle past the lease timeout (their worker stopped renewing):
-        XAUTOCLAIM, following the cursor, at most `count`, every half lease timeout."""
-        now = time.monotonic()
-        if now < self._next_reclaim:
-            return []
-        self._next_reclaim = now + self.lease_timeout_s / 2
-        min_idle = int(self.lease_timeout_s * 1000)
+    def _hold(self, deliveries: list[Delivery]) -> list[Delivery]:
+        for d in deliveries:
+            self.held[d.key] = d
+        return deliveries
+
+    def release(self, d: Delivery) -> None:
+        """The entry is committed, skipped or lost: no longer this worker's to lease."""
+        self.held.pop(d.key, None)
+
+    async def _redelivered(self, count: int) -> list[Delivery]:
+        """Own pending entries left by a previous run of this worker (read once after a start,
+        following a cursor), then entries idle past the lease timeout anywhere (XAUTOCLAIM).
+        Runs before every read of new entries: a dead worker's requests are taken over as
+        fast as quarantine slots free up, not at a fixed rate."""
         out: list[Delivery] = []
+        for stream, cursor in list(self._pending_cursor.items()):
+            if len(out) >= count:
+                return out
+            pending = await self.redis.xreadgroup(GROUP, self.consumer, {stream: cursor}, count=count - len(out))
+            entries = pending[0][1] if pending else []
+            if entries:
+                self._pending_cursor[stream] = entries[-1][0]
+            else:
+                del self._pending_cursor[stream]
+            out.extend(await self._deliveries(stream, entries, redelivered=True))
+        min_idle = int(self.lease_timeout_s * 1000)
         for stream in self.streams:
             cursor = "0-0"
             while len(out) < count:
@@ -162,13 +177,16 @@ class StreamConsumer:
                     break
         return out
 
-    async def dead_letter(self, d: Delivery, error: str) -> bool:
-        rid = d.message.id
-        return bool(await self.scripts.dead_letter(
-            keys=[d.stream, self.keys.dead_letters, self.keys.status(rid), self.keys.reply(rid)],
-            args=[GROUP, self.consumer, d.entry_id, rid, d.message.model_dump_json(), error, d.attempt,
-                  time.time(), self.status_ttl_s, self.reply_ttl_s, DONE_CHANNEL],
-        ))
+    async def dead_letter(self, stream: str, entry_id: str, rid: str, data: str, error: str, attempts: int) -> bool:
+        written = await self.scripts.dead_letter(
+            keys=[stream, self.keys.dead_letters, self.keys.status(rid), self.keys.reply(rid)],
+            args=[GROUP, self.consumer, entry_id, rid, data, error, attempts, time.time(), self.status_ttl_s,
+                  self.reply_ttl_s, DONE_CHANNEL, self.dlq_max_len],
+        )
+        if written == 1:
+            self.dead_lettered += 1
+            log.error("request %s moved to the dead-letter stream: %s", rid, error)
+        return written == 1
 
     async def _deliveries(self, stream: str, entries: list, *, redelivered: bool) -> list[Delivery]:
         out = []
@@ -176,44 +194,67 @@ class StreamConsumer:
             if not fields:  # deleted after delivery: nothing to run
                 await self.redis.xack(stream, GROUP, entry_id)
                 continue
+            if (stream, entry_id) in self.held:  # ours already (our own lease ran late): keep it once
+                continue
             try:
                 message = RequestMessage.from_fields(fields)
             except (ValueError, KeyError) as err:
-                log.error("dropping malformed entry %s on %s: %s", entry_id, stream, err)
-                await self.redis.xack(stream, GROUP, entry_id)
-                await self.redis.xdel(stream, entry_id)
+                await self._unreadable(stream, entry_id, fields, err)
                 continue
-            attempt = 1
+            attempt, charges = 1, 0
             if redelivered:
-                info = await self.redis.xpending_range(stream, GROUP, entry_id, entry_id, 1)
-                attempt = int(info[0]["times_delivered"]) if info else 1
-            d = Delivery(stream, entry_id, message, attempt)
-            if attempt > self.max_deliveries:
-                error = (f"no result after {attempt - 1} deliveries: the worker running it "
+                attempt, charges = await self._history(stream, entry_id, message.id)
+            if redelivered and charges >= self.max_deliveries - 1:
+                error = (f"no result after {charges + 1} deliveries: the worker running it "
                          f"stopped or crashed each time")
-                if await self.dead_letter(d, error):
-                    self.dead_lettered += 1
-                    log.error("request %s moved to the dead-letter stream: %s", message.id, error)
+                await self.dead_letter(stream, entry_id, message.id, message.model_dump_json(), error, charges + 1)
                 continue
-            out.append(d)
+            out.append(Delivery(stream, entry_id, message, self.consumer, attempt))
         return out
+
+    async def _history(self, stream: str, entry_id: str, rid: str) -> tuple[int, int]:
+        """The entry's delivery count, and how many of its runs were quarantined (charged)."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.xpending_range(stream, GROUP, entry_id, entry_id, 1)
+            pipe.hget(self.keys.status(rid), "charges")
+            info, charges = await pipe.execute()
+        return (int(info[0]["times_delivered"]) if info else 1), int(charges or 0)
+
+    async def _unreadable(self, stream: str, entry_id: str, fields: dict[str, str], err: Exception) -> None:
+        """An entry that does not parse still ends: `failed`, naming why, found by the request id
+        stored beside the payload; the raw payload goes to the dead-letter stream."""
+        rid = fields.get("id")
+        error = f"the request could not be read by worker {self.consumer}: {type(err).__name__}: {err}"[:2000]
+        log.error("entry %s on %s (request %s) cannot be read: %s", entry_id, stream, rid, err)
+        if rid:
+            await self.dead_letter(stream, entry_id, rid, fields.get("data", ""), error, 1)
+        else:  # nobody to tell: keep it for the operator, off the stream
+            await self.redis.xadd(self.keys.dead_letters, {"id": "", "data": json.dumps(fields), "error": error},
+                                  maxlen=self.dlq_max_len, approximate=True)
+            await self.redis.xack(stream, GROUP, entry_id)
+            await self.redis.xdel(stream, entry_id)
 
     async def start(self, d: Delivery) -> StartDecision:
         rid = d.message.id
         return await self.scripts.start(
             keys=[d.stream, self.keys.status(rid), self.keys.cancel(rid), self.keys.reply(rid)],
             args=[GROUP, self.consumer, d.entry_id, time.time(), d.message.deadline, d.attempt,
-                  self.status_ttl_s, self.reply_ttl_s, DONE_CHANNEL, rid],
+                  self.status_ttl_s, self.reply_ttl_s, DONE_CHANNEL, rid, int(d.isolated)],
         )
 
-    async def lease(self, deliveries: list[Delivery]) -> list[str]:
-        """Refresh the leases of running entries; returns entry ids this consumer has lost."""
-        lost: list[str] = []
+    async def lease_held(self) -> list[Delivery]:
+        """Refresh the lease of every held entry, waiting or running; returns the held entries
+        this consumer has lost (they are released)."""
         by_stream: dict[str, list[str]] = {}
-        for d in deliveries:
-            by_stream.setdefault(d.stream, []).append(d.entry_id)
+        for stream, entry_id in list(self.held):
+            by_stream.setdefault(stream, []).append(entry_id)
+        lost: list[Delivery] = []
         for stream, ids in by_stream.items():
-            lost.extend(await self.scripts.lease(keys=[stream], args=[GROUP, self.consumer, *ids]))
+            for i in range(0, len(ids), 500):
+                for entry_id in await self.scripts.lease(keys=[stream], args=[GROUP, self.consumer, *ids[i:i + 500]]):
+                    d = self.held.pop((stream, entry_id), None)
+                    if d is not None:
+                        lost.append(d)
         return lost
 
     async def commit(self, d: Delivery, result: FinalResult) -> bool:
@@ -224,10 +265,13 @@ class StreamConsumer:
             args=[GROUP, self.consumer, d.entry_id, result.status.value, result.model_dump_json(exclude_none=True),
                   time.time(), self.status_ttl_s, self.reply_ttl_s, DONE_CHANNEL, rid],
         )
+        self.release(d)
         if not written:
             log.warning("request %s: entry %s was reclaimed by another worker; result dropped",
                         rid, d.entry_id)
-        return bool(written)
+        elif written == 2:
+            log.info("request %s was final already (cancelled or expired meanwhile): acknowledged", rid)
+        return written == 1
 
     async def append_log(self, records: list[dict]) -> None:
         """The inference log, in the order rows were batched; bounded (approximate MAXLEN)."""

@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 
+from pydantic import ValidationError
 from redis.asyncio import Redis
 
 from sluice.broker.keys import ModelKeys
 from sluice.broker.messages import RequestMessage
+from sluice.broker.scripts import Scripts
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -19,19 +24,23 @@ class DeadLetter:
     attempts: int
     failed_at: float
     stream: str
-    message: RequestMessage
+    message: RequestMessage | None  # None: the entry could not be read (kept raw in `data`)
+    data: str = ""
 
 
 class DeadLetters:
-    def __init__(self, redis: Redis, model: str):
+    def __init__(self, redis: Redis, model: str, *, status_ttl_s: int = 86400):
         self.redis = redis
         self.keys = ModelKeys(model)
+        self.scripts = Scripts.register(redis)
+        self.status_ttl_s = status_ttl_s
 
     async def list(self, count: int = 1000) -> list[DeadLetter]:
         entries = await self.redis.xrange(self.keys.dead_letters, count=count)
         return [
-            DeadLetter(eid, f["id"], f.get("error", ""), int(f.get("attempts", 0)), float(f.get("failed_at", 0)),
-                       f.get("stream", self.keys.requests), RequestMessage.model_validate_json(f["data"]))
+            DeadLetter(eid, f.get("id", ""), f.get("error", ""), int(f.get("attempts", 0)),
+                       float(f.get("failed_at", 0)), f.get("stream", self.keys.requests), _message(f.get("data", "")),
+                       f.get("data", ""))
             for eid, f in entries
         ]
 
@@ -42,21 +51,26 @@ class DeadLetters:
         wanted = set(request_ids)
         return [d for d in letters if d.request_id in wanted]
 
-    async def retry(self, request_ids: list[str] | None) -> list[str]:
+    async def retry(self, request_ids: list[str] | None, *, max_queued: int) -> list[str]:
         """Put requests back on their stream as new deliveries (a fresh deadline of the same
-        length); their status returns to queued and their old reply stream is cleared."""
+        length), within the stream's bound; their status returns to queued and their old reply
+        stream is cleared. Letters that cannot be read are left for `drop`."""
         retried = []
         for d in await self._select(request_ids):
+            if d.message is None:
+                log.warning("dead letter %s cannot be read: not retried", d.entry_id)
+                continue
             now = time.time()
             msg = d.message.model_copy(update={
                 "enqueued_at": now, "deadline": now + (d.message.deadline - d.message.enqueued_at)})
-            async with self.redis.pipeline(transaction=True) as pipe:
-                pipe.delete(self.keys.reply(d.request_id))
-                pipe.hdel(self.keys.status(d.request_id), "result", "finished_at", "started_at", "worker")
-                pipe.hset(self.keys.status(d.request_id), mapping={"state": "queued", "enqueued_at": now})
-                pipe.xadd(d.stream, msg.to_fields())
-                pipe.xdel(self.keys.dead_letters, d.entry_id)
-                await pipe.execute()
+            entry = await self.scripts.requeue(
+                keys=[d.stream, self.keys.status(d.request_id), self.keys.reply(d.request_id),
+                      self.keys.dead_letters],
+                args=[max_queued, d.request_id, msg.model_dump_json(), now, self.status_ttl_s, d.entry_id],
+            )
+            if entry is None:
+                log.warning("the stream of %s is full: the other dead letters stay", self.keys.model)
+                break
             retried.append(d.request_id)
         return retried
 
@@ -65,3 +79,10 @@ class DeadLetters:
         if letters:
             await self.redis.xdel(self.keys.dead_letters, *(d.entry_id for d in letters))
         return [d.request_id for d in letters]
+
+
+def _message(data: str) -> RequestMessage | None:
+    try:
+        return RequestMessage.model_validate_json(data)
+    except ValidationError:
+        return None

@@ -25,9 +25,13 @@ TERMINAL_STATES = frozenset(s.value for s in State if s.terminal)
 
 
 class SamplingSpec(BaseModel):
-    """Sampling parameters fixed at admission; the seed makes a retried request repeat itself."""
+    """Sampling parameters fixed at admission; the seed makes a retried request repeat itself.
 
-    model_config = ConfigDict(extra="forbid")
+    Unknown fields are ignored: an api one version ahead of its workers (a rolling upgrade)
+    may add one, and the older worker must still run the request.
+    """
+
+    model_config = ConfigDict(extra="ignore")
 
     max_tokens: int = Field(gt=0)
     temperature: float = Field(default=1.0, ge=0.0)
@@ -39,9 +43,9 @@ class SamplingSpec(BaseModel):
 
 
 class RequestMessage(BaseModel):
-    """One stream entry: a request of one or more rows."""
+    """One stream entry: a request of one or more rows (unknown fields ignored, as above)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="ignore")
 
     id: str
     model: str
@@ -103,3 +107,4 @@ class DeltaEvent(BaseModel):
     token_ids: list[int]
     attempt: int = 1
     row: int = 0
+    finish: str | None = None  # on the row's last delta: a retry resumes after it, not past it

@@ -4,13 +4,20 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
+import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from redis.asyncio import Redis
 
-from sluice.broker.keys import ModelKeys
-from sluice.broker.messages import DeltaEvent, FinalResult
+from sluice.broker.keys import GROUP, ModelKeys
+from sluice.broker.messages import TERMINAL_STATES, DeltaEvent, FinalResult
+from sluice.broker.scripts import Scripts
+
+if TYPE_CHECKING:
+    from sluice.broker.consumer import Delivery
 
 log = logging.getLogger(__name__)
 
@@ -19,14 +26,17 @@ class ReplyWriter:
     """Buffers token deltas and writes everything ready in one pipeline per flush.
 
     The engine hands out a token for many requests per step; one round trip per step
-    (instead of one per token) keeps Redis off the engine's critical path.
+    (instead of one per token) keeps Redis off the engine's critical path. Each request's
+    deltas go through reply.lua, which writes them only while the worker still owns the
+    entry: a worker fenced out while frozen cannot add tokens beside its successor's.
     """
 
     def __init__(self, redis: Redis, model: str, *, reply_ttl_s: int):
         self.redis = redis
         self.keys = ModelKeys(model)
+        self.scripts = Scripts.register(redis)
         self.reply_ttl_s = reply_ttl_s
-        self._buffer: list[tuple[str, DeltaEvent]] = []
+        self._buffer: list[tuple[Delivery, DeltaEvent]] = []
         self._ready = asyncio.Event()
         self._closing = False
         self._lock = asyncio.Lock()
@@ -35,8 +45,8 @@ class ReplyWriter:
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="reply-writer")
 
-    def delta(self, rid: str, event: DeltaEvent) -> None:
-        self._buffer.append((rid, event))
+    def delta(self, owner: Delivery, event: DeltaEvent) -> None:
+        self._buffer.append((owner, event))
         self._ready.set()
 
     async def flush(self) -> None:
@@ -46,12 +56,14 @@ class ReplyWriter:
             if not self._buffer:
                 return
             batch, self._buffer = _coalesce(self._buffer), []
+            by_entry: dict[tuple[str, str], tuple[Delivery, list[str]]] = {}
+            for d, ev in batch:
+                by_entry.setdefault((d.stream, d.entry_id), (d, []))[1].append(ev.model_dump_json(exclude_none=True))
             async with self.redis.pipeline(transaction=False) as pipe:
-                for rid, ev in batch:
-                    key = self.keys.reply(rid)
-                    pipe.xadd(key, {"kind": "delta", "data": ev.model_dump_json()})
-                    if ev.i == 0:
-                        pipe.expire(key, self.reply_ttl_s)
+                for d, events in by_entry.values():
+                    await self.scripts.reply(keys=[d.stream, self.keys.reply(d.message.id)],
+                                             args=[GROUP, d.consumer, d.entry_id, self.reply_ttl_s, *events],
+                                             client=pipe)
                 await pipe.execute()
 
     async def _run(self) -> None:
@@ -75,21 +87,51 @@ class ReplyWriter:
         await self.flush()
 
 
-def _coalesce(buffer: list[tuple[str, DeltaEvent]]) -> list[tuple[str, DeltaEvent]]:
-    """Join the buffered deltas of each (request, row) into one: when writes lag behind the
+def _coalesce(buffer: list[tuple[Delivery, DeltaEvent]]) -> list[tuple[Delivery, DeltaEvent]]:
+    """Join the buffered deltas of each (entry, row) into one: when writes lag behind the
     engine, fewer and larger entries keep Redis and the readers from falling further behind."""
-    out: list[tuple[str, DeltaEvent]] = []
-    last: dict[tuple[str, int], int] = {}  # (request, row) -> its latest position in out
-    for rid, ev in buffer:
-        at = last.get((rid, ev.row))
+    out: list[tuple[Delivery, DeltaEvent]] = []
+    last: dict[tuple[str, int], int] = {}  # (entry, row) -> its latest position in out
+    for d, ev in buffer:
+        at = last.get((d.entry_id, ev.row))
         prev = out[at][1] if at is not None else None
-        if prev is not None and prev.attempt == ev.attempt and prev.i + len(prev.token_ids) == ev.i:
-            out[at] = (rid, prev.model_copy(update={
-                "text": prev.text + ev.text, "token_ids": prev.token_ids + ev.token_ids}))
+        if prev is not None and prev.finish is None and prev.i + len(prev.token_ids) == ev.i:
+            out[at] = (d, prev.model_copy(update={
+                "text": prev.text + ev.text, "token_ids": prev.token_ids + ev.token_ids, "finish": ev.finish}))
         else:
-            last[(rid, ev.row)] = len(out)
-            out.append((rid, ev))
+            last[(d.entry_id, ev.row)] = len(out)
+            out.append((d, ev))
     return out
+
+
+@dataclass
+class Delivered:
+    """What one row's reply stream already holds: a retry continues after it."""
+
+    token_ids: list[int] = field(default_factory=list)
+    text: list[str] = field(default_factory=list)
+    finish: str | None = None
+
+
+async def delivered(redis: Redis, model: str, rid: str) -> dict[int, Delivered]:
+    """Per row, the tokens on the reply stream, contiguous from index 0 (every attempt resumed
+    from the one before, so they form one sequence; an overlap or a gap ends it)."""
+    rows: dict[int, Delivered] = {}
+    after = "-"
+    while True:
+        got = await redis.xrange(ModelKeys(model).reply(rid), min=after, count=1000)
+        for entry_id, fields in got:
+            after = f"({entry_id}"
+            if fields.get("kind") != "delta":
+                continue
+            ev = DeltaEvent.model_validate_json(fields["data"])
+            row = rows.setdefault(ev.row, Delivered())
+            if row.finish is None and ev.i == len(row.token_ids):
+                row.token_ids.extend(ev.token_ids)
+                row.text.append(ev.text)
+                row.finish = ev.finish
+        if len(got) < 1000:
+            return rows
 
 
 @dataclass
@@ -112,20 +154,34 @@ async def read_replies(
 ) -> AsyncIterator[ReplyEvent]:
     """Follow a reply stream from entry `after` until the final event.
 
+    It always ends: with the final from the reply stream, or from the status hash when the
+    reply stream holds nothing more (it expired, or `after` is the final itself); with
+    `idle_timeout_s`, after that long without an entry (no final then).
     Token deltas whose indices were already delivered (a retried attempt replays the same
     seed) are skipped, so each token reaches the reader once.
     """
-    key = ModelKeys(model).reply(rid)
+    keys = ModelKeys(model)
+    key = keys.reply(rid)
     seen = {0: next_index}  # per row: the next token index not yet delivered
-    waited = 0.0
+    quiet_since = time.monotonic()
+    block: int | None = None  # the first read does not wait: a request already final answers at once
     while True:
-        got = await redis.xread({key: after}, count=256, block=block_ms)
+        got = await redis.xread({key: after}, count=256, block=block)
         if not got:
-            waited += block_ms / 1000
-            if idle_timeout_s is not None and waited >= idle_timeout_s:
+            final = await _final_status(redis, keys.status(rid))
+            if final is not None:
+                # The final event and the status are written by one script, so once the status
+                # is final a read that still finds nothing means the reply stream lost it.
+                got = await redis.xread({key: after}, count=256)
+                if not got:
+                    yield ReplyEvent(after, "final", final=final)
+                    return
+            elif idle_timeout_s is not None and time.monotonic() - quiet_since >= idle_timeout_s:
                 return
-            continue
-        waited = 0.0
+            else:
+                block = block_ms
+                continue
+        quiet_since = time.monotonic()
         for entry_id, fields in got[0][1]:
             after = entry_id
             if fields.get("kind") == "final":
@@ -140,8 +196,21 @@ async def read_replies(
             yield ReplyEvent(entry_id, "delta", delta=ev)
 
 
+async def _final_status(redis: Redis, status_key: str) -> FinalResult | None:
+    state, result = await redis.hmget(status_key, ["state", "result"])
+    return FinalResult.model_validate_json(result) if state in TERMINAL_STATES and result else None
+
+
+_ENTRY_ID = re.compile(r"[0-9]{1,20}(-[0-9]{1,20})?")
+
+
 async def resume_index(redis: Redis, model: str, rid: str, last_id: str) -> int:
-    """The next token index after reply entry `last_id` (for SSE Last-Event-ID)."""
+    """The next token index after reply entry `last_id` (for SSE Last-Event-ID).
+
+    Raises ValueError when `last_id` is not a stream entry id (a client's header, unchecked).
+    """
+    if not _ENTRY_ID.fullmatch(last_id) or any(int(n) >= 2**64 for n in last_id.split("-")):
+        raise ValueError(f"{last_id!r} is not a stream entry id")
     key = ModelKeys(model).reply(rid)
     got = await redis.xrange(key, min=last_id, max=last_id, count=1)
     if not got:

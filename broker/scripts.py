@@ -26,6 +26,8 @@ class Scripts:
     commit: AsyncScript
     cancel: AsyncScript
     dead_letter: AsyncScript
+    reply: AsyncScript
+    requeue: AsyncScript
 
     @classmethod
     def register(cls, redis: Redis) -> Scripts:

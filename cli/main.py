@@ -9,7 +9,7 @@ from pathlib import Path
 
 import typer
 
-from sluice.cli import bench_queue, bench_serve  # noqa: F401  (add `bench serve|queue|scale`)
+from sluice.cli import bench_chaos, bench_queue, bench_serve  # noqa: F401  (add `bench chaos|serve|queue|scale`)
 from sluice.cli.batch import batch_app
 from sluice.cli.bench import bench_app
 from sluice.config.settings import Settings
@@ -46,14 +46,19 @@ def api(
     models_file: Path | None = ModelsFile,
 ) -> None:
     """Start one api process."""
+    import math
+
     import uvicorn
 
     from sluice.api.app import create_app
 
     _logging()
     settings = _settings(redis_url=redis_url, api_host=host, api_port=port, models_file=models_file)
+    # SIGTERM closes the listening socket at once; open SSE streams run on for up to
+    # shutdown_timeout_s (their own grace), and uvicorn waits a little longer so the streams,
+    # not uvicorn, end what is left (an OpenAI stream then aborts its request).
     uvicorn.run(create_app(settings), host=settings.api_host, port=settings.api_port,
-                log_level="info", timeout_graceful_shutdown=5)
+                log_level="info", timeout_graceful_shutdown=math.ceil(settings.shutdown_timeout_s) + 2)
 
 
 @app.command()
@@ -163,14 +168,25 @@ def _dead_letters(model: str, redis_url: str | None, action):
     from sluice.broker.connection import connect
     from sluice.broker.dead_letters import DeadLetters
 
+    settings = _settings(redis_url=redis_url)
+
     async def run():
-        redis = connect(_settings(redis_url=redis_url).redis_url, name="sluice-cli")
+        redis = connect(settings.redis_url, name="sluice-cli")
         try:
-            return await action(DeadLetters(redis, model))
+            return await action(DeadLetters(redis, model, status_ttl_s=settings.status_ttl_s),
+                                await _bound(redis, model, settings))
         finally:
             await redis.aclose()
 
     return asyncio.run(run())
+
+
+async def _bound(redis, model: str, settings) -> int:
+    """The model's queue bound (a retried dead letter is admitted within it like any request)."""
+    from sluice.broker.registry import ModelRegistry
+
+    deployed = await ModelRegistry(redis).get(model)
+    return (deployed.max_queued if deployed else None) or settings.max_queued
 
 
 def _selection(ids: list[str] | None, all_: bool) -> list[str] | None:
@@ -182,7 +198,7 @@ def _selection(ids: list[str] | None, all_: bool) -> list[str] | None:
 @dlq_app.command("list")
 def dlq_list(model: str = typer.Option(..., "--model"), redis_url: str | None = RedisUrl) -> None:
     """The dead-letter stream of a model: request id, deliveries, last error."""
-    letters = _dead_letters(model, redis_url, lambda d: d.list())
+    letters = _dead_letters(model, redis_url, lambda d, _: d.list())
     for d in letters:
         typer.echo(f"{d.request_id}\t{d.attempts}\t{d.error}")
     if not letters:
@@ -194,7 +210,7 @@ def dlq_retry(ids: list[str] | None = typer.Argument(None), all_: bool = typer.O
               model: str = typer.Option(..., "--model"), redis_url: str | None = RedisUrl) -> None:
     """Put dead-lettered requests back on their queue."""
     chosen = _selection(ids, all_)
-    done = _dead_letters(model, redis_url, lambda d: d.retry(chosen))
+    done = _dead_letters(model, redis_url, lambda d, bound: d.retry(chosen, max_queued=bound))
     typer.echo(f"retried {len(done)}: {' '.join(done)}")
 
 
@@ -203,7 +219,7 @@ def dlq_drop(ids: list[str] | None = typer.Argument(None), all_: bool = typer.Op
              model: str = typer.Option(..., "--model"), redis_url: str | None = RedisUrl) -> None:
     """Delete dead-lettered requests for good."""
     chosen = _selection(ids, all_)
-    done = _dead_letters(model, redis_url, lambda d: d.drop(chosen))
+    done = _dead_letters(model, redis_url, lambda d, _: d.drop(chosen))
     typer.echo(f"dropped {len(done)}: {' '.join(done)}")
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 from platformdirs import user_cache_dir, user_data_dir
 from pydantic import Field, field_validator
@@ -26,6 +26,12 @@ class Settings(BaseSettings):
     max_body_bytes: int = Field(default=8 * 1024 * 1024, gt=0)
     max_prompt_chars: int = Field(default=200_000, gt=0)
     max_wait_s: float = Field(default=300.0, gt=0)  # longest long-poll / synchronous infer
+    # Rows of one infer request; an Arrow body's columns and decoded size are checked from its
+    # metadata before anything is decompressed (a few KB of ZSTD can decode to gigabytes).
+    max_rows_per_request: int = Field(default=10_000, gt=0)
+    max_arrow_columns: int = Field(default=64, gt=0)
+    max_decoded_bytes: int = Field(default=16 * 1024 * 1024, gt=0)
+    sse_idle_timeout_s: float = Field(default=300.0, gt=0)  # an SSE stream with no event this long closes
 
     # Lifetimes of what a request leaves in Redis
     reply_ttl_s: int = Field(default=3600, gt=0)
@@ -35,6 +41,10 @@ class Settings(BaseSettings):
     # Delivery
     lease_timeout_s: float = Field(default=30.0, gt=0)
     max_deliveries: int = Field(default=3, gt=0)
+    dlq_max_len: int = Field(default=10_000, gt=0)  # dead letters kept per model (approximate MAXLEN)
+    # "strict": the embedded Redis fsyncs every write (appendfsync always) and, on a server with
+    # WAITAOF (Redis 7.2+), a 202 is given only once the admission is on disk.
+    durability: Literal["default", "strict"] = "default"
     max_queued: int = Field(default=1000, gt=0)
     request_timeout_s: float = Field(default=600.0, gt=0)
 
@@ -59,6 +69,7 @@ class Settings(BaseSettings):
     # The null engine (`sluice worker --engine null`), for tests and queue benchmarks
     null_token_delay_s: float = Field(default=0.0, ge=0)
     null_crash_on: str | None = None  # a prompt containing this kills the worker (fault tests)
+    null_composition: bool = False  # tokens depend on how many requests run at once (see NullEngine)
 
     @field_validator("api_keys", mode="before")
     @classmethod

@@ -26,7 +26,7 @@ from sluice.batching.single import SingleBatcher
 from sluice.broker.consumer import Delivery, StreamConsumer
 from sluice.broker.messages import DeltaEvent, FinalResult, RowOutput, State, Timings, Usage
 from sluice.broker.registry import ModelRegistry, WorkerInfo, WorkerRegistry
-from sluice.broker.replies import ReplyWriter
+from sluice.broker.replies import Delivered, ReplyWriter, delivered
 from sluice.config.model import BatchMode, ModelConfig
 from sluice.config.settings import Settings
 from sluice.workers import metrics
@@ -76,7 +76,7 @@ class Worker:
             redis, model.name, name,
             status_ttl_s=settings.status_ttl_s, reply_ttl_s=settings.reply_ttl_s,
             log_max_len=settings.log_max_len, lease_timeout_s=settings.lease_timeout_s,
-            max_deliveries=model.max_deliveries or settings.max_deliveries,
+            max_deliveries=model.max_deliveries or settings.max_deliveries, dlq_max_len=settings.dlq_max_len,
         )
         self.replies = ReplyWriter(redis, model.name, reply_ttl_s=settings.reply_ttl_s)
         self.workers = WorkerRegistry(redis)
@@ -92,9 +92,9 @@ class Worker:
         self._background: list[asyncio.Task] = []
 
     # -- the Source the batching policy pulls from
-    async def fetch(self, count: int, timeout_s: float) -> list[Delivery]:
+    async def fetch(self, count: int, timeout_s: float, isolated: int = 1) -> list[Delivery]:
         try:
-            return await self.consumer.fetch(count, int(timeout_s * 1000))
+            return await self.consumer.fetch(count, int(timeout_s * 1000), isolated=isolated)
         except Exception as err:
             if isinstance(err, ResponseError) and "NOGROUP" in str(err):
                 log.warning("the consumer group of %s is gone (Redis restarted without its data, or was "
@@ -119,14 +119,18 @@ class Worker:
         ]
         await self._heartbeat()
         try:
-            while True:
+            while not self.stopping.is_set():
                 log.info("worker %s serving model %s v%d (%s batching, capacity %d)", self.name,
                          self.model.name, self.model.version, self.model.mode.value, self.policy.capacity)
                 await self.policy.run(self, self._handle, self._switch)
                 if self.stopping.is_set():
                     break
-                # A new version: let the current batches finish, then switch policies.
-                await self.policy.drain(None)
+                # A new version: let the current batches finish, then switch policies. A stop
+                # that arrives meanwhile wins: the drain below then honours the shutdown timeout.
+                while self.policy.in_flight and not self.stopping.is_set():
+                    await self.policy.drain(0.2)
+                if self.stopping.is_set():
+                    break
                 self.policy = make_policy(self.model)
                 self._switch.clear()
             await self._drain()
@@ -182,9 +186,19 @@ class Worker:
             log.warning("inference log write failed: %s", err)
 
     async def _run_request(self, d: Delivery) -> list[dict]:
-        """Run one request to its commit; returns its inference-log records (one per row)."""
+        """Run one request to its commit; returns its inference-log records (one per row).
+
+        Whatever happens, the entry is released: committed, skipped, lost, or left (Redis
+        away) for its lease to lapse and a live worker to reclaim it."""
+        try:
+            return await self._start_and_run(d)
+        finally:
+            self.consumer.release(d)
+
+    async def _start_and_run(self, d: Delivery) -> list[dict]:
         rid = d.message.id
-        if rid in self.running:  # our own running entry, reclaimed back to us after a missed lease
+        if rid in self.running:  # another entry of a request running here: never run one twice
+            log.warning("request %s is running here already: entry %s left alone", rid, d.entry_id)
             return []
         decision = await self.consumer.start(d)
         if decision != "run":
@@ -196,7 +210,10 @@ class Worker:
         self.running[rid] = run
         error: str | None = None
         try:
-            results = await asyncio.gather(*(self._generate_row(run, i) for i in range(n_rows)))
+            # A redelivered request continues after the tokens its reply stream already holds:
+            # what was streamed and the final text then agree by construction.
+            resume = await delivered(self.redis, self.model.name, rid) if d.attempt > 1 else {}
+            results = await asyncio.gather(*(self._generate_row(run, i, resume.get(i)) for i in range(n_rows)))
         except Exception as err:
             log.exception("request %s failed in the engine", rid)
             error, results = f"{type(err).__name__}: {err}", []
@@ -217,42 +234,51 @@ class Worker:
             for i, row in enumerate(d.message.rows)
         ]
 
-    async def _generate_row(self, run: Running, row: int) -> RowOutput:
+    async def _generate_row(self, run: Running, row: int, before: Delivered | None) -> RowOutput:
         msg = run.delivery.message
         values = msg.rows[row]
         s = msg.sampling
-        request = GenerationRequest(
-            request_id=run.engine_ids[row],
-            prompt=self.engine.prompt_for(values),
-            max_tokens=int(values.get("max_tokens") or s.max_tokens),
-            temperature=s.temperature,
-            top_p=s.top_p,
-            stop=s.stop,
-            seed=s.seed + row,
-            presence_penalty=s.presence_penalty,
-            frequency_penalty=s.frequency_penalty,
-        )
-        result = RowResult()
-        async for delta in self.engine.generate(request):
-            if delta.prompt_tokens is not None:
-                result.prompt_tokens = delta.prompt_tokens
-            if delta.token_ids:
-                if run.first_token is None:
-                    run.first_token = time.time()
-                self.replies.delta(msg.id, DeltaEvent(
-                    i=result.tokens, text=delta.text, token_ids=delta.token_ids,
-                    attempt=run.delivery.attempt, row=row,
-                ))
-                result.text.append(delta.text)
-                result.tokens += len(delta.token_ids)
-            if delta.finish_reason is not None:
-                result.finish_reason = delta.finish_reason
+        before = before or Delivered()
+        max_tokens = int(values.get("max_tokens") or s.max_tokens)
+        result = RowResult(text=list(before.text), tokens=len(before.token_ids), finish_reason=before.finish)
+        if result.finish_reason is None and result.tokens >= max_tokens:
+            result.finish_reason = "length"
+        if result.finish_reason is None:
+            await self._stream_row(run, row, result, GenerationRequest(
+                request_id=run.engine_ids[row],
+                prompt=self.engine.prompt_for(values),
+                max_tokens=max_tokens - result.tokens,
+                temperature=s.temperature,
+                top_p=s.top_p,
+                stop=s.stop,
+                seed=s.seed + row,
+                presence_penalty=s.presence_penalty,
+                frequency_penalty=s.frequency_penalty,
+                resume_token_ids=before.token_ids,
+            ))
         text = "".join(result.text)
         extra = self.engine.extra_outputs(values, text, result.tokens)
         output = RowOutput(text=text, num_output_tokens=result.tokens, finish_reason=result.finish_reason,
                            fields=extra or None)
         run.prompt_tokens += result.prompt_tokens
         return output
+
+    async def _stream_row(self, run: Running, row: int, result: RowResult, request: GenerationRequest) -> None:
+        async for delta in self.engine.generate(request):
+            if delta.prompt_tokens is not None:
+                result.prompt_tokens = delta.prompt_tokens
+            finish = delta.finish_reason if delta.finish_reason != "abort" else None
+            if delta.token_ids or finish:
+                if run.first_token is None and delta.token_ids:
+                    run.first_token = time.time()
+                self.replies.delta(run.delivery, DeltaEvent(
+                    i=result.tokens, text=delta.text, token_ids=delta.token_ids,
+                    attempt=run.delivery.attempt, row=row, finish=finish,
+                ))
+                result.text.append(delta.text)
+                result.tokens += len(delta.token_ids)
+            if delta.finish_reason is not None:
+                result.finish_reason = delta.finish_reason
 
     def _final(self, run: Running, outputs: list[RowOutput], error: str | None) -> FinalResult:
         msg = run.delivery.message
@@ -320,15 +346,15 @@ class Worker:
         self._switch.set()
 
     async def _lease(self) -> None:
-        runs = list(self.running.values())
-        if not runs:
-            return
-        lost = set(await self.consumer.lease([r.delivery for r in runs]))
-        for r in runs:
-            if r.delivery.entry_id in lost and not r.lost:
-                log.warning("request %s was reclaimed by another worker: aborting here", r.delivery.message.id)
+        """Keep every held entry this worker's, waiting in a batch or running."""
+        for d in await self.consumer.lease_held():
+            r = self.running.get(d.message.id)
+            if r is not None and r.delivery.key == d.key and not r.lost:
+                log.warning("request %s was reclaimed by another worker: aborting here", d.message.id)
                 r.lost = True
                 await self._abort(r)
+            else:
+                log.warning("request %s was reclaimed by another worker before it started here", d.message.id)
 
     async def _watch(self) -> None:
         runs = {rid: r for rid, r in self.running.items() if r.stop_reason is None and not r.lost}

@@ -1,5 +1,5 @@
 -- Shared by the scripts below (Scripts.register prepends it): ownership, acknowledgement,
--- and writing a request's final event and status in one place.
+-- finality, and writing a request's final event and status in one place.
 
 -- Whether `consumer` owns pending entry `id` (otherwise it has been fenced out).
 local function owns(stream, group, id, consumer)
@@ -12,14 +12,27 @@ local function ack_and_delete(stream, group, id)
   redis.call('XDEL', stream, id)
 end
 
+-- The one place that decides whether a request already has its final result: every script
+-- that writes a final asks it first, so no request ever gets a second one.
+local FINAL_STATES = {done = true, failed = true, expired = true, cancelled = true}
+local function is_final(status)
+  local state = redis.call('HGET', status, 'state')
+  return state ~= false and FINAL_STATES[state] == true
+end
+
 -- The final event on the reply stream, the status hash, both with their TTLs, and the
--- announcement that wakes long-polling readers.
+-- announcement that wakes long-polling readers. Refuses (returns false) when the request
+-- is final already.
 local function write_final(status, reply, state, final, now, status_ttl, reply_ttl, channel, rid)
+  if is_final(status) then
+    return false
+  end
   redis.call('XADD', reply, '*', 'kind', 'final', 'data', final)
   redis.call('EXPIRE', reply, reply_ttl)
   redis.call('HSET', status, 'state', state, 'result', final, 'finished_at', now)
   redis.call('EXPIRE', status, status_ttl)
   redis.call('PUBLISH', channel, rid)
+  return true
 end
 
 -- A final without output (cancelled, expired, failed), timed from the status hash.

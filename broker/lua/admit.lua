@@ -1,7 +1,12 @@
 -- Admit one request: refuse when the model's stream already holds max_queued entries
 -- (waiting plus pending: entries are deleted once acknowledged), else enqueue it and
--- create its status hash, in one step.
+-- create its status hash, in one step. Idempotent on the request id: a script re-run by a
+-- client retrying through a dropped connection finds the status hash and enqueues nothing.
 -- KEYS: stream, status   ARGV: max_queued, rid, data, status_ttl, now, model, lane
+-- Returns the entry id (the first one on a re-run), or false when the bound refuses it.
+if redis.call('EXISTS', KEYS[2]) == 1 then
+  return redis.call('HGET', KEYS[2], 'entry')
+end
 if redis.call('XLEN', KEYS[1]) >= tonumber(ARGV[1]) then
   return false
 end

@@ -5,7 +5,7 @@ local state = redis.call('HGET', KEYS[1], 'state')
 if not state then
   return false
 end
-if state ~= 'queued' and state ~= 'running' then
+if is_final(KEYS[1]) then
   return state
 end
 redis.call('SET', KEYS[2], '1', 'EX', ARGV[2])

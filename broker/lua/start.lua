@@ -1,7 +1,11 @@
--- Guard a fetched entry before it runs. Skips (and acknowledges) a request that is already
--- final, cancelled or past its deadline; otherwise marks it running.
+-- Guard a fetched entry before it runs. Skips (and acknowledges) an entry that is not the
+-- request's current one (a duplicate), or whose request is already final, cancelled or
+-- past its deadline; otherwise marks it running and resets the entry's idle time (the
+-- worker's lease starts afresh). A quarantined start (a redelivered entry running alone)
+-- is charged to the request: past N charges it becomes a dead letter.
 -- KEYS: stream, status, cancel, reply
--- ARGV: group, consumer, entry_id, now, deadline, attempt, status_ttl, reply_ttl, done_channel, rid
+-- ARGV: group, consumer, entry_id, now, deadline, attempt, status_ttl, reply_ttl, done_channel, rid,
+--       quarantined (1 or 0)
 if not owns(KEYS[1], ARGV[1], ARGV[3], ARGV[2]) then
   return 'fenced'
 end
@@ -11,10 +15,14 @@ local function finish(state, err)
   ack_and_delete(KEYS[1], ARGV[1], ARGV[3])
   return state
 end
-local state = redis.call('HGET', KEYS[2], 'state')
-if state == 'done' or state == 'failed' or state == 'expired' or state == 'cancelled' then
+if is_final(KEYS[2]) then
   ack_and_delete(KEYS[1], ARGV[1], ARGV[3])
   return 'final'
+end
+local current = redis.call('HGET', KEYS[2], 'entry')
+if current and current ~= ARGV[3] then
+  ack_and_delete(KEYS[1], ARGV[1], ARGV[3])
+  return 'duplicate'
 end
 if redis.call('EXISTS', KEYS[3]) == 1 then
   return finish('cancelled', 'cancelled by the client')
@@ -22,7 +30,11 @@ end
 if tonumber(ARGV[4]) > tonumber(ARGV[5]) then
   return finish('expired', 'the request passed its deadline before it started')
 end
+redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, ARGV[3], 'JUSTID')
 redis.call('HSET', KEYS[2], 'state', 'running', 'started_at', ARGV[4], 'attempt', ARGV[6],
-           'worker', ARGV[2])
+           'worker', ARGV[2], 'entry', ARGV[3])
+if ARGV[11] == '1' then
+  redis.call('HINCRBY', KEYS[2], 'charges', 1)
+end
 redis.call('EXPIRE', KEYS[2], ARGV[7])
 return 'run'

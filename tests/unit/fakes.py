@@ -48,6 +48,20 @@ async def settle(rounds: int = 50) -> None:
 class Req:
     n: int
     rows: int = 1
+    isolated: bool = False
+
+
+def take_items(items: list[Req], count: int, isolated: int) -> tuple[list[Req], list[Req]]:
+    """The FIFO prefix a source may hand out: at most `count` items and `isolated` isolated
+    ones (an isolated item that may not go yet stops the prefix: nothing overtakes it)."""
+    got: list[Req] = []
+    for item in items[:count]:
+        if item.isolated:
+            if isolated <= 0:
+                break
+            isolated -= 1
+        got.append(item)
+    return got, items[len(got):]
 
 
 class FakeSource:
@@ -63,7 +77,7 @@ class FakeSource:
         self.items.extend(items)
         self._pushed.set()
 
-    async def fetch(self, count: int, timeout_s: float) -> list[Req]:
+    async def fetch(self, count: int, timeout_s: float, isolated: int = 1) -> list[Req]:
         self.asked.append(count)
         if not self.items:
             self._pushed.clear()
@@ -71,7 +85,7 @@ class FakeSource:
             await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
             for w in waits:
                 w.cancel()
-        got, self.items = self.items[:count], self.items[count:]
+        got, self.items = take_items(self.items, count, isolated)
         return got
 
 

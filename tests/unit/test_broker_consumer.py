@@ -7,9 +7,7 @@ import json
 from redis.asyncio import Redis
 
 from sluice.broker.keys import GROUP
-from sluice.broker.messages import (
-    FinalResult,
-)
+from sluice.broker.messages import FinalResult, State
 from sluice.config.settings import Settings
 from tests.unit.broker_helpers import (
     KEYS,
@@ -100,10 +98,10 @@ async def test_a_restarted_consumer_rereads_its_pending_entries_once(
     later = await submit_n(adm, 1)
 
     after = await ready_consumer(redis, settings, "w1")  # the same worker, restarted
-    again = await after.fetch(2, 100)
-    again += await after.fetch(2, 100)
+    again = await after.fetch(2, 100, isolated=2)
+    again += await after.fetch(2, 100, isolated=2)
     assert [d.message.id for d in again] == sent
-    assert all(d.attempt == 2 for d in again)
+    assert all(d.attempt == 2 and d.isolated for d in again)
     # then new entries, and never the old ones a second time
     rest = await after.fetch(10, 100)
     assert [d.message.id for d in rest] == [later[0].id]
@@ -252,6 +250,22 @@ async def test_a_second_commit_of_the_same_entry_writes_nothing(redis: Redis, se
 # -- lease ------------------------------------------------------------------------------------
 
 
+async def test_waiting_entries_are_leased_from_fetch_to_commit(redis: Redis, settings: Settings) -> None:
+    """An entry fetched but not started yet (waiting in a dynamic batch) is leased too, so a
+    batch longer than the lease never hands a worker its own waiting entries again."""
+    adm = admission(redis, settings)
+    await submit_n(adm, 2)
+    c = await ready_consumer(redis, settings, "w1")
+    ds = await c.fetch(2, 100)
+    ids = [d.entry_id for d in ds]
+    await redis.xclaim(KEYS.requests, GROUP, "w1", 0, ids, idle=100_000, justid=True)
+    assert await c.lease_held() == []
+    assert all(p["time_since_delivered"] < 50_000 for p in await pending(redis))
+    assert await c.fetch(2, 100) == []  # nothing idle to reclaim, nothing new
+    assert await c.commit(ds[0], FinalResult(status=State.DONE))
+    assert set(c.held) == {(KEYS.requests, ids[1])}  # committed: no longer leased
+
+
 async def test_lease_refreshes_own_entries_and_reports_lost_ones(redis: Redis, settings: Settings) -> None:
     adm = admission(redis, settings)
     await submit_n(adm, 3)
@@ -264,7 +278,8 @@ async def test_lease_refreshes_own_entries_and_reports_lost_ones(redis: Redis, s
     await redis.xclaim(KEYS.requests, GROUP, "w1", 0, ids, idle=100_000, justid=True)
     await redis.xclaim(KEYS.requests, GROUP, "w2", 0, [ids[1]], idle=100_000, justid=True)
 
-    assert await c.lease(ds) == [ids[1]]
+    assert [d.entry_id for d in await c.lease_held()] == [ids[1]]
+    assert set(c.held) == {(KEYS.requests, ids[0]), (KEYS.requests, ids[2])}  # the lost one is let go
 
     by_id = {p["message_id"]: p for p in await pending(redis)}
     assert by_id[ids[1]]["consumer"] == "w2"  # not stolen back
@@ -280,7 +295,7 @@ async def test_lease_reports_an_entry_no_longer_pending(redis: Redis, settings: 
     c = await ready_consumer(redis, settings)
     d = await fetch_one(c)
     await redis.xack(KEYS.requests, GROUP, d.entry_id)
-    assert await c.lease([d]) == [d.entry_id]
+    assert [x.entry_id for x in await c.lease_held()] == [d.entry_id]
     assert await pending(redis) == []
 
 
@@ -291,4 +306,4 @@ async def test_lease_covers_both_lanes(redis: Redis, settings: Settings) -> None
     c = await ready_consumer(redis, settings)
     ds = await c.fetch(1, 100) + await c.fetch(1, 100)
     assert {d.stream for d in ds} == {KEYS.requests, KEYS.bulk}
-    assert await c.lease(ds) == []
+    assert await c.lease_held() == []

@@ -7,10 +7,9 @@ import asyncio
 import pytest
 from redis.asyncio import Redis
 
-from sluice.broker.messages import (
-    DeltaEvent,
-)
-from sluice.broker.replies import ReplyWriter, read_replies, resume_index
+from sluice.broker.keys import GROUP
+from sluice.broker.messages import DeltaEvent
+from sluice.broker.replies import ReplyWriter, delivered, read_replies, resume_index
 from sluice.config.settings import Settings
 from tests.unit.broker_helpers import (
     KEYS,
@@ -33,7 +32,7 @@ async def test_deltas_then_final_arrive_in_order(redis: Redis, settings: Setting
     writer.start()
     try:
         for i in range(5):
-            writer.delta(m.id, DeltaEvent(i=i, text=f" t{i}", token_ids=[100 + i]))
+            writer.delta(d, DeltaEvent(i=i, text=f" t{i}", token_ids=[100 + i]))
             await asyncio.sleep(0.01)
         await writer.flush()
         assert 0 < await redis.ttl(KEYS.reply(m.id)) <= settings.reply_ttl_s
@@ -49,16 +48,17 @@ async def test_deltas_then_final_arrive_in_order(redis: Redis, settings: Setting
 
 
 async def test_read_replies_skips_token_indices_already_delivered(redis: Redis, settings: Settings) -> None:
-    rid = "req-retried"
+    _, m, _, d = await running_request(redis, settings)
+    rid = m.id
     writer = ReplyWriter(redis, MODEL, reply_ttl_s=settings.reply_ttl_s)
     chunks = [(0, [1, 2]), (2, [3]), (3, [4, 5])]
     # attempt 1 wrote everything but died before its commit; attempt 2 (same seed) repeats it
     for attempt in (1, 2):
         for i, ids in chunks:
-            writer.delta(rid, DeltaEvent(i=i, text=f"<{i}>", token_ids=ids, attempt=attempt))
+            writer.delta(d, DeltaEvent(i=i, text=f"<{i}>", token_ids=ids, attempt=attempt))
             await writer.flush()  # one entry per delta (a buffer's contiguous deltas are joined)
     # and goes one token further before the final
-    writer.delta(rid, DeltaEvent(i=5, text="<5>", token_ids=[6], attempt=2))
+    writer.delta(d, DeltaEvent(i=5, text="<5>", token_ids=[6], attempt=2))
     await writer.flush()
     await redis.xadd(KEYS.reply(rid), {"kind": "final", "data": done_result().model_dump_json()})
     assert await redis.xlen(KEYS.reply(rid)) == 8
@@ -71,12 +71,13 @@ async def test_read_replies_skips_token_indices_already_delivered(redis: Redis, 
 
 
 async def test_read_replies_keeps_rows_apart(redis: Redis, settings: Settings) -> None:
-    rid = "req-rows"
+    _, m, _, d = await running_request(redis, settings)
+    rid = m.id
     writer = ReplyWriter(redis, MODEL, reply_ttl_s=settings.reply_ttl_s)
     for _attempt in range(2):
         for i in range(3):
             for row in (0, 1):
-                writer.delta(rid, DeltaEvent(i=i, text="x", token_ids=[i], row=row))
+                writer.delta(d, DeltaEvent(i=i, text="x", token_ids=[i], row=row))
                 await writer.flush()
     await redis.xadd(KEYS.reply(rid), {"kind": "final", "data": done_result().model_dump_json()})
     events = await _collect(redis, rid)
@@ -85,10 +86,11 @@ async def test_read_replies_keeps_rows_apart(redis: Redis, settings: Settings) -
 
 
 async def test_reading_resumes_after_a_given_event(redis: Redis, settings: Settings) -> None:
-    rid = "req-resume"
+    _, m, _, d = await running_request(redis, settings)
+    rid = m.id
     writer = ReplyWriter(redis, MODEL, reply_ttl_s=settings.reply_ttl_s)
     for i in range(4):
-        writer.delta(rid, DeltaEvent(i=i, text=f"<{i}>", token_ids=[i]))
+        writer.delta(d, DeltaEvent(i=i, text=f"<{i}>", token_ids=[i]))
         await writer.flush()
     await redis.xadd(KEYS.reply(rid), {"kind": "final", "data": done_result().model_dump_json()})
     first = await _collect(redis, rid)
@@ -100,12 +102,13 @@ async def test_reading_resumes_after_a_given_event(redis: Redis, settings: Setti
 
 
 async def test_buffered_contiguous_deltas_are_joined(redis: Redis, settings: Settings) -> None:
-    rid = "req-joined"
+    _, m, _, d = await running_request(redis, settings)
+    rid = m.id
     writer = ReplyWriter(redis, MODEL, reply_ttl_s=settings.reply_ttl_s)
     for i in range(3):
-        writer.delta(rid, DeltaEvent(i=i, text=f"<{i}>", token_ids=[i]))
-    writer.delta(rid, DeltaEvent(i=0, text="r1", token_ids=[7], row=1))
-    writer.delta(rid, DeltaEvent(i=5, text="<5>", token_ids=[5]))  # not contiguous: kept apart
+        writer.delta(d, DeltaEvent(i=i, text=f"<{i}>", token_ids=[i]))
+    writer.delta(d, DeltaEvent(i=0, text="r1", token_ids=[7], row=1))
+    writer.delta(d, DeltaEvent(i=5, text="<5>", token_ids=[5]))  # not contiguous: kept apart
     await writer.flush()
     entries = [DeltaEvent.model_validate_json(f["data"]) for _, f in await redis.xrange(KEYS.reply(rid))]
     assert [(e.row, e.i, e.text, e.token_ids) for e in entries] == [
@@ -127,43 +130,64 @@ class _LosesFirstCancel:
         self.entered = asyncio.Event()
         self.swallowed: list[bool] = []
 
+    def register_script(self, script: str):
+        return self.redis.register_script(script)
+
     def pipeline(self, **kw):
-        return _Pipeline(self, self.redis.pipeline(**kw))
+        pipe = self.redis.pipeline(**kw)
+        real_execute = pipe.execute
 
+        async def execute(*args, **kwargs):
+            if not self.swallowed:
+                self.entered.set()
+                try:
+                    await asyncio.sleep(3600)  # the write in flight when the writer is closed
+                except asyncio.CancelledError:
+                    self.swallowed.append(True)
+            return await real_execute(*args, **kwargs)
 
-class _Pipeline:
-    def __init__(self, owner: _LosesFirstCancel, real) -> None:
-        self.owner, self.real = owner, real
-
-    async def __aenter__(self) -> _Pipeline:
-        await self.real.__aenter__()
-        return self
-
-    async def __aexit__(self, *exc) -> None:
-        await self.real.__aexit__(*exc)
-
-    def __getattr__(self, name: str):
-        return getattr(self.real, name)
-
-    async def execute(self):
-        if not self.owner.swallowed:
-            self.owner.entered.set()
-            try:
-                await asyncio.sleep(3600)  # the write in flight when the writer is closed
-            except asyncio.CancelledError:
-                self.owner.swallowed.append(True)
-        return await self.real.execute()
+        pipe.execute = execute
+        return pipe
 
 
 async def test_closing_the_reply_writer_survives_a_lost_cancel(redis: Redis, settings: Settings) -> None:
+    _, m, _, d = await running_request(redis, settings)
     client = _LosesFirstCancel(redis)
     writer = ReplyWriter(client, MODEL, reply_ttl_s=settings.reply_ttl_s)  # type: ignore[arg-type]
     writer.start()
-    writer.delta("req-w", DeltaEvent(i=0, text="a", token_ids=[1]))
+    writer.delta(d, DeltaEvent(i=0, text="a", token_ids=[1]))
     await asyncio.wait_for(client.entered.wait(), 5)
     try:
         await asyncio.wait_for(writer.close(), 3)
     except TimeoutError:
         pytest.fail("ReplyWriter.close() did not return within 3 s: its task lost its cancel")
     assert client.swallowed == [True]
-    assert await redis.xlen(KEYS.reply("req-w")) == 1
+    assert await redis.xlen(KEYS.reply(m.id)) == 1
+
+
+async def test_a_fenced_worker_writes_no_tokens(redis: Redis, settings: Settings) -> None:
+    """A worker frozen past its lease wakes up with tokens in its buffer: once the entry is
+    another worker's, those tokens must not land beside the new owner's."""
+    _, m, _, d = await running_request(redis, settings, "w1")
+    writer = ReplyWriter(redis, MODEL, reply_ttl_s=settings.reply_ttl_s)
+    writer.delta(d, DeltaEvent(i=0, text="a", token_ids=[1]))
+    await writer.flush()
+    await redis.xclaim(KEYS.requests, GROUP, "w2", 0, [d.entry_id], justid=True)  # taken over
+    writer.delta(d, DeltaEvent(i=1, text="b", token_ids=[2]))
+    await writer.flush()
+    assert [DeltaEvent.model_validate_json(f["data"]).text for _, f in await redis.xrange(KEYS.reply(m.id))] == ["a"]
+
+
+async def test_delivered_tokens_are_the_contiguous_prefix_of_each_row(redis: Redis, settings: Settings) -> None:
+    _, m, _, d = await running_request(redis, settings)
+    writer = ReplyWriter(redis, MODEL, reply_ttl_s=settings.reply_ttl_s)
+    for ev in [DeltaEvent(i=0, text="a", token_ids=[1, 2]), DeltaEvent(i=0, text="x", token_ids=[9], row=1),
+               DeltaEvent(i=2, text="b", token_ids=[3], finish="stop"),
+               DeltaEvent(i=1, text="dup", token_ids=[4]),  # overlaps what is there: not part of it
+               DeltaEvent(i=3, text="c", token_ids=[5])]:  # after the finish: not part of it either
+        writer.delta(d, ev)
+        await writer.flush()
+    rows = await delivered(redis, MODEL, m.id)
+    assert (rows[0].token_ids, "".join(rows[0].text), rows[0].finish) == ([1, 2, 3], "ab", "stop")
+    assert (rows[1].token_ids, rows[1].text, rows[1].finish) == ([9], ["x"], None)
+    assert await delivered(redis, MODEL, "req-none") == {}

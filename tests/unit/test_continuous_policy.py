@@ -4,18 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass
 
 import pytest
 
 from sluice.batching.continuous import ContinuousAdmission
 from sluice.config.batching import ContinuousBatchingConfig
-
-
-@dataclass(frozen=True)
-class Req:
-    n: int
-    rows: int = 1
+from tests.unit.fakes import Req, take_items
 
 
 class MemorySource:
@@ -36,7 +30,7 @@ class MemorySource:
         """End a waiting fetch early, empty-handed (the 30 s poll would outlast the tests)."""
         self._pushed.set()
 
-    async def fetch(self, count: int, timeout_s: float) -> list[Req]:
+    async def fetch(self, count: int, timeout_s: float, isolated: int = 1) -> list[Req]:
         self.calls.append((count, self.policy.capacity - self.policy.in_flight, timeout_s))
         if not self.items:
             self._pushed.clear()
@@ -44,7 +38,7 @@ class MemorySource:
                 await asyncio.wait_for(self._pushed.wait(), timeout_s)
             except TimeoutError:
                 return []
-        got, self.items = self.items[:count], self.items[count:]
+        got, self.items = take_items(self.items, count, isolated)
         return got
 
 

@@ -19,6 +19,9 @@ class GenerationRequest:
     seed: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    # Tokens a previous attempt already delivered: generation continues after them (they
+    # follow the prompt), and max_tokens counts only what is still to come.
+    resume_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -55,7 +58,10 @@ class Engine(abc.ABC):
 
     @abc.abstractmethod
     def generate(self, request: GenerationRequest) -> AsyncIterator[TokenDelta]:
-        """Token deltas as the engine produces them; ends after the one with a finish_reason."""
+        """Token deltas as the engine produces them; ends after the one with a finish_reason.
+
+        Continues after `request.resume_token_ids` when there are any. Like vLLM, refuses a
+        request id that is already running. `prompt_tokens` counts the prompt alone."""
 
     @abc.abstractmethod
     async def abort(self, request_id: str) -> None: ...

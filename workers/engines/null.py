@@ -15,42 +15,65 @@ log = logging.getLogger(__name__)
 class NullEngine(Engine):
     """Answers every request with `max_tokens` tokens (" t0 t1 ...") in one delta, after `delay_s`.
 
-    `token_delay_s` streams one token at a time instead (to exercise deltas, cancels and
-    crashes mid-generation); `crash_on` kills the process on a prompt containing it, like a
-    request that brings its engine down.
+    As strict as vLLM where the queue depends on it: a request id that is already running is
+    refused. `token_delay_s` streams one token at a time instead (to exercise deltas, cancels
+    and crashes mid-generation); `composition` makes each token depend on how many requests
+    are in the engine when it is produced (" t3.2": token 3, two running), as a real engine's
+    tokens can change with batch composition, so that a retry regenerating tokens instead of
+    resuming after them shows; `crash_on` kills the process on a prompt containing it, like
+    a request that brings its engine down.
     """
 
-    def __init__(self, delay_s: float = 0.0, token_delay_s: float = 0.0, crash_on: str | None = None):
+    def __init__(self, delay_s: float = 0.0, token_delay_s: float = 0.0, crash_on: str | None = None,
+                 composition: bool = False):
         self.delay_s = delay_s
         self.token_delay_s = token_delay_s
         self.crash_on = crash_on
+        self.composition = composition
         self._aborted: set[str] = set()
+        self._running: set[str] = set()
 
     async def start(self) -> None:
         return None
 
+    def _token(self, i: int) -> str:
+        return f" t{i}.{len(self._running)}" if self.composition else f" t{i}"
+
     async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenDelta]:
+        if request.request_id in self._running:
+            raise ValueError(f"Request id {request.request_id} already running.")
+        self._running.add(request.request_id)
+        try:
+            async for delta in self._generate(request):
+                yield delta
+        finally:
+            self._running.discard(request.request_id)
+            self._aborted.discard(request.request_id)
+
+    async def _generate(self, request: GenerationRequest) -> AsyncIterator[TokenDelta]:
         if self.crash_on and self.crash_on in request.prompt:
             log.critical("null engine: crashing on request %s, as configured", request.request_id)
             os._exit(70)
         if self.delay_s:
             await asyncio.sleep(self.delay_s)
-        n = request.max_tokens
+        first = len(request.resume_token_ids)
+        last = first + request.max_tokens
         prompt_tokens = len(request.prompt.split())
         if not self.token_delay_s:
-            yield TokenDelta("".join(f" t{i}" for i in range(n)), list(range(n)), "length", prompt_tokens)
+            ids = list(range(first, last))
+            yield TokenDelta("".join(self._token(i) for i in ids), ids, "length", prompt_tokens)
             return
-        for i in range(n):
+        for i in range(first, last):
             await asyncio.sleep(self.token_delay_s)
             if request.request_id in self._aborted:
-                self._aborted.discard(request.request_id)
-                yield TokenDelta("", [], "abort", prompt_tokens if i == 0 else None)
+                yield TokenDelta("", [], "abort", prompt_tokens if i == first else None)
                 return
-            last = i == n - 1
-            yield TokenDelta(f" t{i}", [i], "length" if last else None, prompt_tokens if i == 0 else None)
+            yield TokenDelta(self._token(i), [i], "length" if i == last - 1 else None,
+                             prompt_tokens if i == first else None)
 
     async def abort(self, request_id: str) -> None:
-        self._aborted.add(request_id)
+        if request_id in self._running:
+            self._aborted.add(request_id)
 
     async def shutdown(self) -> None:
         return None

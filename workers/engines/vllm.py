@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import logging
 from collections.abc import AsyncIterator
 from typing import Any
@@ -75,14 +76,22 @@ class VLLMEngine(Engine):
             frequency_penalty=request.frequency_penalty,
             output_kind=RequestOutputKind.DELTA,
         )
+        prompt: Any = request.prompt
+        if request.resume_token_ids:
+            # Continue a previous attempt: its delivered tokens follow the prompt's own tokens,
+            # tokenized as vLLM would have tokenized the text prompt.
+            tokenizer = self._engine.get_tokenizer()
+            if inspect.isawaitable(tokenizer):  # a coroutine in older vLLM releases
+                tokenizer = await tokenizer
+            prompt = {"prompt_token_ids": tokenizer.encode(request.prompt) + list(request.resume_token_ids)}
         first = True
-        async for out in self._engine.generate(request.prompt, params, request_id=request.request_id):
+        async for out in self._engine.generate(prompt, params, request_id=request.request_id):
             completion = out.outputs[0]
             yield TokenDelta(
                 text=completion.text,
                 token_ids=list(completion.token_ids),
                 finish_reason=completion.finish_reason if out.finished else None,
-                prompt_tokens=len(out.prompt_token_ids or ()) if first else None,
+                prompt_tokens=len(out.prompt_token_ids or ()) - len(request.resume_token_ids) if first else None,
             )
             first = False
 

@@ -1,0 +1,181 @@
+"""The broker's half of "exactly one visible result": one final per request whatever the
+order of events, every entry ends, duplicates never run, and poison is charged alone."""
+
+from __future__ import annotations
+
+import json
+
+from redis.asyncio import Redis
+
+from sluice.broker.dead_letters import DeadLetters
+from sluice.broker.keys import GROUP
+from sluice.broker.messages import FinalResult, State
+from sluice.config.settings import Settings
+from tests.unit.broker_helpers import (
+    KEYS,
+    admission,
+    consumer,
+    fetch_one,
+    message,
+    ready_consumer,
+    replies,
+    running_request,
+    submit_n,
+)
+
+
+def finals(entries: list[tuple[str, dict]]) -> list[dict]:
+    return [json.loads(f["data"]) for _, f in entries if f.get("kind") == "final"]
+
+
+async def expire_lease(redis: Redis, d, to: str = "w1") -> None:
+    """Age an entry past any lease timeout, as if its worker had died."""
+    await redis.xclaim(d.stream, GROUP, to, 0, [d.entry_id], idle=10_000_000, justid=True)
+
+
+async def test_dead_lettering_a_cancelled_request_writes_no_second_final(redis: Redis, settings: Settings) -> None:
+    adm, m, c, d = await running_request(redis, settings)
+    assert await adm.cancel(KEYS.model, m.id) == "cancelling"
+    assert await c.commit(d, FinalResult(status=State.CANCELLED, error="cancelled by the client"))
+    # the same entry, pending again by hand (the state a late dead-letter decision meets)
+    await redis.xadd(KEYS.requests, m.to_fields(), id=d.entry_id.replace("-0", "-1"))
+    (again,) = await c.fetch(1, 100)
+    assert not await c.dead_letter(again.stream, again.entry_id, m.id, m.model_dump_json(), "crashed", 3)
+    assert [f["status"] for f in finals(await replies(redis, m.id))] == ["cancelled"]
+    assert await redis.hget(KEYS.status(m.id), "state") == "cancelled"
+    assert await redis.xlen(KEYS.dead_letters) == 0  # `dlq retry` can never run it
+
+
+async def test_no_script_overwrites_a_final(redis: Redis, settings: Settings) -> None:
+    adm, m, c, d = await running_request(redis, settings)
+    await redis.hset(KEYS.status(m.id), "state", "expired")  # final by another path meanwhile
+    assert not await c.commit(d, FinalResult(status=State.DONE))
+    assert await redis.hget(KEYS.status(m.id), "state") == "expired"
+    assert finals(await replies(redis, m.id)) == []
+    assert await redis.xpending(KEYS.requests, GROUP) and (await redis.xpending(KEYS.requests, GROUP))["pending"] == 0
+    assert await adm.cancel(KEYS.model, m.id) == "expired"
+    assert finals(await replies(redis, m.id)) == []
+
+
+async def test_an_unreadable_entry_fails_its_request_naming_why(redis: Redis, settings: Settings) -> None:
+    adm = admission(redis, settings)
+    (m,) = await submit_n(adm, 1)
+    await redis.xadd(KEYS.requests, {"id": "req-garbled", "data": "{not json"})
+    await redis.hset(KEYS.status("req-garbled"), mapping={"state": "queued", "enqueued_at": 1.0})
+    c = await ready_consumer(redis, settings)
+    got = await c.fetch(5, 100)
+    assert [d.message.id for d in got] == [m.id]  # the readable one still runs
+    status = await redis.hgetall(KEYS.status("req-garbled"))
+    assert status["state"] == "failed"
+    assert "could not be read" in json.loads(status["result"])["error"]
+    assert [f["status"] for f in finals(await replies(redis, "req-garbled"))] == ["failed"]
+    (letter,) = await DeadLetters(redis, KEYS.model).list()
+    assert letter.request_id == "req-garbled" and letter.message is None and letter.data == "{not json"
+    assert (await redis.xpending(KEYS.requests, GROUP))["pending"] == 1  # only the readable one
+
+
+async def test_an_entry_from_a_newer_api_with_unknown_fields_runs(redis: Redis, settings: Settings) -> None:
+    """A rolling upgrade: the api writes a sampling field this worker does not know yet."""
+    m = message()
+    data = json.loads(m.model_dump_json())
+    data["sampling"]["min_p"] = 0.1
+    data["tenant"] = "acme"
+    await redis.xadd(KEYS.requests, {"id": m.id, "data": json.dumps(data)})
+    c = await ready_consumer(redis, settings)
+    d = await fetch_one(c)
+    assert d.message.id == m.id and d.message.sampling.seed == m.sampling.seed
+
+
+async def test_a_rerun_admission_enqueues_nothing_twice(redis: Redis, settings: Settings) -> None:
+    """redis-py re-runs a script after a dropped connection: the same request id must not
+    become two entries."""
+    adm = admission(redis, settings)
+    m = message()
+    first = await adm.submit(m, max_queued=10)
+    assert await adm.submit(m, max_queued=10) == first
+    assert await redis.xlen(KEYS.requests) == 1
+
+
+async def test_a_duplicate_entry_of_a_request_never_runs(redis: Redis, settings: Settings) -> None:
+    adm = admission(redis, settings)
+    m = message()
+    await adm.submit(m, max_queued=10)
+    await redis.xadd(KEYS.requests, m.to_fields())  # the same request twice on the stream
+    c = await ready_consumer(redis, settings)
+    first, second = await c.fetch(2, 100)
+    assert await c.start(first) == "run"
+    assert await c.start(second) == "duplicate"
+    assert await redis.xlen(KEYS.requests) == 1
+
+
+async def test_a_running_request_reclaimed_after_its_worker_died_runs_again(
+        redis: Redis, settings: Settings) -> None:
+    adm, m, dead, d = await running_request(redis, settings, "dead")
+    await expire_lease(redis, d, "dead")
+    live = await ready_consumer(redis, settings, "live")
+    (again,) = await live.fetch(5, 100)
+    assert (again.message.id, again.attempt, again.isolated) == (m.id, 2, True)
+    assert await live.start(again) == "run"
+    assert await redis.hget(KEYS.status(m.id), "worker") == "live"
+    assert not await dead.commit(d, FinalResult(status=State.DONE))  # fenced
+
+
+async def test_reclaim_hands_out_redelivered_entries_one_quarantine_slot_at_a_time(
+        redis: Redis, settings: Settings) -> None:
+    adm = admission(redis, settings)
+    sent = await submit_n(adm, 3)
+    dead = await ready_consumer(redis, settings, "dead")
+    for d in await dead.fetch(3, 100):
+        assert await dead.start(d) == "run"
+        await expire_lease(redis, d, "dead")
+    fresh = await submit_n(adm, 2)
+    live = await ready_consumer(redis, settings, "live")
+    first = await live.fetch(10, 100)  # reclaim comes first, one isolated entry at a time
+    assert [d.message.id for d in first] == [sent[0].id]
+    assert [d.message.id for d in await live.fetch(10, 100, isolated=0)] == [m.id for m in fresh]
+    assert [d.message.id for d in await live.fetch(10, 100, isolated=5)] == [m.id for m in sent[1:]]
+
+
+async def test_only_quarantined_runs_are_charged(redis: Redis, settings: Settings) -> None:
+    """A poison request is charged for each crash it had alone; its neighbours, reclaimed with
+    it after the first crash, are not, and finish on their next delivery."""
+    adm = admission(redis, settings)
+    poison, neighbour = await submit_n(adm, 2)
+    w = await ready_consumer(redis, settings, "w")
+    for d in await w.fetch(2, 100):  # both run together; the worker dies
+        assert await w.start(d) == "run"
+        await expire_lease(redis, d, "w")
+    deliveries = 1
+    while True:
+        c = consumer(redis, settings, f"w{deliveries}")
+        got = await c.fetch(10, 100, isolated=10)
+        if not got:
+            break
+        deliveries += 1
+        for d in got:
+            assert d.isolated
+            assert await c.start(d) == "run"
+            if d.message.id == neighbour.id:
+                assert await c.commit(d, FinalResult(status=State.DONE))
+            else:  # the poison brings its (quarantined) worker down again
+                await expire_lease(redis, d, c.consumer)
+    assert await redis.hget(KEYS.status(neighbour.id), "state") == "done"
+    assert await redis.hget(KEYS.status(poison.id), "state") == "failed"
+    (letter,) = await DeadLetters(redis, KEYS.model).list()
+    assert letter.request_id == poison.id and letter.attempts == settings.max_deliveries
+    assert deliveries == settings.max_deliveries  # one shared run, then two quarantined ones
+
+
+async def test_a_dead_letter_retry_respects_the_bound_and_becomes_the_current_entry(
+        redis: Redis, settings: Settings) -> None:
+    adm, m, c, d = await running_request(redis, settings)
+    assert await c.dead_letter(d.stream, d.entry_id, m.id, m.model_dump_json(), "crashed", 3)
+    letters = DeadLetters(redis, KEYS.model)
+    await submit_n(adm, 1)
+    assert await letters.retry(None, max_queued=1) == []  # the stream is full
+    assert await letters.retry(None, max_queued=10) == [m.id]
+    status = await redis.hgetall(KEYS.status(m.id))
+    assert status["state"] == "queued" and "charges" not in status
+    got = {x.message.id: x for x in await c.fetch(10, 100)}
+    assert got[m.id].entry_id == status["entry"]
+    assert await c.start(got[m.id]) == "run"
