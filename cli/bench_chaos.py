@@ -1,0 +1,263 @@
+"""`sluice bench chaos`: steady load on two apis and two models while workers, apis (and
+Redis) are killed with SIGKILL and restarted; then an audit of every accepted request.
+
+The stack is private: one redis-server, a continuous and a dynamic model, two api
+processes and null-engine workers that stream tokens slowly, so kills land mid-generation.
+Leases are short so that reclaims happen within the run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import redis as redis_sync
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from sluice.broker.embedded import EmbeddedRedis, free_port
+from sluice.cli.bench import bench_app
+from sluice.cli.chaos_load import Load, audit
+from sluice.cli.processes import stop_processes, wait_ready
+
+MODELS = """models:
+  - name: chaos-cont
+    continuous_batching_config: {max_concurrent_batch_size: 16}
+  - name: chaos-dyn
+    dynamic_batching_config: {max_batch_delay_ms: 20, batch_size_target: 4, batch_size_limit: 8}
+"""
+MODEL_NAMES = ["chaos-cont", "chaos-dyn"]
+WORKER_TTL_S = 3.0
+
+
+class ChaosStack:
+    """Redis, two apis and `workers_per_model` workers per model; every process can be killed
+    and started again. Process output goes to `logs/` (one file per api or worker slot)."""
+
+    def __init__(self, tmp: Path, logs: Path, *, workers_per_model: int, token_delay_s: float, strict: bool):
+        self.logs = logs
+        logs.mkdir(parents=True, exist_ok=True)
+        (tmp / "models.yaml").write_text(MODELS)
+        self.strict = strict
+        self.redis = EmbeddedRedis(tmp / "redis")
+        self._start_redis()
+        self.env = {**os.environ, "SLUICE_REDIS_URL": self.redis.url, "SLUICE_MODELS_FILE": str(tmp / "models.yaml"),
+                    "SLUICE_DATA_DIR": str(tmp / "data"), "SLUICE_LEASE_TIMEOUT_S": "2",
+                    "SLUICE_WORKER_TTL_S": str(WORKER_TTL_S), "SLUICE_HEARTBEAT_INTERVAL_S": "0.3",
+                    "SLUICE_CANCEL_POLL_S": "0.1", "SLUICE_SHUTDOWN_TIMEOUT_S": "5", "SLUICE_REPLY_TTL_S": "3600",
+                    "SLUICE_NULL_TOKEN_DELAY_S": str(token_delay_s), "SLUICE_NULL_COMPOSITION": "1",
+                    # Ten deliveries: a request killed three times by bad luck is no finding.
+                    "SLUICE_LOG_LEVEL": "WARNING", "SLUICE_MAX_DELIVERIES": "10",
+                    **({"SLUICE_DURABILITY": "strict"} if strict else {})}
+        self.ports = [free_port(), free_port()]
+        self.apis: dict[int, subprocess.Popen] = {}
+        self.workers: dict[str, subprocess.Popen] = {}  # slot -> process
+        self.names: dict[str, str] = {}  # slot -> the consumer name it was last started with
+        self.slots = [f"{m}-w{k}" for m in MODEL_NAMES for k in range(workers_per_model)]
+        self.generation = 0
+        self.unexpected_exits: list[str] = []
+
+    @property
+    def urls(self) -> list[str]:
+        return [f"http://127.0.0.1:{p}" for p in self.ports]
+
+    def _start_redis(self) -> None:
+        self.redis.start()
+        if self.strict:  # what SLUICE_DURABILITY=strict asks of the embedded Redis
+            redis_sync.Redis.from_url(self.redis.url).config_set("appendfsync", "always")
+
+    def _popen(self, args: list[str], log: str) -> subprocess.Popen:
+        with open(self.logs / f"{log}.log", "ab") as out:
+            return subprocess.Popen([sys.executable, "-m", "sluice.cli", *args], env=self.env, stdout=out,
+                                    stderr=subprocess.STDOUT)
+
+    def start_api(self, i: int) -> None:
+        self.apis[i] = self._popen(["api", "--port", str(self.ports[i])], f"api{i}")
+
+    def start_worker(self, slot: str, new_name: bool = False) -> None:
+        if new_name or slot not in self.names:
+            self.generation += 1
+            self.names[slot] = f"{slot}-g{self.generation}"
+        model = slot.rsplit("-w", 1)[0]
+        self.workers[slot] = self._popen(["worker", "--model", model, "--engine", "null",
+                                          "--name", self.names[slot]], slot)
+
+    def start(self) -> None:
+        for slot in self.slots:
+            self.start_worker(slot)
+        for i in range(len(self.ports)):
+            self.start_api(i)
+        for url in self.urls:
+            wait_ready(url, [*self.apis.values(), *self.workers.values()], timeout_s=120)
+
+    def kill(self, proc: subprocess.Popen) -> None:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+
+    def restart_redis(self) -> None:
+        self.redis.stop(kill=True)
+        time.sleep(0.5)
+        self._start_redis()
+
+    def check_exits(self, expected: set[int]) -> None:
+        """Restart a process that died without being killed here (and say so in the report)."""
+        for i, p in list(self.apis.items()):
+            if p.poll() is not None and p.pid not in expected:
+                self.unexpected_exits.append(f"api{i} exited with {p.returncode}")
+                self.start_api(i)
+        for slot, p in list(self.workers.items()):
+            if p.poll() is not None and p.pid not in expected:
+                self.unexpected_exits.append(f"{slot} ({self.names[slot]}) exited with {p.returncode}")
+                self.start_worker(slot)
+
+    def reclaims(self) -> int:
+        """Entries reclaimed from expired leases, as the workers logged them."""
+        pattern = re.compile(r"reclaimed (\d+) request")
+        return sum(int(m.group(1)) for f in self.logs.glob("*-w*.log") for m in pattern.finditer(f.read_text()))
+
+    def stop(self) -> None:
+        stop_processes([*self.workers.values(), *self.apis.values()], timeout_s=15)
+        self.redis.stop()
+
+
+class Chaos(threading.Thread):
+    """Every `worker_every` s (jittered) SIGKILL a random worker: half restart at once under a
+    new name, half under their own name once its lock has expired (to get their pending entries
+    back). Every `api_every` s an api, every `redis_every` s (if set) Redis."""
+
+    def __init__(self, stack: ChaosStack, rng: random.Random, calm_at: float, worker_every: float,
+                 api_every: float, redis_every: float | None):
+        super().__init__(daemon=True, name="chaos")
+        self.stack, self.rng, self.calm_at = stack, rng, calm_at
+        self.every = {"worker": worker_every, "api": api_every, "redis": redis_every}
+        self.kills = {"workers": 0, "apis": 0, "redis": 0}
+        self.done = threading.Event()
+        self.pending: list[tuple[float, str]] = []  # (monotonic time, worker slot) restarts due
+        self.killed_pids: set[int] = set()
+
+    def run(self) -> None:
+        now = time.monotonic()
+        due = {kind: now + self._jitter(every) for kind, every in self.every.items() if every}
+        while not self.done.wait(0.1):  # after calm_at: no more kills, everyone back for the drain
+            now = time.monotonic()
+            for t, slot in [p for p in self.pending if p[0] <= now or now >= self.calm_at]:
+                self.pending.remove((t, slot))
+                self.stack.start_worker(slot)
+            self.stack.check_exits(self.killed_pids)
+            for kind, at in due.items():
+                if at <= now < self.calm_at:
+                    getattr(self, f"_kill_{kind}")()
+                    due[kind] = time.monotonic() + self._jitter(self.every[kind])
+
+    def _jitter(self, every: float | None) -> float:
+        return (every or 0) * self.rng.uniform(0.6, 1.4)
+
+    def _kill_worker(self) -> None:
+        waiting = {slot for _, slot in self.pending}
+        slot = self.rng.choice([s for s in self.stack.slots if s not in waiting])
+        proc = self.stack.workers[slot]
+        self.killed_pids.add(proc.pid)
+        self.stack.kill(proc)
+        self.kills["workers"] += 1
+        if self.rng.random() < 0.5:
+            self.stack.start_worker(slot, new_name=True)
+        else:
+            self.pending.append((time.monotonic() + WORKER_TTL_S + 0.5, slot))
+
+    def _kill_api(self) -> None:
+        i = self.rng.randrange(len(self.stack.apis))
+        self.killed_pids.add(self.stack.apis[i].pid)
+        self.stack.kill(self.stack.apis[i])
+        self.kills["apis"] += 1
+        time.sleep(1.0)
+        self.stack.start_api(i)
+
+    def _kill_redis(self) -> None:
+        self.stack.restart_redis()
+        self.kills["redis"] += 1
+
+
+def _pair(text: str) -> tuple[int, int]:
+    lo, _, hi = text.partition(",")
+    return int(lo), int(hi or lo)
+
+
+def _table(f: dict) -> Table:
+    table = Table(title=f"chaos run: {f['seconds']:.0f}s, {f['clients']} clients, models {', '.join(MODEL_NAMES)}")
+    table.add_column("figure")
+    table.add_column("value", justify="right")
+    k = f["kills"]
+    rows = [(c, f[c]) for c in ("accepted", "done", "failed", "expired", "cancelled", "lost", "duplicated",
+                                "text_mismatch")]
+    rows += [("kills (workers/apis/redis)", f"{k['workers']}/{k['apis']}/{k['redis']}"),
+             ("reclaims (worker logs)", f["reclaims"]), ("retried (final attempt > 1)", f["retried"]),
+             ("dead letters", f["dead_letters"]), ("503 queue full", f["queue_full"]),
+             ("submit retries", f["submit_retries"]), ("readers that hung up once", f["readers_dropped"]),
+             ("readers unfinished", f["readers_unfinished"]),
+             ("requests/s (done)", f"{f['requests_per_s']:.1f}")]
+    for name, value in rows:
+        table.add_row(name, str(value))
+    return table
+
+
+@bench_app.command("chaos")
+def chaos(
+    seconds: float = typer.Option(60, help="Seconds of load and kills."),
+    clients: int = typer.Option(12, help="Concurrent clients (each: submit, follow to the end, again)."),
+    kill_every: float = typer.Option(3.0, help="Mean seconds between worker kills."),
+    api_kill_every: float = typer.Option(15.0, help="Mean seconds between api kills."),
+    kill_redis: bool = typer.Option(False, "--kill-redis", help="Also kill -9 Redis now and then (strict durability)."),
+    redis_kill_every: float = typer.Option(20.0, help="Mean seconds between Redis kills (with --kill-redis)."),
+    workers_per_model: int = typer.Option(2, help="Null-engine workers per model."),
+    token_delay: float = typer.Option(0.02, help="Seconds per streamed token of the null engine."),
+    max_tokens: str = typer.Option("8,128", help="max_tokens range per request (128 outlast the lease)."),
+    drain_timeout: float = typer.Option(90, help="Seconds after the load for every request to become final."),
+    seed: int = typer.Option(0, help="Seed of the load and of the kills."),
+    json_out: Path = typer.Option(None, "--json", help="Write the figures (and the broken requests) here."),
+    logs: Path = typer.Option(None, help="Keep the processes' logs in this folder."),
+) -> None:
+    """Kill workers, apis (and Redis) under load; exit 1 if any accepted request is lost, duplicated
+    or not done (nothing in this load cancels, and ten deliveries are allowed)."""
+    rng = random.Random(seed)
+    with tempfile.TemporaryDirectory() as tmp:
+        stack = ChaosStack(Path(tmp), logs or Path(tmp) / "logs", workers_per_model=workers_per_model,
+                           token_delay_s=token_delay, strict=kill_redis)
+        try:
+            stack.start()
+            t0 = time.monotonic()
+            # The kills stop with the load; clients then follow their last requests to the end.
+            chaos_thread = Chaos(stack, rng, t0 + seconds, kill_every, api_kill_every,
+                                 redis_kill_every if kill_redis else None)
+            load = Load(stack.urls, MODEL_NAMES, clients=clients, seed=seed, max_tokens=_pair(max_tokens))
+            chaos_thread.start()
+            loaded = asyncio.run(load.run(seconds, t0 + seconds + drain_timeout))
+            chaos_thread.done.set()
+            chaos_thread.join()
+            result = audit(stack.redis.url, loaded.tracked)
+            f = {"seconds": seconds, "clients": clients, **result["figures"], "kills": chaos_thread.kills,
+                 "reclaims": stack.reclaims(), "queue_full": loaded.queue_full, "submit_retries": loaded.submit_retries,
+                 "submit_gave_up": loaded.submit_gave_up, "unexpected_exits": stack.unexpected_exits,
+                 "client_errors": loaded.client_errors[:20], "strict_durability": kill_redis}
+            f["requests_per_s"] = f["done"] / seconds
+        finally:
+            stack.stop()
+    Console().print(_table(f))
+    for row in [*result["broken"], *result["not_done"]][:20]:
+        typer.echo(f"broken: {json.dumps(row)}")
+    if f["unexpected_exits"] or f["client_errors"]:
+        typer.echo(f"unexpected exits: {f['unexpected_exits']}; client errors: {f['client_errors']}")
+    if json_out:
+        json_out.write_text(json.dumps({**f, "broken": result["broken"], "not_done": result["not_done"]}, indent=2))
+    if f["lost"] or f["duplicated"] or f["done"] < f["accepted"]:
+        raise typer.Exit(1)

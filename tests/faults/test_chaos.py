@@ -1,0 +1,30 @@
+"""A 2-minute chaos run (`sluice bench chaos`): workers and apis killed under load, then
+every accepted request audited in Redis. Select it with `-m chaos`."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.chaos
+
+
+def test_chaos_run_loses_and_duplicates_nothing(tmp_path: Path) -> None:
+    out = tmp_path / "chaos.json"
+    run = subprocess.run([sys.executable, "-m", "sluice.cli", "bench", "chaos", "--seconds", "120",
+                          "--json", str(out), "--logs", str(tmp_path / "logs")],
+                         capture_output=True, text=True, timeout=540)
+    assert out.exists(), run.stdout[-3000:] + run.stderr[-3000:]
+    figures = json.loads(out.read_text())
+    broken = json.dumps(figures["broken"][:5], indent=1)
+    assert figures["accepted"] > 100, run.stdout[-3000:]
+    assert figures["kills"]["workers"] >= 10 and figures["kills"]["apis"] >= 2, figures["kills"]
+    assert figures["lost"] == 0, broken
+    assert figures["duplicated"] == 0, broken
+    # With 10 deliveries allowed and no poison request in the load, nothing accepted may fail either.
+    assert figures["done"] == figures["accepted"], json.dumps(figures["not_done"][:5], indent=1)
+    assert run.returncode == 0, run.stdout[-3000:]
