@@ -16,7 +16,7 @@ from redis.asyncio import Redis
 from sluice.api.errors import ApiError
 from sluice.api.metrics import ADMITTED, REJECTED
 from sluice.api.tokens import PromptLimits
-from sluice.broker.admission import Admission, QueueFull
+from sluice.broker.admission import Admission, NotDurable, QueueFull
 from sluice.broker.batches import BatchStore
 from sluice.broker.files import FileStore
 from sluice.broker.messages import TERMINAL_STATES, RequestMessage, SamplingSpec
@@ -120,6 +120,9 @@ class ApiState:
             REJECTED.labels(model.name, "queue_full").inc()
             raise ApiError(503, f"model {model.name!r} is saturated: its queue is full, retry later",
                            code="overloaded", headers={"Retry-After": "1"}) from None
+        except NotDurable as err:  # strict durability: not known to be on disk, so not accepted
+            raise ApiError(503, f"{err}; retry with the same Idempotency-Key", code="not_durable",
+                           headers={"Retry-After": "1"}) from None
         ADMITTED.labels(model.name, message.lane).inc()
         return message
 

@@ -18,16 +18,29 @@ class QueueFull(Exception):
     """The model's stream holds its bound of waiting requests."""
 
 
+class NotDurable(Exception):
+    """Strict durability: the admission did not reach the disk in time (the client retries)."""
+
+
 class Admission:
-    def __init__(self, redis: Redis, *, status_ttl_s: int, reply_ttl_s: int, cancel_ttl_s: int):
+    def __init__(self, redis: Redis, *, status_ttl_s: int, reply_ttl_s: int, cancel_ttl_s: int,
+                 strict: bool = False, fsync_timeout_ms: int = 1000):
         self.redis = redis
         self.scripts = Scripts.register(redis)
         self.status_ttl_s = status_ttl_s
         self.reply_ttl_s = reply_ttl_s
         self.cancel_ttl_s = cancel_ttl_s
+        self.strict = strict
+        self.fsync_timeout_ms = fsync_timeout_ms
+        self._waitaof: bool | None = None  # whether the server has WAITAOF (Redis 7.2+), once known
 
     async def submit(self, message: RequestMessage, *, max_queued: int) -> str:
-        """XADD the request unless the bound is reached; returns the stream entry id."""
+        """XADD the request unless the bound is reached; returns the stream entry id.
+
+        Idempotent on the request id (admit.lua), so redis-py re-running the script after a
+        dropped connection enqueues nothing twice. Strict durability: the admission is on
+        disk before this returns (WAITAOF where the server has it; a server without it must
+        run with appendfsync always, as the embedded one does in strict mode)."""
         keys = ModelKeys(message.model)
         stream = keys.bulk if message.lane == "bulk" else keys.requests
         entry = await self.scripts.admit(
@@ -37,7 +50,17 @@ class Admission:
         )
         if entry is None:
             raise QueueFull(message.model)
+        if self.strict and await self._has_waitaof():
+            local, _ = await self.redis.execute_command("WAITAOF", 1, 0, self.fsync_timeout_ms)
+            if int(local) < 1:
+                raise NotDurable(f"request {message.id} was not on disk within {self.fsync_timeout_ms} ms")
         return entry
+
+    async def _has_waitaof(self) -> bool:
+        if self._waitaof is None:
+            version = (await self.redis.info("server")).get("redis_version", "0")
+            self._waitaof = tuple(int(x) for x in str(version).split(".")[:2]) >= (7, 2)
+        return self._waitaof
 
     async def claim_idempotency(self, key: str, rid: str, model: str) -> tuple[str, str] | None:
         """Bind an idempotency key to a new request; returns the (model, id) it is already bound

@@ -43,11 +43,14 @@ def free_port(preferred: int | None = None) -> int:
 
 class EmbeddedRedis:
     def __init__(self, data_dir: Path, port: int | None = None, *, appendonly: bool = True,
-                 password: str | None = None, tls: tuple[Path, Path] | None = None):
-        """`tls`: (certificate, key) files; the server then listens for TLS only."""
+                 password: str | None = None, tls: tuple[Path, Path] | None = None, strict: bool = False):
+        """`tls`: (certificate, key) files; the server then listens for TLS only. `strict`:
+        every write is on disk before it is answered (appendfsync always), so a kill -9 loses
+        nothing that was acknowledged; the default fsyncs once a second."""
         self.data_dir = Path(data_dir)
         self.port = port or free_port(6380)
         self.appendonly = appendonly
+        self.strict = strict
         self.password = password
         self.tls = tls
         self.process: subprocess.Popen | None = None
@@ -64,7 +67,7 @@ class EmbeddedRedis:
         self.process = subprocess.Popen(
             [redis_server_binary(), *self._listen(), "--bind", "127.0.0.1",
              "--dir", str(self.data_dir), "--appendonly", "yes" if self.appendonly else "no",
-             "--appendfsync", "everysec", "--maxmemory-policy", "noeviction", "--save", "",
+             "--appendfsync", "always" if self.strict else "everysec", "--maxmemory-policy", "noeviction", "--save", "",
              "--logfile", str(self.data_dir / "redis.log"),
              *(["--requirepass", self.password] if self.password else [])],
             stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,

@@ -49,7 +49,7 @@ def run_up(redis_url: str | None, host: str, port: int, models_file: Path | None
 
     redis: EmbeddedRedis | None = None
     if redis_url is None:
-        redis = EmbeddedRedis(settings.data_dir / "redis").start()
+        redis = EmbeddedRedis(settings.data_dir / "redis", strict=settings.durability == "strict").start()
         redis_url = redis.url
         log.info("started a local redis-server on %s (AOF in %s)", redis_url, redis.data_dir)
     env = {**os.environ, "SLUICE_REDIS_URL": redis_url}

@@ -6,6 +6,7 @@ printed as a table at the end of the run.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -49,9 +50,9 @@ class Cluster:
         self.api = subprocess.Popen([sys.executable, "-m", "sluice.cli", "api", "--port", str(port)],
                                     env=self.env)
 
-    def start_worker(self, name: str, **env: str) -> subprocess.Popen:
+    def start_worker(self, name: str, model: str = MODEL, **env: str) -> subprocess.Popen:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "sluice.cli", "worker", "--model", MODEL, "--engine", "null", "--name", name],
+            [sys.executable, "-m", "sluice.cli", "worker", "--model", model, "--engine", "null", "--name", name],
             env={**self.env, **env},
         )
         self.workers[name] = proc
@@ -83,15 +84,18 @@ class Cluster:
         return redis_sync.Redis.from_url(self.redis.url, decode_responses=True)
 
 
-@pytest.fixture
-def cluster(tmp_path: Path) -> Iterator[Cluster]:
+@contextlib.contextmanager
+def make_cluster(tmp_path: Path, models_yaml: str = MODELS_YAML, *, strict: bool = False,
+                 **env: str) -> Iterator[Cluster]:
+    """A private Redis (fsync on every write when `strict`) and an api; workers are started by the test."""
     models = tmp_path / "models.yaml"
-    models.write_text(MODELS_YAML)
-    redis = EmbeddedRedis(tmp_path / "redis").start()
+    models.write_text(models_yaml)
+    redis = EmbeddedRedis(tmp_path / "redis", strict=strict).start()
     env = {**os.environ, "SLUICE_REDIS_URL": redis.url, "SLUICE_MODELS_FILE": str(models),
            "SLUICE_LEASE_TIMEOUT_S": "2", "SLUICE_WORKER_TTL_S": "3", "SLUICE_HEARTBEAT_INTERVAL_S": "0.3",
            "SLUICE_CANCEL_POLL_S": "0.1", "SLUICE_SHUTDOWN_TIMEOUT_S": "30",
-           "SLUICE_NULL_TOKEN_DELAY_S": "0.02", "SLUICE_LOG_LEVEL": "INFO"}
+           "SLUICE_NULL_TOKEN_DELAY_S": "0.02", "SLUICE_LOG_LEVEL": "INFO",
+           "SLUICE_DURABILITY": "strict" if strict else "default", **env}
     c = Cluster(tmp_path, redis, env, f"http://127.0.0.1:{free_port()}")
     c.start_api()
     try:
@@ -100,6 +104,12 @@ def cluster(tmp_path: Path) -> Iterator[Cluster]:
     finally:
         stop_processes([*c.workers.values(), *([c.api] if c.api else [])], timeout_s=30)
         redis.stop()
+
+
+@pytest.fixture
+def cluster(tmp_path: Path) -> Iterator[Cluster]:
+    with make_cluster(tmp_path) as c:
+        yield c
 
 
 def _wait_api(c: Cluster) -> None:
@@ -136,6 +146,20 @@ def wait_final(c: Cluster, rids: list[str], timeout_s: float = 90) -> None:
         pending = {rid for rid in pending
                    if r.hget(KEYS.status(rid), "state") not in ("done", "failed", "expired", "cancelled")}
         time.sleep(0.1)
+
+
+def crash_until_final(c: Cluster, rid: str, worker: str = "a", timeout_s: float = 120, **env: str) -> int:
+    """Restart `worker` each time it dies (as a supervisor would) until `rid` is final;
+    returns how many times it crashed."""
+    r = c.sync()
+    started, crashes = time.monotonic(), 0
+    while r.hget(KEYS.status(rid), "state") not in ("failed", "done"):
+        assert time.monotonic() - started < timeout_s, f"{rid} not final after {crashes} crashes"
+        if c.workers[worker].poll() is not None:
+            crashes += 1
+            c.start_worker(worker, **env)
+        time.sleep(0.1)
+    return crashes
 
 
 def record(fault: str, submitted: int, accepted: int, figures: dict[str, int], recovery_s: float | None) -> None:

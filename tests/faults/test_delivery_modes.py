@@ -1,0 +1,119 @@
+"""Exactly one result in every batching mode: real processes, null engines whose tokens depend
+on the batch composition (so a retry that regenerates instead of resuming shows), kills."""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.faults.conftest import KEYS, MODEL, Cluster, audit, crash_until_final, make_cluster, record, wait_final
+from tests.faults.test_faults import stream_text, submit
+
+MODES = {
+    "continuous": "continuous_batching_config: {max_concurrent_batch_size: 16}",
+    "dynamic": "dynamic_batching_config: {max_batch_delay_ms: 20, batch_size_target: 4, batch_size_limit: 8}",
+    "single": "batch_config: single",
+}
+
+
+def models_yaml(mode: str) -> str:
+    return f"models:\n  - name: {MODEL}\n    {MODES[mode]}\n"
+
+
+def finals_agree_with_streams(c: Cluster, rids: list[str], streamed: dict[str, str]) -> None:
+    r = c.sync()
+    for rid in rids:
+        result = json.loads(r.hget(KEYS.status(rid), "result"))
+        assert result["status"] == "done", result
+        text = result["output"]["text"]
+        assert streamed[rid] == text, f"{rid}: streamed {streamed[rid]!r}, final {text!r}"
+        # every token index once per attempt-chain: the reply stream's deltas tile the output
+        covered = []
+        for _, f in r.xrange(KEYS.reply(rid)):
+            if f.get("kind") == "delta":
+                ev = json.loads(f["data"])
+                covered.extend(range(ev["i"], ev["i"] + len(ev["token_ids"])))
+        assert covered == list(range(result["output"]["num_output_tokens"])), covered
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_sigkill_mid_generation_in_every_mode(tmp_path: Path, mode: str) -> None:
+    composition = {"SLUICE_NULL_COMPOSITION": "1"}
+    with make_cluster(tmp_path, models_yaml(mode), **composition) as c:
+        c.start_worker("a")
+        c.start_worker("b")
+        c.wait_workers(2)
+        rids, _ = submit(c, 12, max_tokens=40)  # 40 tokens x 20 ms: running at the kill
+        streamed: dict[str, str] = {}
+        readers = [threading.Thread(target=stream_text, args=(c.url, rid, streamed)) for rid in rids]
+        for t in readers:
+            t.start()
+        r = c.sync()
+        deadline = time.monotonic() + 30
+        while not any(r.hget(KEYS.status(rid), "worker") == "a" and r.exists(KEYS.reply(rid)) for rid in rids):
+            assert time.monotonic() < deadline, "worker a started nothing: the test would prove nothing"
+            time.sleep(0.05)
+        killed_at = time.monotonic()
+        c.signal("a", signal.SIGKILL)
+        wait_final(c, rids, timeout_s=120)
+        recovery = time.monotonic() - killed_at
+        for t in readers:
+            t.join(60)
+        figures = audit(c, rids)
+        record(f"SIGKILL a worker mid-generation ({mode})", 12, len(rids), figures, recovery)
+        assert figures == {"completed": 12, "duplicated": 0, "lost": 0}
+        finals_agree_with_streams(c, rids, streamed)
+        resumed = [json.loads(r.hget(KEYS.status(rid), "result")) for rid in rids]
+        assert any(x["attempt"] == 2 for x in resumed), "nothing was taken over from worker a"
+
+
+def test_a_poison_request_takes_no_neighbour_with_it(tmp_path: Path) -> None:
+    """The poison request crashes its worker with 8 healthy requests beside it; they are
+    redelivered with it, run in quarantine one at a time, and finish; only it is charged."""
+    crash = {"SLUICE_NULL_CRASH_ON": "POISON", "SLUICE_MAX_DELIVERIES": "3"}
+    with make_cluster(tmp_path, models_yaml("continuous"), **crash) as c:
+        c.start_worker("a")
+        c.wait_workers(1)
+        c.signal("a", signal.SIGSTOP)  # hold the queue so that all nine start together
+        good, _ = submit(c, 8, max_tokens=20)
+        (poison,), _ = submit(c, 1, prompt="POISON", max_tokens=20)
+        streamed: dict[str, str] = {}
+        readers = [threading.Thread(target=stream_text, args=(c.url, rid, streamed)) for rid in good]
+        for t in readers:
+            t.start()
+        c.signal("a", signal.SIGCONT)
+        r = c.sync()
+        started = time.monotonic()
+        crashes = crash_until_final(c, poison)
+        wait_final(c, good, timeout_s=60)
+        for t in readers:
+            t.join(60)
+        figures = audit(c, good)
+        record("poison beside 8 healthy requests", 9, 9, figures, time.monotonic() - started)
+        assert figures == {"completed": 8, "duplicated": 0, "lost": 0}
+        finals_agree_with_streams(c, good, streamed)
+        assert crashes == 3
+        (letter,) = r.xrange(KEYS.dead_letters)
+        assert letter[1]["id"] == poison
+
+
+def test_kill_9_redis_in_strict_durability_loses_no_acknowledged_request(tmp_path: Path) -> None:
+    """appendfsync always: a 202 means the entry is on disk; kill -9 right after the last one."""
+    with make_cluster(tmp_path, strict=True) as c:
+        c.start_worker("a")
+        c.wait_workers(1)
+        c.signal("a", signal.SIGSTOP)  # hold the queue
+        rids, _ = submit(c, 50, max_tokens=5)
+        down = c.restart_redis()  # no pause: the everysec window would lose the last second
+        restarted = time.monotonic()
+        assert c.sync().xlen(KEYS.requests) == 50
+        c.signal("a", signal.SIGCONT)
+        wait_final(c, rids, timeout_s=60)
+        figures = audit(c, rids)
+        record("kill -9 Redis at once, strict durability", 50, 50, figures, down + time.monotonic() - restarted)
+        assert figures == {"completed": 50, "duplicated": 0, "lost": 0}
