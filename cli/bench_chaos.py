@@ -21,7 +21,6 @@ import threading
 import time
 from pathlib import Path
 
-import redis as redis_sync
 import typer
 from rich.console import Console
 from rich.table import Table
@@ -49,9 +48,7 @@ class ChaosStack:
         self.logs = logs
         logs.mkdir(parents=True, exist_ok=True)
         (tmp / "models.yaml").write_text(MODELS)
-        self.strict = strict
-        self.redis = EmbeddedRedis(tmp / "redis")
-        self._start_redis()
+        self.redis = EmbeddedRedis(tmp / "redis", strict=strict).start()
         self.env = {**os.environ, "SLUICE_REDIS_URL": self.redis.url, "SLUICE_MODELS_FILE": str(tmp / "models.yaml"),
                     "SLUICE_DATA_DIR": str(tmp / "data"), "SLUICE_LEASE_TIMEOUT_S": "2",
                     "SLUICE_WORKER_TTL_S": str(WORKER_TTL_S), "SLUICE_HEARTBEAT_INTERVAL_S": "0.3",
@@ -71,11 +68,6 @@ class ChaosStack:
     @property
     def urls(self) -> list[str]:
         return [f"http://127.0.0.1:{p}" for p in self.ports]
-
-    def _start_redis(self) -> None:
-        self.redis.start()
-        if self.strict:  # what SLUICE_DURABILITY=strict asks of the embedded Redis
-            redis_sync.Redis.from_url(self.redis.url).config_set("appendfsync", "always")
 
     def _popen(self, args: list[str], log: str) -> subprocess.Popen:
         with open(self.logs / f"{log}.log", "ab") as out:
@@ -108,7 +100,7 @@ class ChaosStack:
     def restart_redis(self) -> None:
         self.redis.stop(kill=True)
         time.sleep(0.5)
-        self._start_redis()
+        self.redis.start()
 
     def check_exits(self, expected: set[int]) -> None:
         """Restart a process that died without being killed here (and say so in the report)."""
@@ -222,6 +214,7 @@ def chaos(
     workers_per_model: int = typer.Option(2, help="Null-engine workers per model."),
     token_delay: float = typer.Option(0.02, help="Seconds per streamed token of the null engine."),
     max_tokens: str = typer.Option("8,128", help="max_tokens range per request (128 outlast the lease)."),
+    hangups: float = typer.Option(0.25, help="Share of SSE readers that hang up once mid-stream and resume."),
     drain_timeout: float = typer.Option(90, help="Seconds after the load for every request to become final."),
     seed: int = typer.Option(0, help="Seed of the load and of the kills."),
     json_out: Path = typer.Option(None, "--json", help="Write the figures (and the broken requests) here."),
@@ -239,7 +232,8 @@ def chaos(
             # The kills stop with the load; clients then follow their last requests to the end.
             chaos_thread = Chaos(stack, rng, t0 + seconds, kill_every, api_kill_every,
                                  redis_kill_every if kill_redis else None)
-            load = Load(stack.urls, MODEL_NAMES, clients=clients, seed=seed, max_tokens=_pair(max_tokens))
+            load = Load(stack.urls, MODEL_NAMES, clients=clients, seed=seed, max_tokens=_pair(max_tokens),
+                        hangups=hangups)
             chaos_thread.start()
             loaded = asyncio.run(load.run(seconds, t0 + seconds + drain_timeout))
             chaos_thread.done.set()
@@ -253,8 +247,10 @@ def chaos(
         finally:
             stack.stop()
     Console().print(_table(f))
-    for row in [*result["broken"], *result["not_done"]][:20]:
+    for row in result["broken"][:20]:
         typer.echo(f"broken: {json.dumps(row)}")
+    for row in result["not_done"][:10]:
+        typer.echo(f"not done: {json.dumps(row)}")
     if f["unexpected_exits"] or f["client_errors"]:
         typer.echo(f"unexpected exits: {f['unexpected_exits']}; client errors: {f['client_errors']}")
     if json_out:

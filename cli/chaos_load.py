@@ -49,8 +49,9 @@ class LoadFigures:
 
 
 class Load:
-    def __init__(self, urls: list[str], models: list[str], *, clients: int, seed: int, max_tokens: tuple[int, int]):
-        self.urls, self.models, self.clients = urls, models, clients
+    def __init__(self, urls: list[str], models: list[str], *, clients: int, seed: int, max_tokens: tuple[int, int],
+                 hangups: float):
+        self.urls, self.models, self.clients, self.hangups = urls, models, clients, hangups
         self.rng = random.Random(seed)
         self.max_tokens = max_tokens
         self.figures = LoadFigures()
@@ -111,10 +112,10 @@ class Load:
         return None
 
     async def _stream(self, http: httpx.AsyncClient, t: Tracked, api: int, follow_until: float) -> None:
-        """Follow the SSE stream to its final; a quarter of the readers also hang up once after a
+        """Follow the SSE stream to its final; a share of the readers also hang up once after a
         few deltas (as a browser or a phone changing networks does) and resume with Last-Event-ID."""
         last_id: str | None = None
-        drop_after = self.rng.randint(1, 6) if self.rng.random() < 0.25 else None
+        drop_after = self.rng.randint(1, 6) if self.rng.random() < self.hangups else None
         while time.monotonic() < follow_until:
             url = self.urls[(api + t.reconnects) % len(self.urls)]
             headers = {"Last-Event-ID": last_id} if last_id else {}
@@ -186,6 +187,19 @@ def overlaps(deltas: list[dict]) -> list[str]:
     return twice
 
 
+def runs(deltas: list[dict]) -> list[str]:
+    """The reply stream's deltas in order, contiguous ones of one attempt and row joined:
+    "a1 r0 i0-41" is attempt 1, row 0, token indices 0 to 41."""
+    out: list[list] = []  # [attempt, row, first, end]
+    for d in deltas:
+        a, r, i, end = d.get("attempt", 1), d.get("row", 0), d["i"], d["i"] + len(d["token_ids"])
+        if out and out[-1][:2] == [a, r] and out[-1][3] == i:
+            out[-1][3] = end
+        else:
+            out.append([a, r, i, end])
+    return [f"a{a} r{r} i{i}-{end - 1}" for a, r, i, end in out]
+
+
 def audit_one(r: redis_sync.Redis, t: Tracked) -> dict:
     """What Redis holds for one accepted request, and which invariants it breaks."""
     keys = ModelKeys(t.model)
@@ -196,7 +210,7 @@ def audit_one(r: redis_sync.Redis, t: Tracked) -> dict:
     final_text = ((finals[0].get("output") or {}).get("text")) if finals else None
     row = {"rid": t.rid, "model": t.model, "mode": t.mode, "state": status.get("state"),
            "finals": [f"{f['status']}@attempt{f.get('attempt')}: {f.get('error') or ''}" for f in finals],
-           "deltas": [f"a{d.get('attempt', 1)} i{d['i']}+{len(d['token_ids'])}" for d in deltas],
+           "deltas": runs(deltas),
            "status_attempt": status.get("attempt"), "worker": status.get("worker"),
            "submit_tries": t.submit_tries, "reconnects": t.reconnects, "dropped": t.dropped, "broken": []}
     if not finals:
