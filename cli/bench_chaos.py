@@ -137,6 +137,10 @@ class Chaos(threading.Thread):
         self.done = threading.Event()
         self.pending: list[tuple[float, str]] = []  # (monotonic time, worker slot) restarts due
         self.killed_pids: set[int] = set()
+        self.log: list[str] = []  # what was killed when (wall clock, to match stream entry ids)
+
+    def _note(self, what: str) -> None:
+        self.log.append(f"{time.time() * 1000:.0f} {what}")
 
     def run(self) -> None:
         now = time.monotonic()
@@ -162,6 +166,7 @@ class Chaos(threading.Thread):
         self.killed_pids.add(proc.pid)
         self.stack.kill(proc)
         self.kills["workers"] += 1
+        self._note(f"killed worker {self.stack.names[slot]}")
         if self.rng.random() < 0.5:
             self.stack.start_worker(slot, new_name=True)
         else:
@@ -172,12 +177,15 @@ class Chaos(threading.Thread):
         self.killed_pids.add(self.stack.apis[i].pid)
         self.stack.kill(self.stack.apis[i])
         self.kills["apis"] += 1
+        self._note(f"killed api{i}")
         time.sleep(1.0)
         self.stack.start_api(i)
 
     def _kill_redis(self) -> None:
+        self._note("killing redis")
         self.stack.restart_redis()
         self.kills["redis"] += 1
+        self._note("redis restarted")
 
 
 def _pair(text: str) -> tuple[int, int]:
@@ -191,7 +199,7 @@ def _table(f: dict) -> Table:
     table.add_column("value", justify="right")
     k = f["kills"]
     rows = [(c, f[c]) for c in ("accepted", "done", "failed", "expired", "cancelled", "lost", "duplicated",
-                                "text_mismatch")]
+                                "text_mismatch", "token_gaps")]
     rows += [("kills (workers/apis/redis)", f"{k['workers']}/{k['apis']}/{k['redis']}"),
              ("reclaims (worker logs)", f["reclaims"]), ("retried (final attempt > 1)", f["retried"]),
              ("dead letters", f["dead_letters"]), ("503 queue full", f["queue_full"]),
@@ -254,6 +262,8 @@ def chaos(
     if f["unexpected_exits"] or f["client_errors"]:
         typer.echo(f"unexpected exits: {f['unexpected_exits']}; client errors: {f['client_errors']}")
     if json_out:
-        json_out.write_text(json.dumps({**f, "broken": result["broken"], "not_done": result["not_done"]}, indent=2))
+        json_out.write_text(json.dumps({**f, "broken": result["broken"], "not_done": result["not_done"],
+                                        "gaps": result["gaps"],
+                                        "chaos_log": chaos_thread.log}, indent=2))
     if f["lost"] or f["duplicated"] or f["done"] < f["accepted"]:
         raise typer.Exit(1)

@@ -175,16 +175,30 @@ def replay(deltas: list[dict]) -> str:
 
 
 def overlaps(deltas: list[dict]) -> list[str]:
-    """Token indices covered twice by deltas of one attempt (one row)."""
-    covered: dict[tuple[int, int], set[int]] = {}
+    """Token indices covered twice by deltas of one attempt (one row), with the two entry ids."""
+    covered: dict[tuple[int, int], dict[int, str]] = {}
     twice = []
     for d in deltas:
-        cells = covered.setdefault((d.get("attempt", 1), d.get("row", 0)), set())
+        cells = covered.setdefault((d.get("attempt", 1), d.get("row", 0)), {})
         for i in range(d["i"], d["i"] + len(d["token_ids"])):
             if i in cells:
-                twice.append(f"attempt {d.get('attempt', 1)} row {d.get('row', 0)} index {i}")
-            cells.add(i)
+                twice.append(f"attempt {d.get('attempt', 1)} row {d.get('row', 0)} index {i} "
+                             f"(entries {cells[i]} and {d.get('_id')})")
+            cells[i] = d.get("_id", "")
     return twice
+
+
+def gaps(deltas: list[dict]) -> list[str]:
+    """Token indices skipped inside one attempt's deltas (a write of deltas that was lost);
+    an attempt may start past 0 (it resumes), but then goes on without holes."""
+    end: dict[tuple[int, int], int] = {}
+    holes = []
+    for d in deltas:
+        key = (d.get("attempt", 1), d.get("row", 0))
+        if key in end and d["i"] > end[key]:
+            holes.append(f"attempt {key[0]} row {key[1]} indices {end[key]}-{d['i'] - 1} (before entry {d.get('_id')})")
+        end[key] = max(end.get(key, 0), d["i"] + len(d["token_ids"]))
+    return holes
 
 
 def runs(deltas: list[dict]) -> list[str]:
@@ -205,7 +219,7 @@ def audit_one(r: redis_sync.Redis, t: Tracked) -> dict:
     keys = ModelKeys(t.model)
     status = r.hgetall(keys.status(t.rid))
     entries = r.xrange(keys.reply(t.rid))
-    deltas = [json.loads(f["data"]) for _, f in entries if f.get("kind") == "delta"]
+    deltas = [{**json.loads(f["data"]), "_id": eid} for eid, f in entries if f.get("kind") == "delta"]
     finals = [json.loads(f["data"]) for _, f in entries if f.get("kind") == "final"]
     final_text = ((finals[0].get("output") or {}).get("text")) if finals else None
     row = {"rid": t.rid, "model": t.model, "mode": t.mode, "state": status.get("state"),
@@ -225,6 +239,8 @@ def audit_one(r: redis_sync.Redis, t: Tracked) -> dict:
         row["broken"].append(f"status {status.get('state')} != final event {finals[0]['status']}")
     if twice := overlaps(deltas):
         row["broken"].append(f"duplicated: {len(twice)} token indices delivered twice, e.g. {twice[0]}")
+    if holes := gaps(deltas):
+        row["gaps"] = holes  # not broken by itself: a retry may have resumed from the hole
     if final_text is not None and (text := replay(deltas)) != final_text:
         row["broken"].append(f"replayed deltas != final text: {text[-60:]!r} vs {final_text[-60:]!r}")
     client_text = ((t.final or {}).get("output") or {}).get("text")
@@ -253,5 +269,7 @@ def audit(redis_url: str, tracked: list[Tracked]) -> dict:
         figures["retried"] += int(row["status_attempt"] or 1) > 1
         figures["readers_unfinished"] += bool(row.get("reader_unfinished"))
     figures["dead_letters"] = sum(r.xlen(ModelKeys(m).dead_letters) for m in {t.model for t in tracked})
+    figures["token_gaps"] = sum(bool(row.get("gaps")) for row in rows)
     return {"figures": figures, "broken": [row for row in rows if row["broken"]],
+            "gaps": [row for row in rows if row.get("gaps") and not row["broken"]],
             "not_done": [row for row in rows if not row["broken"] and row["state"] != "done"]}

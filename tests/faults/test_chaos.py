@@ -20,6 +20,7 @@ def test_chaos_run_loses_and_duplicates_nothing(tmp_path: Path) -> None:
                          capture_output=True, text=True, timeout=540)
     assert out.exists(), run.stdout[-3000:] + run.stderr[-3000:]
     figures = json.loads(out.read_text())
+    print(run.stdout[-2500:])  # the table (shown with -s)
     broken = json.dumps(figures["broken"][:5], indent=1)
     assert figures["accepted"] > 100, run.stdout[-3000:]
     assert figures["kills"]["workers"] >= 10 and figures["kills"]["apis"] >= 2, figures["kills"]
