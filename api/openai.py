@@ -111,11 +111,14 @@ def _stream(s: ApiState, model: str, messages: list[RequestMessage], chunk, incl
         finally:
             for r in readers:
                 r.cancel()
-            if len(finished) < len(messages):  # the client went away: free the engine
+            # The caller owns its choices, as with vLLM's server: a client gone before the
+            # end frees the engine. (On SIGTERM the stream first runs on for up to the
+            # shutdown timeout: see `sluice api`.)
+            if len(finished) < len(messages):
                 for m in messages:
                     s.cancel_soon(model, m.id)
 
-    return EventSourceResponse(events(), ping=15)
+    return EventSourceResponse(events(), ping=15, shutdown_grace_period=s.settings.shutdown_timeout_s)
 
 
 @router.post("/completions")

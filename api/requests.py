@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from collections.abc import AsyncIterator
 
-from fastapi import APIRouter, Depends, Header, Query, Request
+from fastapi import APIRouter, Depends, Header, Query
 from sse_starlette.sse import EventSourceResponse
 
 from sluice.api.auth import require_key
@@ -80,31 +80,42 @@ async def cancel(rid: str, s: ApiState = Depends(state)) -> dict:
 
 
 @router.get("/{rid}/events")
-async def events(rid: str, request: Request, s: ApiState = Depends(state)) -> EventSourceResponse:
+async def events(
+    rid: str,
+    s: ApiState = Depends(state),
+    last_event_id: str | None = Header(
+        None, alias="Last-Event-ID",
+        description="Resume after this event: the `id` of the last event received (a browser's "
+                    "EventSource sends it when it reconnects)."),
+) -> EventSourceResponse:
     """Server-sent events: `delta` ({index, text}) per token batch, then `done` or `error`.
 
-    Resumable with Last-Event-ID; a client that disconnects before the end cancels the request.
+    Resumable with Last-Event-ID. Watching is not owning: a reader that disconnects cancels
+    nothing (DELETE does). A stream silent for `SLUICE_SSE_IDLE_TIMEOUT_S` closes with a
+    comment; the client reconnects with its Last-Event-ID.
     """
     model = await s.model_of(rid)
-    last_id = request.headers.get("last-event-id") or "0"
-    next_index = await resume_index(s.redis, model, rid, last_id) if last_id != "0" else 0
+    last_id = last_event_id or "0"
+    try:
+        next_index = await resume_index(s.redis, model, rid, last_id) if last_id != "0" else 0
+    except ValueError:
+        raise ApiError(400, f"Last-Event-ID: {last_event_id!r} is not the id of an event of this stream",
+                       param="Last-Event-ID") from None
+    idle_s = s.settings.sse_idle_timeout_s
 
     async def stream() -> AsyncIterator[dict]:
-        finished = False
-        try:
-            async for ev in read_replies(s.redis, model, rid, after=last_id, next_index=next_index):
-                if ev.delta is not None:
-                    yield {"event": "delta", "id": ev.entry_id,
-                           "data": json.dumps({"index": ev.delta.i, "text": ev.delta.text,
-                                               "row": ev.delta.row})}
-                elif ev.final is not None:
-                    finished = True
-                    final = RequestView(id=rid, model=model, **ev.final.model_dump(mode="json"))
-                    kind = "done" if ev.final.status.value == "done" else "error"
-                    yield {"event": kind, "id": ev.entry_id,
-                           "data": final.model_dump_json(exclude_none=True)}
-        finally:
-            if not finished:
-                s.cancel_soon(model, rid)
+        async for ev in read_replies(s.redis, model, rid, after=last_id, next_index=next_index,
+                                     idle_timeout_s=idle_s):
+            if ev.delta is not None:
+                yield {"event": "delta", "id": ev.entry_id,
+                       "data": json.dumps({"index": ev.delta.i, "text": ev.delta.text, "row": ev.delta.row})}
+            elif ev.final is not None:
+                final = RequestView(id=rid, model=model, **ev.final.model_dump(mode="json"))
+                kind = "done" if ev.final.status.value == "done" else "error"
+                yield {"event": kind, "id": ev.entry_id, "data": final.model_dump_json(exclude_none=True)}
+                return
+        # Closed so that an idle reader does not hold the connection (and a proxy's) forever.
+        yield {"comment": f"no event for {idle_s:g}s: reconnect with Last-Event-ID to go on"}
 
-    return EventSourceResponse(stream(), ping=15)
+    # On SIGTERM, open streams run to their end for up to the shutdown timeout (see `sluice api`).
+    return EventSourceResponse(stream(), ping=15, shutdown_grace_period=s.settings.shutdown_timeout_s)

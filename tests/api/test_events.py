@@ -1,0 +1,115 @@
+"""SSE readers of /v1/requests/{id}/events: every stream ends, and Last-Event-ID is checked.
+
+The api runs in-process. httpx's ASGITransport answers only once the app has finished the
+response, so a stream that never ends would hang the test: each read is bounded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import httpx
+import pytest
+from redis.asyncio import Redis
+
+from sluice.api.app import create_app
+from sluice.broker.messages import DeltaEvent
+from sluice.config.settings import Settings
+from tests.e2e.sse import SseEvent, sse_events
+from tests.unit.broker_helpers import KEYS, MODEL, done_result, running_request
+
+MODELS_YAML = f"models:\n  - name: {MODEL}\n    continuous_batching_config: {{max_concurrent_batch_size: 4}}\n"
+IDLE_S = 1.0
+READ_LIMIT_S = 15.0  # far above IDLE_S: reaching it means the stream did not end
+
+
+@pytest.fixture
+async def api(redis: Redis, settings: Settings, tmp_path: Path) -> AsyncIterator[httpx.AsyncClient]:
+    (tmp_path / "models.yaml").write_text(MODELS_YAML)
+    app = create_app(settings.model_copy(update={"models_file": tmp_path / "models.yaml",
+                                                 "sse_idle_timeout_s": IDLE_S}))
+    async with app.router.lifespan_context(app):
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://sluice") as client:
+            yield client
+
+
+async def read(api: httpx.AsyncClient, rid: str, last_event_id: str | None = None) -> httpx.Response:
+    headers = {"Last-Event-ID": last_event_id} if last_event_id else {}
+    return await asyncio.wait_for(api.get(f"/v1/requests/{rid}/events", headers=headers), READ_LIMIT_S)
+
+
+async def add_delta(redis: Redis, rid: str, delta: DeltaEvent) -> None:
+    await redis.xadd(KEYS.reply(rid), {"kind": "delta", "data": delta.model_dump_json()})
+
+
+async def events_of(response: httpx.Response) -> list[SseEvent]:
+    assert response.status_code == 200, response.text
+    return [ev async for ev in sse_events(response)]
+
+
+async def test_final_comes_from_the_status_when_the_reply_stream_expired(
+        api: httpx.AsyncClient, redis: Redis, settings: Settings) -> None:
+    _, m, c, d = await running_request(redis, settings)
+    assert await c.commit(d, done_result(" a b"))
+    await redis.delete(KEYS.reply(m.id))  # what its TTL does an hour after the final
+
+    events = await events_of(await read(api, m.id))
+    assert [e.event for e in events] == ["done"]
+    assert events[0].json()["status"] == "done" and events[0].json()["output"]["text"] == " a b"
+
+
+async def test_reconnecting_at_the_final_event_gets_the_final_again(
+        api: httpx.AsyncClient, redis: Redis, settings: Settings) -> None:
+    _, m, c, d = await running_request(redis, settings)
+    assert await c.commit(d, done_result())
+    (first,) = await events_of(await read(api, m.id))
+    assert first.event == "done" and first.id
+
+    # A browser's EventSource reconnects when the server closes, sending the final's id.
+    (again,) = await events_of(await read(api, m.id, last_event_id=first.id))
+    assert again.event == "done" and again.json() == first.json()
+
+
+async def test_a_silent_stream_closes_with_a_comment_and_resumes_from_last_event_id(
+        api: httpx.AsyncClient, redis: Redis, settings: Settings) -> None:
+    _, m, c, d = await running_request(redis, settings)
+    await add_delta(redis, m.id, DeltaEvent(i=0, text=" a", token_ids=[1]))
+
+    response = await read(api, m.id)  # one delta, then nothing for longer than the idle timeout
+    (delta,) = await events_of(response)
+    assert delta.event == "delta" and delta.json()["text"] == " a"
+    comments = [line for line in response.text.splitlines() if line.startswith(":")]
+    assert comments and "Last-Event-ID" in comments[-1]
+
+    await add_delta(redis, m.id, DeltaEvent(i=1, text=" b", token_ids=[2]))
+    assert await c.commit(d, done_result(" a b"))
+    rest = await events_of(await read(api, m.id, last_event_id=delta.id))
+    assert [(e.event, e.json().get("text")) for e in rest] == [("delta", " b"), ("done", None)]
+
+
+async def test_a_queued_request_with_no_event_closes_after_the_idle_timeout(api: httpx.AsyncClient) -> None:
+    r = await api.post("/v1/requests", json={"prompt": "nobody serves this", "max_tokens": 2})
+    assert r.status_code == 202, r.text
+    response = await read(api, r.json()["id"])
+    assert await events_of(response) == []
+    assert any(line.startswith(":") for line in response.text.splitlines())
+    status = await api.get(f"/v1/requests/{r.json()['id']}")
+    assert status.json()["status"] == "queued"  # closing the stream cancelled nothing
+
+
+@pytest.mark.parametrize("bad", ["x", "1-x", "-1", "1-2-3", "99999999999999999999999-0"])
+async def test_a_last_event_id_that_is_no_event_id_is_a_400_naming_the_header(
+        api: httpx.AsyncClient, redis: Redis, settings: Settings, bad: str) -> None:
+    _, m, _, _ = await running_request(redis, settings)
+    r = await read(api, m.id, last_event_id=bad)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "Last-Event-ID"
+    assert "Last-Event-ID" in r.json()["error"]["message"]
+
+
+async def test_last_event_id_is_in_the_openapi_document(api: httpx.AsyncClient) -> None:
+    spec = (await api.get("/openapi.json")).json()
+    params = spec["paths"]["/v1/requests/{rid}/events"]["get"]["parameters"]
+    assert ("Last-Event-ID", "header") in [(p["name"], p["in"]) for p in params]
