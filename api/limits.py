@@ -12,6 +12,19 @@ class BodyTooLarge(Exception):
     pass
 
 
+class StartedSend:
+    """A `send` that remembers whether the response has started: past that, an error can no
+    longer be answered, only raised."""
+
+    def __init__(self, send: Send) -> None:
+        self.send = send
+        self.started = False
+
+    async def __call__(self, message: Message) -> None:
+        self.started = self.started or message["type"] == "http.response.start"
+        await self.send(message)
+
+
 class BodySizeLimit:
     def __init__(self, app: ASGIApp, max_bytes: int, overrides: dict[str, int] | None = None):
         """`overrides`: other limits for exact paths (file uploads)."""
@@ -29,7 +42,6 @@ class BodySizeLimit:
             await self._refuse(send, limit)
             return
         seen = 0
-        started = False
 
         async def counted() -> Message:
             nonlocal seen
@@ -40,15 +52,11 @@ class BodySizeLimit:
                     raise BodyTooLarge
             return message
 
-        async def tracked(message: Message) -> None:
-            nonlocal started
-            started = started or message["type"] == "http.response.start"
-            await send(message)
-
+        tracked = StartedSend(send)
         try:
             await self.app(scope, counted, tracked)
         except BodyTooLarge:
-            if not started:
+            if not tracked.started:
                 await self._refuse(send, limit)
 
     async def _refuse(self, send: Send, limit: int) -> None:

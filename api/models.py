@@ -7,9 +7,9 @@ from typing import Any, Literal
 
 from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, model_validator
 
-from sluice.api.arrow import ARROW_STREAM, encode_rows, encode_table, parse_rows, wants_arrow
+from sluice.api.arrow import ARROW_STREAM, RowLimits, encode_rows, encode_table, parse_rows, wants_arrow
 from sluice.api.errors import ApiError
 from sluice.api.state import ApiState, state
 from sluice.config.batching import ContinuousBatchingConfig, DynamicBatchingConfig
@@ -17,6 +17,7 @@ from sluice.config.model import ConfigError, ModelConfig, parse_model
 from sluice.config.schema import to_arrow
 
 router = APIRouter(prefix="/v1/models", tags=["models"])
+MAX_BATCH = 100_000  # far above any engine's batch
 
 
 def describe(m: ModelConfig) -> dict[str, Any]:
@@ -54,6 +55,18 @@ class ConfigureRequest(BaseModel):
     dynamic_batching_config: DynamicBatchingConfig | None = None
     batch_config: Literal["single"] | None = None
 
+    @model_validator(mode="after")
+    def _bounded(self) -> ConfigureRequest:
+        # Over HTTP, sizes stay within what a worker can ask Redis for: a batch size of 10**23
+        # was accepted and left the model's worker failing every XREADGROUP (COUNT out of range).
+        given = {**(self.continuous_batching_config or ContinuousBatchingConfig()).model_dump(),
+                 **(self.dynamic_batching_config or DynamicBatchingConfig()).model_dump()}
+        for name, most in (("max_concurrent_batch_size", MAX_BATCH), ("batch_size_target", MAX_BATCH),
+                           ("batch_size_limit", MAX_BATCH), ("max_batch_delay_ms", 3_600_000)):
+            if (given.get(name) or 0) > most:
+                raise ValueError(f"{name}: at most {most}")
+        return self
+
 
 @router.put("/{model}/config")
 async def configure(model: str, body: ConfigureRequest, s: ApiState = Depends(state)) -> dict:
@@ -74,7 +87,22 @@ async def configure(model: str, body: ConfigureRequest, s: ApiState = Depends(st
     return describe(deployed)
 
 
-@router.post("/{model}/infer")
+# The route reads its body itself (JSON records or Arrow), so the OpenAPI document is told
+# what it takes: clients, and the schemathesis fuzz, see both media types.
+_BINARY = {"schema": {"type": "string", "format": "binary"}}
+_RECORDS = {"schema": {"type": "array", "minItems": 1, "items": {
+    "type": "object", "additionalProperties": True,  # the model's input schema may add fields
+    "properties": {"prompt": {"type": "string", "minLength": 1},
+                   "max_tokens": {"type": "integer", "minimum": 1}}}}}
+_INFER_OPENAPI = {
+    "requestBody": {"required": True, "content": {"application/json": _RECORDS, ARROW_STREAM: _BINARY}},
+    "responses": {"200": {"description": "one output row per input row, in order",
+                          "content": {"application/json": {"schema": {"type": "array", "items": {"type": "object"}}},
+                                      ARROW_STREAM: _BINARY}}},
+}
+
+
+@router.post("/{model}/infer", openapi_extra=_INFER_OPENAPI)
 async def infer(
     model: str,
     request: Request,
@@ -88,7 +116,7 @@ async def infer(
     m = await s.model(model)
     content_type = request.headers.get("content-type")
     body = await request.body()  # bounded by the BodySizeLimit middleware
-    rows = parse_rows(body, content_type, to_arrow(m.input_schema))
+    rows = parse_rows(body, content_type, to_arrow(m.input_schema), RowLimits.of(s.settings))
     message = await s.enqueue(m, rows, temperature=temperature, top_p=top_p, seed=seed, timeout_s=timeout_s)
     status = await s.wait_final(m.name, message.id,
                                 min(message.deadline - message.enqueued_at, s.settings.max_wait_s))

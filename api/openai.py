@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse
 from sse_starlette.sse import EventSourceResponse
 
 from sluice.api.errors import ApiError
+from sluice.api.schemas import MAX_TOKENS, require_unicode
 from sluice.api.state import ApiState, state
 from sluice.broker.messages import FinalResult, RequestMessage
 from sluice.broker.openai import (
@@ -37,6 +38,12 @@ async def _enqueue_choices(s: ApiState, model: ModelConfig, body: SamplingBody,
     bad = body.unsupported()
     if bad:
         raise ApiError(400, f"{', '.join(bad)}: not supported by this server", param=bad[0])
+    # The OpenAI bodies' str-or-list fields let a lone surrogate through pydantic.
+    for key in ("prompt", "messages"):
+        require_unicode([row.get(key) for row in rows], key)
+    require_unicode(body.stop, "stop")
+    if any((row.get("max_tokens") or 0) > MAX_TOKENS for row in rows):
+        raise ApiError(422, f"max_tokens: at most {MAX_TOKENS}", param="max_tokens")
     seed = body.seed if body.seed is not None else secrets.randbits(31)
     messages: list[RequestMessage] = []
     try:

@@ -2,19 +2,55 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 
+from sluice.api.errors import ApiError
 from sluice.broker.openai import stop_list
+
+MAX_TOKENS = 1_000_000
+
+
+def unicode_problem(value: object) -> str | None:
+    """Why `value` (a string, or lists and dicts of them) cannot be stored as UTF-8, or None.
+
+    JSON may escape a lone surrogate ("\\ud800"); Python decodes it into a str that no UTF-8
+    encoder accepts, so it would fail at the first Redis write or tokenizer call instead of here.
+    """
+    if isinstance(value, str):
+        try:
+            value.encode()
+        except UnicodeEncodeError as err:
+            return f"not valid Unicode (a lone surrogate {value[err.start]!r} at position {err.start})"
+        return None
+    items = value.values() if isinstance(value, dict) else value if isinstance(value, list) else ()
+    return next((p for p in map(unicode_problem, items) if p), None)
+
+
+def require_unicode(value: object, where: str) -> None:
+    """A 422 naming `where` when `value` holds a string that cannot be encoded."""
+    problem = unicode_problem(value)
+    if problem:
+        raise ApiError(422, f"{where}: {problem}", param=where.rsplit(".", 1)[-1])
+
+
+def _encodable(value: str) -> str:
+    problem = unicode_problem(value)
+    if problem:
+        raise ValueError(problem)
+    return value
+
+
+Text = Annotated[str, AfterValidator(_encodable)]
 
 
 class SubmitRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     model: str | None = Field(default=None, max_length=128)
-    prompt: str = Field(min_length=1)
-    max_tokens: int | None = Field(default=None, ge=1, le=1_000_000)
+    prompt: Text = Field(min_length=1)
+    max_tokens: int | None = Field(default=None, ge=1, le=MAX_TOKENS)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     stop: str | list[str] | None = None
@@ -24,7 +60,7 @@ class SubmitRequest(BaseModel):
     @field_validator("stop")
     @classmethod
     def _stop_list(cls, value: str | list[str] | None) -> list[str]:
-        return stop_list(value)
+        return [_encodable(s) for s in stop_list(value)]
 
 
 class Submitted(BaseModel):
