@@ -111,5 +111,9 @@ async def get_batch(batch_id: str, s: ApiState = Depends(state)) -> dict[str, An
 
 @router.post("/batches/{batch_id}/cancel")
 async def cancel_batch(batch_id: str, s: ApiState = Depends(state)) -> dict[str, Any]:
-    await _batch(s, batch_id)
-    return await s.batches.request_cancel(batch_id)  # type: ignore[return-value]
+    """The batch in its real status: `cancelling` while its runner stops it, `cancelled` if no
+    runner had started it, and unchanged once it is finalizing or final."""
+    found = await s.batches.request_cancel(batch_id)
+    if found is None:
+        raise ApiError(404, f"batch {batch_id!r} not found", code="not_found")
+    return found

@@ -1,28 +1,38 @@
 """Batch jobs (OpenAI Batch API objects) kept in Redis, with what a job needs to resume:
-which input line became which request, and the output records written so far."""
+which input line became which request, and the output records written so far.
+
+One runner at a time holds a job's lock (a key with a TTL that the runner refreshes). Every
+write a runner makes is fenced by that lock in the same Lua step, so a runner that lost it
+writes nothing; every status change is conditional on the current status (batch_move.lua).
+"""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
+from collections.abc import Iterable
 from typing import Any
 
 from redis.asyncio import Redis
 
 from sluice.broker.keys import PREFIX
+from sluice.broker.scripts import Scripts
 
 # The Celery task that runs a job, and its queue (the api sends it by name).
 JOB_TASK = "sluice.run_batch"
 JOB_QUEUE = "sluice-jobs"
 TERMINAL = frozenset({"failed", "completed", "expired", "cancelled"})
+ACTIVE = ("validating", "in_progress", "finalizing", "cancelling")
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
 _TIMES = ("created_at", "in_progress_at", "expires_at", "finalizing_at", "completed_at", "failed_at",
           "expired_at", "cancelling_at", "cancelled_at")
 _INDEX = f"{PREFIX}:batches"
 
-# Release a lock only if we still hold it.
-_RELEASE = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
+
+class LockLost(Exception):
+    """The runner no longer holds the job's lock: the job belongs to whoever takes it next."""
 
 
 def _key(batch_id: str, part: str = "") -> str:
@@ -32,7 +42,7 @@ def _key(batch_id: str, part: str = "") -> str:
 class BatchStore:
     def __init__(self, redis: Redis):
         self.redis = redis
-        self._release = redis.register_script(_RELEASE)
+        self.scripts = Scripts.register(redis)
 
     async def create(self, input_file_id: str, endpoint: str, completion_window: str,
                      metadata: dict[str, str] | None) -> dict[str, Any]:
@@ -68,47 +78,87 @@ class BatchStore:
         states = [await self.redis.hget(_key(i), "status") for i in ids]
         return [i for i, s in zip(ids, states) if s and s not in TERMINAL]
 
-    async def update(self, batch_id: str, **fields: Any) -> None:
-        """Set fields; a new status also stamps its `<status>_at` time."""
-        status = fields.get("status")
-        if status and f"{status}_at" in _TIMES:
-            fields.setdefault(f"{status}_at", int(time.time()))
-        await self.redis.hset(_key(batch_id), mapping={k: v for k, v in fields.items() if v is not None})
-
-    async def count(self, batch_id: str, field: str, n: int = 1) -> None:
-        await self.redis.hincrby(_key(batch_id), field, n)
+    async def move(self, batch_id: str, to: str, expected: Iterable[str], token: str | None = None,
+                   **fields: Any) -> str:
+        """Move the batch to status `to` if its status is one of `expected`, with `fields`; returns
+        the status it has afterwards ('' for no such batch). With a token, the move happens only
+        while that token holds the job's lock, and LockLost is raised otherwise."""
+        pairs = [str(x) for k, v in fields.items() if v is not None for x in (k, v)]
+        moved, status = await self.scripts.batch_move(
+            keys=[_key(batch_id), _key(batch_id, "lock")],
+            args=[to, " ".join(expected), token or "", int(time.time()), *pairs])
+        if moved == -1:
+            raise LockLost(batch_id)
+        return status
 
     async def request_cancel(self, batch_id: str) -> dict[str, Any] | None:
-        found = await self.get(batch_id)
-        if found and found["status"] not in TERMINAL and found["status"] != "cancelling":
-            await self.update(batch_id, status="cancelling")
+        """Cancel a batch that is being run; the answer is the batch, in its real status."""
+        if await self.scripts.batch_cancel(keys=[_key(batch_id), _key(batch_id, "lock")],
+                                           args=[int(time.time())]) is None:
+            return None
         return await self.get(batch_id)
 
-    # -- what a job needs to resume
+    # -- what a job needs to resume, written only by the runner holding the lock
     async def request_ids(self, batch_id: str) -> dict[int, str]:
         return {int(k): v for k, v in (await self.redis.hgetall(_key(batch_id, "rids"))).items()}
 
-    async def bind(self, batch_id: str, line: int, rid: str) -> None:
-        await self.redis.hset(_key(batch_id, "rids"), str(line), rid)
+    async def bind(self, batch_id: str, token: str, line: int, rid: str) -> None:
+        """Bind a line to its request id (once: a line keeps the id it was first given)."""
+        await self._put(batch_id, token, "rids", line, rid, {})
 
     async def outputs(self, batch_id: str) -> dict[int, dict[str, Any]]:
         return {int(k): json.loads(v) for k, v in (await self.redis.hgetall(_key(batch_id, "out"))).items()}
 
-    async def record(self, batch_id: str, line: int, record: dict[str, Any]) -> bool:
-        """Keep one output record per line; False if the line already had one."""
-        return bool(await self.redis.hsetnx(_key(batch_id, "out"), str(line), json.dumps(record)))
+    async def record(self, batch_id: str, token: str, line: int, record: dict[str, Any],
+                     counts: dict[str, int]) -> bool:
+        """Keep one output record per line and add `counts` to the batch's counters with it;
+        False if the line already had one."""
+        return await self._put(batch_id, token, "out", line, json.dumps(record), counts)
 
+    async def _put(self, batch_id: str, token: str, part: str, line: int, value: str,
+                   counts: dict[str, int]) -> bool:
+        written = await self.scripts.batch_put(
+            keys=[_key(batch_id, "lock"), _key(batch_id, part), _key(batch_id)],
+            args=[token, str(line), value, *[str(x) for pair in counts.items() for x in pair]])
+        if written == -1:
+            raise LockLost(batch_id)
+        return bool(written)
+
+    # -- the job's lock
     async def lock(self, batch_id: str, token: str, ttl_s: float) -> bool:
         return bool(await self.redis.set(_key(batch_id, "lock"), token, nx=True, px=int(ttl_s * 1000)))
 
     async def refresh_lock(self, batch_id: str, token: str, ttl_s: float) -> bool:
-        key = _key(batch_id, "lock")
-        if await self.redis.get(key) != token:
-            return False
-        return bool(await self.redis.pexpire(key, int(ttl_s * 1000)))
+        return bool(await self.scripts.batch_refresh(keys=[_key(batch_id, "lock")],
+                                                     args=[token, int(ttl_s * 1000)]))
+
+    async def holds_lock(self, batch_id: str, token: str) -> bool:
+        return await self.redis.get(_key(batch_id, "lock")) == token
 
     async def unlock(self, batch_id: str, token: str) -> None:
-        await self._release(keys=[_key(batch_id, "lock")], args=[token])
+        await self.scripts.batch_release(keys=[_key(batch_id, "lock")], args=[token])
+
+    async def runner_alive(self, batch_id: str, poll_s: float = 0.1) -> bool:
+        """Whether a live runner holds the job's lock.
+
+        A killed runner's lock outlives it by up to one TTL, so a held lock is watched: if it
+        lapses, its runner is gone; if it is still held past the expiry it had when first seen
+        (refreshed) or another runner has taken it, a runner is alive.
+        """
+        key = _key(batch_id, "lock")
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.get(key)
+            pipe.pttl(key)
+            holder, ttl_ms = await pipe.execute()
+        if holder is None:
+            return False
+        deadline = time.monotonic() + max(ttl_ms, 0) / 1000 + poll_s
+        while time.monotonic() < deadline:
+            await asyncio.sleep(poll_s)
+            now = await self.redis.get(key)
+            if now != holder:
+                return now is not None
+        return True
 
 
 def _object(raw: dict[str, str]) -> dict[str, Any]:

@@ -28,6 +28,12 @@ class Scripts:
     dead_letter: AsyncScript
     reply: AsyncScript
     requeue: AsyncScript
+    # bulk jobs (broker/batches.py)
+    batch_refresh: AsyncScript
+    batch_release: AsyncScript
+    batch_move: AsyncScript
+    batch_cancel: AsyncScript
+    batch_put: AsyncScript
 
     @classmethod
     def register(cls, redis: Redis) -> Scripts:

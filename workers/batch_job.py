@@ -3,12 +3,14 @@ with a bounded number outstanding, gather the results, and write the output and 
 
 Everything a job needs to resume is in Redis (which line became which request, the output
 records so far), so a restarted job re-runs nothing that finished and re-submits nothing
-that is still queued. One run at a time holds the job's lock.
+that is still queued. One run at a time holds the job's lock; a run that loses it stops, and
+every write it makes is fenced by the lock in Redis (broker/batches.py).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -18,9 +20,10 @@ from typing import Any
 
 from pydantic import ValidationError
 from redis.asyncio import Redis
+from redis.exceptions import RedisError
 
 from sluice.broker.admission import Admission, QueueFull
-from sluice.broker.batches import TERMINAL, BatchStore
+from sluice.broker.batches import ACTIVE, TERMINAL, BatchStore, LockLost
 from sluice.broker.files import FileStore
 from sluice.broker.keys import ModelKeys
 from sluice.broker.messages import FinalResult, RequestMessage, SamplingSpec
@@ -90,36 +93,77 @@ class BatchJob:
         self.redis = redis
         self.batch_id = batch_id
         self.poll_s = poll_s
+        self.ttl_s = settings.job_lock_ttl_s
         self.store = BatchStore(redis)
         self.files = FileStore(redis, settings.files_path, settings.max_file_bytes)
         self.admission = Admission(redis, status_ttl_s=settings.status_ttl_s, reply_ttl_s=settings.reply_ttl_s,
                                    cancel_ttl_s=settings.cancel_ttl_s)
         self.models = ModelRegistry(redis)
         self.token = uuid.uuid4().hex
+        self._lock_expires = 0.0  # monotonic time by which the lock lapses unless refreshed
+        self._lost = False
 
     async def run(self) -> None:
-        """Wait for the job's lock (another run may hold it), then run the job to its end."""
-        while not await self.store.lock(self.batch_id, self.token, self.settings.job_lock_ttl_s):
-            batch = await self.store.get(self.batch_id)
-            if batch is None or batch["status"] in TERMINAL:
-                return
-            await asyncio.sleep(1.0)
+        """Take the job's lock and run the job to its end.
+
+        Returns at once when the job is final or a live runner has it (that runner finishes
+        it), and stops as soon as the lock is lost: whoever holds it then owns the job, and
+        this run writes nothing more (every write is fenced by the lock in Redis as well).
+        """
+        if not await self._acquire():
+            return
         keeper = asyncio.create_task(self._keep_lock())
         try:
             await self._run_locked()
+        except LockLost:
+            log.warning("batch %s: lost its lock, stopped; another runner has the job", self.batch_id)
         except Exception as err:
             log.exception("batch %s failed", self.batch_id)
-            await self.store.update(self.batch_id, status="failed", error=f"{type(err).__name__}: {err}")
+            with contextlib.suppress(LockLost):
+                await self.store.move(self.batch_id, "failed", ACTIVE, self.token,
+                                      error=f"{type(err).__name__}: {err}")
         finally:
             keeper.cancel()
             await asyncio.gather(keeper, return_exceptions=True)
             await self.store.unlock(self.batch_id, self.token)
 
-    async def _keep_lock(self) -> None:
+    async def _acquire(self) -> bool:
+        """The lock, at once or once a gone runner's lock has lapsed; False when the job is
+        final or a live runner holds it."""
         while True:
-            await asyncio.sleep(self.settings.job_lock_ttl_s / 3)
-            if not await self.store.refresh_lock(self.batch_id, self.token, self.settings.job_lock_ttl_s):
-                log.error("batch %s: lost its lock", self.batch_id)
+            asked = time.monotonic()
+            if await self.store.lock(self.batch_id, self.token, self.ttl_s):
+                self._lock_expires = asked + self.ttl_s
+                return True
+            batch = await self.store.get(self.batch_id)
+            if batch is None or batch["status"] in TERMINAL:
+                return False
+            if await self.store.runner_alive(self.batch_id):
+                log.info("batch %s: a live runner has it", self.batch_id)
+                return False
+
+    async def _keep_lock(self) -> None:
+        """Refresh the lock; mark it lost when another runner holds it, it has lapsed, or Redis
+        could not be reached to refresh it before it would lapse."""
+        while True:
+            await asyncio.sleep(self.ttl_s / 3)
+            asked = time.monotonic()
+            try:
+                if not await self.store.refresh_lock(self.batch_id, self.token, self.ttl_s):
+                    break
+                self._lock_expires = asked + self.ttl_s
+            except RedisError as err:
+                log.warning("batch %s: could not refresh its lock: %s", self.batch_id, err)
+                if time.monotonic() >= self._lock_expires:
+                    break
+        self._lost = True
+
+    def _check_lock(self) -> None:
+        if self._lost:
+            raise LockLost(self.batch_id)
+
+    async def _record(self, index: int, record: dict[str, Any], **counts: int) -> None:
+        await self.store.record(self.batch_id, self.token, index, record, counts)
 
     async def _run_locked(self) -> None:
         batch = await self.store.get(self.batch_id)
@@ -132,15 +176,16 @@ class BatchJob:
             parsed = parse_line(i, t, batch["endpoint"])
             if isinstance(parsed, Line):
                 lines.append(parsed)
-            elif await self.store.record(self.batch_id, i, parsed):
-                await self.store.count(self.batch_id, "failed")
-        if batch["status"] == "validating":
-            await self.store.update(self.batch_id, status="in_progress", total=len(raw_lines))
+            else:
+                await self._record(i, parsed, failed=1)
+        status = await self.store.move(self.batch_id, "in_progress", ["validating"], self.token,
+                                       total=len(raw_lines))
+        if status in TERMINAL:  # cancelled before any runner started it
+            return
         deployed = {m.name: m for m in await self.models.all()}
         for line in [x for x in lines if x.model not in deployed]:
-            if await self.store.record(self.batch_id, line.index, _error_record(
-                    line.custom_id, "model_not_found", f"model {line.model!r} is not deployed")):
-                await self.store.count(self.batch_id, "failed")
+            await self._record(line.index, _error_record(
+                line.custom_id, "model_not_found", f"model {line.model!r} is not deployed"), failed=1)
         lines = [x for x in lines if x.model in deployed]
         await self._feed(batch, lines)
         await self._finish(batch)
@@ -157,31 +202,33 @@ class BatchJob:
         queue = [x for x in todo if x.index not in outstanding]
         cancelling = False
         while outstanding or (queue and not cancelling):
+            self._check_lock()
             current = await self.store.get(self.batch_id)
             if current and current["status"] == "cancelling" and not cancelling:
                 cancelling = True
                 for line, rid in outstanding.values():
                     await self.admission.cancel(line.model, rid)
             while queue and not cancelling and len(outstanding) < self.settings.bulk_outstanding:
+                self._check_lock()
                 line = queue[0]
-                rid = bound.get(line.index) or f"req-{uuid.uuid4().hex}"
-                await self.store.bind(self.batch_id, line.index, rid)
+                # A line keeps its first id, so a submission lost with its runner is not run twice.
+                rid = bound.setdefault(line.index, f"req-{uuid.uuid4().hex}")
+                await self.store.bind(self.batch_id, self.token, line.index, rid)
                 try:
                     await self._submit(batch, line, rid)
                 except QueueFull:
                     break  # the bulk lane is full: wait for results to make room
                 queue.pop(0)
                 outstanding[line.index] = (line, rid)
-            await self._collect(outstanding)
+            await self._collect(outstanding, cancelling)
             await asyncio.sleep(self.poll_s)
-
     async def _submit(self, batch: dict[str, Any], line: Line, rid: str) -> None:
         now = time.time()
         message = RequestMessage(id=rid, model=line.model, rows=[line.row], sampling=line.sampling,
                                  enqueued_at=now, deadline=float(batch["expires_at"]), lane="bulk")
         await self.admission.submit(message, max_queued=self.settings.max_queued)
 
-    async def _collect(self, outstanding: dict[int, tuple[Line, str]]) -> None:
+    async def _collect(self, outstanding: dict[int, tuple[Line, str]], cancelling: bool) -> None:
         if not outstanding:
             return
         items = list(outstanding.items())
@@ -194,7 +241,7 @@ class BatchJob:
                 continue
             del outstanding[index]
             final = FinalResult.model_validate_json(raw)
-            if final.status.value == "cancelled":
+            if final.status.value == "cancelled" and cancelling:
                 continue  # a cancelled batch's output holds what finished
             if final.status.value == "done":
                 build = completion_object if "prompt" in line.row else chat_object
@@ -202,21 +249,26 @@ class BatchJob:
                              [final])
                 record = {"id": f"batch_req_{rid.removeprefix('req-')}", "custom_id": line.custom_id,
                           "response": {"status_code": 200, "request_id": rid, "body": body}, "error": None}
-                if await self.store.record(self.batch_id, index, record):
-                    await self.store.count(self.batch_id, "completed")
-                    await self.store.count(self.batch_id, "output_tokens", body["usage"]["completion_tokens"])
-            elif await self.store.record(self.batch_id, index, _error_record(
-                    line.custom_id, final.status.value, final.error or final.status.value, rid)):
-                await self.store.count(self.batch_id, "failed")
+                await self._record(index, record, completed=1, output_tokens=body["usage"]["completion_tokens"])
+            else:
+                await self._record(index, _error_record(
+                    line.custom_id, final.status.value, final.error or final.status.value, rid), failed=1)
 
     async def _finish(self, batch: dict[str, Any]) -> None:
-        current = await self.store.get(self.batch_id)
-        cancelled = current is not None and current["status"] == "cancelling"
-        if not cancelled:
-            await self.store.update(self.batch_id, status="finalizing")
+        """Write the output and error files and end the batch: `completed` (or `expired`), or
+        `cancelled` when a cancel landed before the runner moved it to `finalizing`."""
+        status = await self.store.move(self.batch_id, "finalizing", ["in_progress"], self.token)
+        if status not in ("finalizing", "cancelling"):
+            log.error("batch %s: cannot finish from status %r", self.batch_id, status)
+            return
         records = await self.store.outputs(self.batch_id)
         ok = [records[i] for i in sorted(records) if records[i]["response"] is not None]
         errors = [records[i] for i in sorted(records) if records[i]["response"] is None]
+        # Files are the one write a Lua script cannot fence: look first, and take them back if
+        # the lock turns out lost when the batch is moved to its end.
+        self._check_lock()
+        if not await self.store.holds_lock(self.batch_id, self.token):
+            raise LockLost(self.batch_id)
         fields: dict[str, Any] = {}
         name = batch["input_file_id"]
         if ok:
@@ -227,9 +279,16 @@ class BatchJob:
                 f"{name}_errors.jsonl", "batch_output", _jsonl(errors)))["id"]
         # Rows still unfinished at the completion window's end expired with their deadline.
         expired = any(r.get("error", {}) and r["error"].get("code") == "expired" for r in errors)
-        status = "cancelled" if cancelled else "expired" if expired else "completed"
-        await self.store.update(self.batch_id, status=status, **fields)
-        log.info("batch %s %s: %d ok, %d errors", self.batch_id, status, len(ok), len(errors))
+        final = "cancelled" if status == "cancelling" else "expired" if expired else "completed"
+        try:
+            ended = await self.store.move(self.batch_id, final, [status], self.token, **fields)
+        except LockLost:
+            ended = ""
+        if ended != final:
+            for file_id in fields.values():
+                await self.files.delete(file_id)
+            raise LockLost(self.batch_id)
+        log.info("batch %s %s: %d ok, %d errors", self.batch_id, final, len(ok), len(errors))
 
 
 def _jsonl(records: list[dict[str, Any]]) -> bytes:

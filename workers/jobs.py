@@ -1,8 +1,9 @@
 """The Celery app that runs bulk jobs (`sluice jobs`), on the same Redis as the queue.
 
 Tasks are acknowledged late and re-queued when their worker dies; a starting Celery worker
-also re-dispatches every unfinished batch. Both may start a job twice: the job's lock in
-Redis makes the second run wait and then find the job finished.
+also re-dispatches the unfinished batches whose runner is gone (no live lock). A job started
+twice still has one runner: the job's lock in Redis makes the second run wait for a gone
+runner's lock to lapse, or leave the job to the live runner that holds it.
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+import threading
+from collections.abc import Callable
 
 from celery import Celery
 from celery.signals import worker_ready
@@ -39,11 +42,15 @@ def celery_app(settings: Settings) -> Celery:
     def run_batch(batch_id: str) -> None:
         asyncio.run(_run(settings, batch_id))
 
+    def dispatch(batch_id: str) -> None:
+        app.send_task(RUN_BATCH, [batch_id], queue=QUEUE)
+
     @worker_ready.connect(weak=False)
-    def resume_unfinished(**_) -> None:
-        for batch_id in asyncio.run(_unfinished(settings)):
-            log.info("re-dispatching unfinished batch %s", batch_id)
-            app.send_task(RUN_BATCH, [batch_id], queue=QUEUE)
+    def on_worker_ready(**_) -> None:
+        # Telling a dead runner's lock from a live one takes up to one lock TTL: not on the
+        # thread that starts the worker.
+        threading.Thread(target=asyncio.run, args=(_resume(settings, dispatch),), name="sluice-jobs-resume",
+                         daemon=True).start()
 
     return app
 
@@ -56,12 +63,23 @@ async def _run(settings: Settings, batch_id: str) -> None:
         await redis.aclose()
 
 
-async def _unfinished(settings: Settings) -> list[str]:
+async def _resume(settings: Settings, dispatch: Callable[[str], None]) -> None:
     redis = connect(settings.redis_url, name="sluice-jobs")
     try:
-        return await BatchStore(redis).unfinished()
+        await resume_orphans(BatchStore(redis), dispatch)
     finally:
         await redis.aclose()
+
+
+async def resume_orphans(store: BatchStore, dispatch: Callable[[str], None]) -> None:
+    """Dispatch each unfinished job whose runner is gone, as soon as that is known; a job whose
+    runner is alive elsewhere is left to it."""
+    async def resume(batch_id: str) -> None:
+        if not await store.runner_alive(batch_id):
+            log.info("re-dispatching unfinished batch %s (its runner is gone)", batch_id)
+            await asyncio.to_thread(dispatch, batch_id)
+
+    await asyncio.gather(*(resume(batch_id) for batch_id in await store.unfinished()))
 
 
 def run_worker(settings: Settings) -> None:

@@ -1,0 +1,26 @@
+-- Move a batch to a new status when its status is one of the expected ones, stamping
+-- `<status>_at` and setting the fields that go with the move. A runner's move names its lock
+-- token and happens only while the runner holds the job's lock, so a runner that lost the
+-- lock changes nothing; the api's moves name no token.
+-- KEYS: batch, lock
+-- ARGV: to, expected statuses (space-separated), token ('' for none), now, then field, value pairs
+-- Returns {1, to} when moved; {0, status} when the status is not an expected one ('' for no
+-- such batch); {-1, status} when the token does not hold the lock.
+local status = redis.call('HGET', KEYS[1], 'status') or ''
+if ARGV[3] ~= '' and redis.call('GET', KEYS[2]) ~= ARGV[3] then
+  return {-1, status}
+end
+local expected = false
+for s in string.gmatch(ARGV[2], '%S+') do
+  if s == status then
+    expected = true
+  end
+end
+if not expected then
+  return {0, status}
+end
+redis.call('HSET', KEYS[1], 'status', ARGV[1], ARGV[1] .. '_at', ARGV[4])
+for i = 5, #ARGV, 2 do
+  redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1])
+end
+return {1, ARGV[1]}
