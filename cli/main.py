@@ -9,7 +9,12 @@ from pathlib import Path
 
 import typer
 
-from sluice.cli import bench_chaos, bench_queue, bench_serve  # noqa: F401  (add `bench chaos|serve|queue|scale`)
+from sluice.cli import (  # noqa: F401  (add `bench chaos|durability|serve|queue|scale`)
+    bench_chaos,
+    bench_durability,
+    bench_queue,
+    bench_serve,
+)
 from sluice.cli.batch import batch_app
 from sluice.cli.bench import bench_app
 from sluice.config.settings import Settings

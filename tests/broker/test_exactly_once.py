@@ -179,3 +179,19 @@ async def test_a_dead_letter_retry_respects_the_bound_and_becomes_the_current_en
     got = {x.message.id: x for x in await c.fetch(10, 100)}
     assert got[m.id].entry_id == status["entry"]
     assert await c.start(got[m.id]) == "run"
+
+
+async def test_reclaim_runs_before_every_read_of_new_entries(redis: Redis, settings: Settings) -> None:
+    """No rate limit: an entry whose lease lapsed is taken over by the very next fetch, ahead
+    of new entries, however recently the last reclaim ran."""
+    adm = admission(redis, settings)
+    live = await ready_consumer(redis, settings, "live")
+    assert await live.fetch(1, 10) == []  # a reclaim ran just now and found nothing
+    (orphan,) = await submit_n(adm, 1)
+    dead = await ready_consumer(redis, settings, "dead")
+    (d,) = await dead.fetch(1, 100)
+    assert await dead.start(d) == "run"
+    await expire_lease(redis, d, "dead")
+    await submit_n(adm, 3)
+    got = await live.fetch(4, 100)
+    assert got[0].message.id == orphan.id and got[0].attempt == 2

@@ -23,6 +23,8 @@ from sluice.cli.processes import stop_processes, wait_ready
 from sluice.config.settings import Settings
 from sluice.workers.model_prep import prepare_default_model
 
+# Shorter than the long generations of the tests: leases must hold them (tests/e2e/test_long_batches.py).
+LEASE_TIMEOUT_S = 3.0
 MODEL = "smollm2"  # continuous batching
 DYNAMIC = "smollm2-dyn"  # reconfigured by the tests between modes
 CUSTOM = "smollm2-custom"  # the example custom runtime
@@ -92,7 +94,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory, model_dir: Path, e2e_models_
     redis = EmbeddedRedis(tmp_path_factory.mktemp("e2e-redis")).start()
     port = free_port()
     env = {**os.environ, "SLUICE_REDIS_URL": redis.url, "SLUICE_MODELS_FILE": str(e2e_models_file),
-           "SLUICE_HEARTBEAT_INTERVAL_S": "0.5", "SLUICE_CANCEL_POLL_S": "0.1"}
+           "SLUICE_HEARTBEAT_INTERVAL_S": "0.5", "SLUICE_CANCEL_POLL_S": "0.1",
+           "SLUICE_LEASE_TIMEOUT_S": str(LEASE_TIMEOUT_S)}
     cli = [sys.executable, "-m", "sluice.cli"]
     workers = [subprocess.Popen([*cli, "worker", "--model", m, "--name", f"e2e-{m}"], env=env)
                for m in (MODEL, DYNAMIC, CUSTOM)]

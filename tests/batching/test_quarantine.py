@@ -1,0 +1,65 @@
+"""Isolated (redelivered) requests in every policy: a batch of their own, one at a time,
+nothing overtakes them and they overtake nothing."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from sluice.batching.continuous import ContinuousAdmission
+from sluice.config.batching import ContinuousBatchingConfig
+from tests.unit.fakes import FakeClock, FakeSource, RecordingHandler, Req, settle
+from tests.unit.test_dynamic_policy import dyn, start, stop
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+async def test_an_isolated_request_is_a_dynamic_batch_of_its_own(clock: FakeClock) -> None:
+    source, handler = FakeSource(clock), RecordingHandler()
+    stopping, task = await start(dyn(clock, delay_ms=10_000, target=4, limit=8), source, handler)
+    source.push(Req(0), Req(1), Req(2, isolated=True), Req(3), Req(4, isolated=True), Req(5))
+    await settle()
+    # the prefix before the isolated request goes at once: nothing can join it
+    assert handler.sizes == [[0, 1]]
+    for expected in ([[0, 1], [2]], [[0, 1], [2], [3]], [[0, 1], [2], [3], [4]]):
+        await handler.release()
+        assert handler.sizes == expected
+    assert clock.t == 0.0  # no batch waited for the delay
+    await stop(stopping, task, handler)
+
+
+async def test_isolated_requests_in_a_row_run_one_by_one(clock: FakeClock) -> None:
+    source, handler = FakeSource(clock), RecordingHandler()
+    stopping, task = await start(dyn(clock, delay_ms=10_000, target=2, limit=8), source, handler)
+    source.push(Req(0, isolated=True), Req(1, isolated=True), Req(2), Req(3))
+    await settle()
+    assert handler.sizes == [[0]]
+    await handler.release()
+    assert handler.sizes == [[0], [1]]
+    await handler.release()
+    assert handler.sizes == [[0], [1], [2, 3]]
+    await stop(stopping, task, handler)
+
+
+async def test_continuous_admission_runs_one_isolated_request_beside_fresh_ones() -> None:
+    clock = FakeClock()
+    source, handler = FakeSource(clock), RecordingHandler()
+    policy = ContinuousAdmission(ContinuousBatchingConfig(max_concurrent_batch_size=4), poll_s=10.0)
+    stopping = asyncio.Event()
+    task = asyncio.create_task(policy.run(source, handler, stopping))
+    source.push(Req(0, isolated=True), Req(1), Req(2, isolated=True), Req(3))
+    await settle()
+    assert [b[0].n for b in handler.batches] == [0, 1]  # the quarantine slot is taken: 2 waits
+    assert handler.max_running == 2
+    await handler.release()  # all finish; the quarantine slot is free again
+    await settle()
+    assert [b[0].n for b in handler.batches][:4] == [0, 1, 2, 3]
+    stopping.set()
+    handler.auto = True
+    await handler.release()
+    await clock.advance(10.0)
+    await asyncio.wait_for(task, 5)
