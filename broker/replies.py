@@ -59,12 +59,20 @@ class ReplyWriter:
             by_entry: dict[tuple[str, str], tuple[Delivery, list[str]]] = {}
             for d, ev in batch:
                 by_entry.setdefault((d.stream, d.entry_id), (d, []))[1].append(ev.model_dump_json(exclude_none=True))
-            async with self.redis.pipeline(transaction=False) as pipe:
-                for d, events in by_entry.values():
-                    await self.scripts.reply(keys=[d.stream, self.keys.reply(d.message.id)],
-                                             args=[GROUP, d.consumer, d.entry_id, self.reply_ttl_s, *events],
-                                             client=pipe)
-                await pipe.execute()
+            try:
+                async with self.redis.pipeline(transaction=False) as pipe:
+                    for d, events in by_entry.values():
+                        rid = d.message.id
+                        await self.scripts.reply(keys=[d.stream, self.keys.reply(rid), self.keys.status(rid)],
+                                                 args=[GROUP, d.consumer, d.entry_id, self.reply_ttl_s, *events],
+                                                 client=pipe)
+                    await pipe.execute()
+            except BaseException:
+                # Not known to be written (Redis away, or restarted without its scripts): keep
+                # the deltas for the next flush. reply.lua drops what did land, so a resend
+                # writes no token twice, and the stream never gets a hole.
+                self._buffer[:0] = batch
+                raise
 
     async def _run(self) -> None:
         while not self._closing:
@@ -73,8 +81,9 @@ class ReplyWriter:
             try:
                 await self.flush()
             except Exception:  # a Redis blip must not kill the writer; the final still lands
-                log.exception("writing token deltas failed")
+                log.exception("writing token deltas failed; retrying")
                 await asyncio.sleep(0.1)
+                self._ready.set()  # the deltas are still buffered
 
     async def close(self, timeout_s: float = 2.0) -> None:
         """Stop the writer (on a flag: see Worker.run) and write what is left."""

@@ -1,13 +1,24 @@
 -- Append token deltas to a request's reply stream, only while this consumer owns the
 -- entry: a worker that was fenced out (frozen past its lease, then woken) must not write
--- tokens beside those of the worker that took the request over.
--- KEYS: stream, reply   ARGV: group, consumer, entry_id, reply_ttl, delta_json...
+-- tokens beside those of the worker that took the request over. Idempotent: the status
+-- hash keeps each row's next token index, and a delta below it is dropped, so a pipeline
+-- re-sent after a lost reply (Redis died after running it) writes nothing twice.
+-- KEYS: stream, reply, status   ARGV: group, consumer, entry_id, reply_ttl, delta_json...
 -- Returns 1 (written) or 0 (fenced: nothing written).
 if not owns(KEYS[1], ARGV[1], ARGV[3], ARGV[2]) then
   return 0
 end
+local tracked = redis.call('EXISTS', KEYS[3]) == 1  -- never create a status hash without its TTL
 for i = 5, #ARGV do
-  redis.call('XADD', KEYS[2], '*', 'kind', 'delta', 'data', ARGV[i])
+  local delta = cjson.decode(ARGV[i])
+  local field = 'next:' .. tostring(delta.row or 0)
+  local next_index = tonumber(tracked and redis.call('HGET', KEYS[3], field) or 0) or 0
+  if delta.i >= next_index then
+    redis.call('XADD', KEYS[2], '*', 'kind', 'delta', 'data', ARGV[i])
+    if tracked then
+      redis.call('HSET', KEYS[3], field, delta.i + #delta.token_ids)
+    end
+  end
 end
 redis.call('EXPIRE', KEYS[2], ARGV[4])
 return 1

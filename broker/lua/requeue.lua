@@ -9,6 +9,11 @@ end
 local entry = redis.call('XADD', KEYS[1], '*', 'id', ARGV[2], 'data', ARGV[3])
 redis.call('DEL', KEYS[3])
 redis.call('HDEL', KEYS[2], 'result', 'finished_at', 'started_at', 'worker', 'charges', 'attempt')
+for _, field in ipairs(redis.call('HKEYS', KEYS[2])) do
+  if string.sub(field, 1, 5) == 'next:' then  -- reply.lua's token counts of the cleared stream
+    redis.call('HDEL', KEYS[2], field)
+  end
+end
 redis.call('HSET', KEYS[2], 'state', 'queued', 'enqueued_at', ARGV[4], 'entry', entry, 'stream', KEYS[1])
 redis.call('EXPIRE', KEYS[2], ARGV[5])
 redis.call('XDEL', KEYS[4], ARGV[6])

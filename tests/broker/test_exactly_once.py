@@ -169,13 +169,14 @@ async def test_only_quarantined_runs_are_charged(redis: Redis, settings: Setting
 async def test_a_dead_letter_retry_respects_the_bound_and_becomes_the_current_entry(
         redis: Redis, settings: Settings) -> None:
     adm, m, c, d = await running_request(redis, settings)
+    await redis.hset(KEYS.status(m.id), "next:0", 5)  # tokens streamed before it failed
     assert await c.dead_letter(d.stream, d.entry_id, m.id, m.model_dump_json(), "crashed", 3)
     letters = DeadLetters(redis, KEYS.model)
     await submit_n(adm, 1)
     assert await letters.retry(None, max_queued=1) == []  # the stream is full
     assert await letters.retry(None, max_queued=10) == [m.id]
     status = await redis.hgetall(KEYS.status(m.id))
-    assert status["state"] == "queued" and "charges" not in status
+    assert status["state"] == "queued" and "charges" not in status and "next:0" not in status
     got = {x.message.id: x for x in await c.fetch(10, 100)}
     assert got[m.id].entry_id == status["entry"]
     assert await c.start(got[m.id]) == "run"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import pytest
 from redis.asyncio import Redis
@@ -47,21 +48,18 @@ async def test_deltas_then_final_arrive_in_order(redis: Redis, settings: Setting
     assert events[-1].final == result
 
 
-async def test_read_replies_skips_token_indices_already_delivered(redis: Redis, settings: Settings) -> None:
-    _, m, _, d = await running_request(redis, settings)
-    rid = m.id
-    writer = ReplyWriter(redis, MODEL, reply_ttl_s=settings.reply_ttl_s)
+async def test_read_replies_skips_token_indices_already_delivered(redis: Redis) -> None:
+    """A stream written before retries resumed (attempt 2 repeating attempt 1's tokens):
+    readers still deliver each index once."""
+    rid = "req-retried"
     chunks = [(0, [1, 2]), (2, [3]), (3, [4, 5])]
-    # attempt 1 wrote everything but died before its commit; attempt 2 (same seed) repeats it
     for attempt in (1, 2):
         for i, ids in chunks:
-            writer.delta(d, DeltaEvent(i=i, text=f"<{i}>", token_ids=ids, attempt=attempt))
-            await writer.flush()  # one entry per delta (a buffer's contiguous deltas are joined)
-    # and goes one token further before the final
-    writer.delta(d, DeltaEvent(i=5, text="<5>", token_ids=[6], attempt=2))
-    await writer.flush()
+            ev = DeltaEvent(i=i, text=f"<{i}>", token_ids=ids, attempt=attempt)
+            await redis.xadd(KEYS.reply(rid), {"kind": "delta", "data": ev.model_dump_json()})
+    ev = DeltaEvent(i=5, text="<5>", token_ids=[6], attempt=2)  # and one token further
+    await redis.xadd(KEYS.reply(rid), {"kind": "delta", "data": ev.model_dump_json()})
     await redis.xadd(KEYS.reply(rid), {"kind": "final", "data": done_result().model_dump_json()})
-    assert await redis.xlen(KEYS.reply(rid)) == 8
 
     events = await _collect(redis, rid)
     deltas = [e.delta for e in events if e.kind == "delta"]
@@ -191,3 +189,42 @@ async def test_delivered_tokens_are_the_contiguous_prefix_of_each_row(redis: Red
     assert (rows[0].token_ids, "".join(rows[0].text), rows[0].finish) == ([1, 2, 3], "ab", "stop")
     assert (rows[1].token_ids, rows[1].text, rows[1].finish) == ([9], ["x"], None)
     assert await delivered(redis, MODEL, "req-none") == {}
+
+
+async def test_a_resent_flush_writes_no_token_twice(redis: Redis, settings: Settings) -> None:
+    """redis-py resends a pipeline whose reply was lost (Redis died after running it): the
+    deltas it carried are on the stream already and must not be written again."""
+    _, m, _, d = await running_request(redis, settings)
+    writer = ReplyWriter(redis, MODEL, reply_ttl_s=settings.reply_ttl_s)
+    for _ in range(2):  # the same pipeline, twice
+        writer.delta(d, DeltaEvent(i=0, text="a", token_ids=[1, 2]))
+        writer.delta(d, DeltaEvent(i=0, text="x", token_ids=[9], row=1))
+        await writer.flush()
+    writer.delta(d, DeltaEvent(i=2, text="b", token_ids=[3]))
+    await writer.flush()
+    entries = [DeltaEvent.model_validate_json(f["data"]) for _, f in await redis.xrange(KEYS.reply(m.id))]
+    assert [(e.row, e.i, e.text) for e in entries] == [(0, 0, "a"), (1, 0, "x"), (0, 2, "b")]
+
+
+async def test_a_failed_flush_keeps_its_deltas_for_the_next_one(redis: Redis, settings: Settings) -> None:
+    """Redis restarted without its scripts (NOSCRIPT) or went away mid-flush: the deltas stay
+    buffered and land with the next flush, so the stream never has a hole."""
+    _, m, _, d = await running_request(redis, settings)
+    writer = ReplyWriter(redis, MODEL, reply_ttl_s=settings.reply_ttl_s)
+    real = writer.scripts.reply
+    failed: list[bool] = []
+
+    async def flaky(*args, **kwargs):
+        if not failed:
+            failed.append(True)
+            raise ConnectionError("Redis went away")
+        return await real(*args, **kwargs)
+
+    writer.scripts = dataclasses.replace(writer.scripts, reply=flaky)
+    writer.delta(d, DeltaEvent(i=0, text="a", token_ids=[1]))
+    with pytest.raises(ConnectionError):
+        await writer.flush()
+    writer.delta(d, DeltaEvent(i=1, text="b", token_ids=[2]))
+    await writer.flush()
+    entries = [DeltaEvent.model_validate_json(f["data"]) for _, f in await redis.xrange(KEYS.reply(m.id))]
+    assert "".join(e.text for e in entries) == "ab"
