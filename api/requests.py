@@ -23,7 +23,11 @@ async def submit(
     caller: str | None = Depends(require_key),
     idempotency_key: str | None = Header(None, max_length=256),
 ) -> Submitted:
-    """Enqueue one request. With an Idempotency-Key, a repeat returns the first request's id."""
+    """Enqueue one request. With an Idempotency-Key, a repeat returns the first request's id.
+
+    The key binds to a request id before anything is enqueued; a repeat whose first attempt
+    left no trace (Redis failed in between) admits again under that same id, which
+    admission treats as one request, so a retried call never makes two."""
     model = await s.model(body.model)
     rid = new_request_id()
     key = f"{caller or 'anonymous'}:{idempotency_key}" if idempotency_key else None
@@ -32,14 +36,16 @@ async def submit(
         if first:
             first_model, first_id = first
             status = await s.admission.status(first_model, first_id)
-            return Submitted(id=first_id, status=status.get("state", "queued"), model=first_model)
+            if status:
+                return Submitted(id=first_id, status=status.get("state", "queued"), model=first_model)
+            model, rid = await s.model(first_model), first_id
     try:
         message = await s.enqueue(
             model, [{"prompt": body.prompt, "max_tokens": body.max_tokens}], temperature=body.temperature,
             top_p=body.top_p, stop=body.stop, seed=body.seed, timeout_s=body.timeout_s, rid=rid,
         )
-    except Exception:
-        if key:
+    except ApiError as err:
+        if key and (err.status != 503 or err.code == "overloaded"):  # refused: nothing was enqueued
             await s.admission.release_idempotency(key)
         raise
     return Submitted(id=message.id, status="queued", model=model.name)

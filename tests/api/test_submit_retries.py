@@ -1,0 +1,74 @@
+"""A client retrying a submit with its Idempotency-Key never makes two requests, whatever
+failed in between (the api itself answered no, Redis went away after or before admitting)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import httpx
+import pytest
+from redis.asyncio import Redis
+from redis.exceptions import ConnectionError as RedisConnectionError
+
+from sluice.api.app import create_app
+from sluice.config.settings import Settings
+from tests.unit.broker_helpers import KEYS, MODEL
+
+MODELS_YAML = f"models:\n  - name: {MODEL}\n    continuous_batching_config: {{max_concurrent_batch_size: 4}}\n"
+BODY = {"prompt": "hello", "max_tokens": 3}
+
+
+@pytest.fixture
+async def app(redis: Redis, settings: Settings, tmp_path: Path):
+    (tmp_path / "models.yaml").write_text(MODELS_YAML)
+    app = create_app(settings.model_copy(update={"models_file": tmp_path / "models.yaml"}))
+    async with app.router.lifespan_context(app):
+        yield app
+
+
+@pytest.fixture
+async def api(app) -> AsyncIterator[httpx.AsyncClient]:
+    transport = httpx.ASGITransport(app, raise_app_exceptions=False)
+    async with httpx.AsyncClient(transport=transport, base_url="http://sluice") as client:
+        yield client
+
+
+def fail_admission(app, *, after: bool) -> list[str]:
+    """Make the next admission raise a Redis connection error, after (or before) it ran."""
+    admission = app.state.sluice.admission
+    real = admission.submit
+    failed: list[str] = []
+
+    async def submit(message, **kw):
+        if not failed:
+            failed.append(message.id)
+            if after:
+                await real(message, **kw)
+            raise RedisConnectionError("Connection reset by peer")
+        return await real(message, **kw)
+
+    admission.submit = submit
+    return failed
+
+
+@pytest.mark.parametrize("after", [True, False], ids=["redis-failed-after-admitting", "redis-failed-before"])
+async def test_a_retry_after_a_redis_failure_is_the_same_request(
+        app, api: httpx.AsyncClient, redis: Redis, after: bool) -> None:
+    failed = fail_admission(app, after=after)
+    headers = {"Idempotency-Key": "order-42"}
+    first = await api.post("/v1/requests", json=BODY, headers=headers)
+    assert first.status_code == 500 and failed
+    again = await api.post("/v1/requests", json=BODY, headers=headers)
+    assert again.status_code == 202, again.text
+    assert again.json()["id"] == failed[0]
+    assert await redis.xlen(KEYS.requests) == 1
+
+
+async def test_a_refused_submit_frees_its_key(api: httpx.AsyncClient, redis: Redis) -> None:
+    headers = {"Idempotency-Key": "order-43"}
+    refused = await api.post("/v1/requests", json={**BODY, "model": MODEL, "max_tokens": 0}, headers=headers)
+    assert refused.status_code == 422
+    ok = await api.post("/v1/requests", json=BODY, headers=headers)
+    assert ok.status_code == 202
+    assert await redis.xlen(KEYS.requests) == 1
