@@ -13,7 +13,7 @@ from sluice.api import models as model_routes
 from sluice.api import openai as openai_routes
 from sluice.api.auth import key_digests, require_key
 from sluice.api.limits import BodySizeLimit
-from sluice.api.state import ApiState
+from sluice.api.state import ApiState, finish_cancels
 from sluice.api.tokens import PromptLimits
 from sluice.broker.admission import Admission
 from sluice.broker.batches import BatchStore
@@ -59,6 +59,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         )
         app.state.sluice.done.start()
         yield
+        await finish_cancels()
         await app.state.sluice.done.close()
         await redis.aclose()
 

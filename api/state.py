@@ -152,5 +152,11 @@ class ApiState:
         return model
 
 
+async def finish_cancels(timeout_s: float = 5.0) -> None:
+    """Let the cancels of streams cut off at shutdown reach Redis before its client closes."""
+    if _cancels:
+        await asyncio.wait(set(_cancels), timeout=timeout_s)
+
+
 def state(request: Request) -> ApiState:
     return request.app.state.sluice
