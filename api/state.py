@@ -80,8 +80,10 @@ class ApiState:
     async def enqueue(self, model: ModelConfig, rows: list[dict[str, Any]], *, temperature: float = 1.0,
                       top_p: float = 1.0, stop: list[str] | None = None, seed: int | None = None,
                       timeout_s: float | None = None, rid: str | None = None,
-                      presence_penalty: float = 0.0, frequency_penalty: float = 0.0) -> RequestMessage:
-        """Admit one request of `rows` for `model` (503 with Retry-After when its queue is full)."""
+                      presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
+                      owner: str | None = None) -> RequestMessage:
+        """Admit one request of `rows` for `model` (503 with Retry-After when its queue is full).
+        `owner`: the digest of the api key that made it (recorded in its status hash)."""
         error = model.rows_error(len(rows))
         if error:
             REJECTED.labels(model.name, "batch_size").inc()
@@ -113,6 +115,7 @@ class ApiState:
             ),
             enqueued_at=now,
             deadline=now + (timeout_s or model.request_timeout_s or self.settings.request_timeout_s),
+            owner=owner,
         )
         try:
             await self.admission.submit(message, max_queued=model.max_queued or self.settings.max_queued)

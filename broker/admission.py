@@ -46,7 +46,7 @@ class Admission:
         entry = await self.scripts.admit(
             keys=[stream, keys.status(message.id)],
             args=[max_queued, message.id, message.model_dump_json(), self.status_ttl_s,
-                  message.enqueued_at, message.model, message.lane],
+                  message.enqueued_at, message.model, message.lane, message.owner or ""],
         )
         if entry is None:
             raise QueueFull(message.model)

@@ -55,6 +55,7 @@ class RequestMessage(BaseModel):
     deadline: float
     priority: int = 0
     lane: Literal["interactive", "bulk"] = "interactive"
+    owner: str | None = None  # digest of the api key that made it; None without keys
 
     def to_fields(self) -> dict[str, str]:
         return {"id": self.id, "data": self.model_dump_json()}

@@ -196,3 +196,12 @@ async def test_reclaim_runs_before_every_read_of_new_entries(redis: Redis, setti
     await submit_n(adm, 3)
     got = await live.fetch(4, 100)
     assert got[0].message.id == orphan.id and got[0].attempt == 2
+
+
+async def test_the_status_hash_records_who_made_a_request(redis: Redis, settings: Settings) -> None:
+    adm = admission(redis, settings)
+    mine, anonymous = message().model_copy(update={"owner": "sha256:abc"}), message()
+    for m in (mine, anonymous):
+        await adm.submit(m, max_queued=10)
+    assert await redis.hget(KEYS.status(mine.id), "owner") == "sha256:abc"
+    assert await redis.hget(KEYS.status(anonymous.id), "owner") is None
