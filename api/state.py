@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import secrets
 import time
-import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,6 +18,7 @@ from sluice.api.tokens import PromptLimits
 from sluice.broker.admission import Admission, NotDurable, QueueFull
 from sluice.broker.batches import BatchStore
 from sluice.broker.files import FileStore
+from sluice.broker.keys import new_request_id, request_created_at
 from sluice.broker.messages import TERMINAL_STATES, RequestMessage, SamplingSpec
 from sluice.broker.notifications import DoneListener
 from sluice.broker.registry import ModelRegistry, WorkerRegistry
@@ -29,8 +29,6 @@ from sluice.config.settings import Settings
 _cancels: set[asyncio.Task] = set()
 
 
-def new_request_id() -> str:
-    return f"req-{uuid.uuid4().hex}"
 
 
 @dataclass
@@ -84,6 +82,56 @@ class ApiState:
                       owner: str | None = None) -> RequestMessage:
         """Admit one request of `rows` for `model` (503 with Retry-After when its queue is full).
         `owner`: the digest of the api key that made it (recorded in its status hash)."""
+        (message,) = await self.enqueue_many(
+            model, [rows], temperature=temperature, top_p=top_p, stop=stop, seed=seed, timeout_s=timeout_s,
+            rids=[rid] if rid else None, presence_penalty=presence_penalty,
+            frequency_penalty=frequency_penalty, owner=owner)
+        return message
+
+    async def enqueue_many(self, model: ModelConfig, requests: list[list[dict[str, Any]]], *,
+                           temperature: float = 1.0, top_p: float = 1.0, stop: list[str] | None = None,
+                           seed: int | None = None, timeout_s: float | None = None,
+                           rids: list[str] | None = None, presence_penalty: float = 0.0,
+                           frequency_penalty: float = 0.0, owner: str | None = None) -> list[RequestMessage]:
+        """Admit several requests (each a list of rows; the choices of one completion call)
+        all at once or none of them: one admission against the queue bound, so a call is never
+        left half-admitted and never counted one by one. Request i gets seed + i."""
+        for rows in requests:
+            await self._check_rows(model, rows)
+        now = time.time()
+        seed = seed if seed is not None else secrets.randbits(31)
+        messages = [RequestMessage(
+            id=rids[i] if rids else new_request_id(),
+            model=model.name,
+            rows=rows,
+            sampling=SamplingSpec(
+                max_tokens=rows[0]["max_tokens"], temperature=temperature, top_p=top_p,
+                stop=stop or [], seed=seed + i, presence_penalty=presence_penalty,
+                frequency_penalty=frequency_penalty,
+            ),
+            enqueued_at=now,
+            deadline=now + (timeout_s or model.request_timeout_s or self.settings.request_timeout_s),
+            owner=owner,
+        ) for i, rows in enumerate(requests)]
+        bound = {"max_queued": model.max_queued or self.settings.max_queued,
+                 "result_ttl_s": model.result_ttl_s or self.settings.result_ttl_s}
+        try:
+            if len(messages) == 1:
+                await self.admission.submit(messages[0], **bound)
+            else:
+                await self.admission.submit_many(messages, **bound)
+        except QueueFull:
+            REJECTED.labels(model.name, "queue_full").inc(len(messages))
+            raise ApiError(503, f"model {model.name!r} is saturated: its queue is full, retry later",
+                           code="overloaded", headers={"Retry-After": "1"}) from None
+        except NotDurable as err:  # strict durability: not known to be on disk, so not accepted
+            raise ApiError(503, f"{err}; retry with the same Idempotency-Key", code="not_durable",
+                           headers={"Retry-After": "1"}) from None
+        ADMITTED.labels(model.name, messages[0].lane).inc(len(messages))
+        return messages
+
+    async def _check_rows(self, model: ModelConfig, rows: list[dict[str, Any]]) -> None:
+        """Refuse rows this deployment cannot take; fills in each row's max_tokens."""
         error = model.rows_error(len(rows))
         if error:
             REJECTED.labels(model.name, "batch_size").inc()
@@ -103,31 +151,6 @@ class ApiState:
             too_long = await self.prompt_limits.check(model, text, row["max_tokens"])
             if too_long:
                 raise ApiError(400, too_long if len(rows) == 1 else f"rows[{i}].{too_long}", param="prompt")
-        now = time.time()
-        message = RequestMessage(
-            id=rid or new_request_id(),
-            model=model.name,
-            rows=rows,
-            sampling=SamplingSpec(
-                max_tokens=rows[0]["max_tokens"], temperature=temperature, top_p=top_p,
-                stop=stop or [], seed=seed if seed is not None else secrets.randbits(31),
-                presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
-            ),
-            enqueued_at=now,
-            deadline=now + (timeout_s or model.request_timeout_s or self.settings.request_timeout_s),
-            owner=owner,
-        )
-        try:
-            await self.admission.submit(message, max_queued=model.max_queued or self.settings.max_queued)
-        except QueueFull:
-            REJECTED.labels(model.name, "queue_full").inc()
-            raise ApiError(503, f"model {model.name!r} is saturated: its queue is full, retry later",
-                           code="overloaded", headers={"Retry-After": "1"}) from None
-        except NotDurable as err:  # strict durability: not known to be on disk, so not accepted
-            raise ApiError(503, f"{err}; retry with the same Idempotency-Key", code="not_durable",
-                           headers={"Retry-After": "1"}) from None
-        ADMITTED.labels(model.name, message.lane).inc()
-        return message
 
     async def wait_final(self, model: str, rid: str, wait_s: float) -> dict[str, str]:
         """The status hash once the request is final, or as it is after `wait_s`."""
@@ -149,10 +172,20 @@ class ApiState:
         task.add_done_callback(_cancels.discard)
 
     async def model_of(self, rid: str) -> str:
-        model = await self.admission.find_model(rid, list(await self.deployed()))
-        if model is None:
-            raise ApiError(404, f"request {rid!r} not found", code="not_found")
-        return model
+        """The model of a request that Redis still holds; 410 for one whose result expired (its id
+        is older than the retention, which is as much as can be known once its keys are gone),
+        404 for an id that is young, of another form, or unknown."""
+        deployed = await self.deployed()
+        model = await self.admission.find_model(rid, list(deployed))
+        if model is not None:
+            return model
+        created = request_created_at(rid)
+        retention = min((m.result_ttl_s or self.settings.result_ttl_s for m in deployed.values()),
+                        default=self.settings.result_ttl_s)
+        if created is not None and time.time() - created > retention:
+            raise ApiError(410, f"request {rid!r} expired: a result is kept for {retention} s after the "
+                                f"request finishes, and this one is gone", code="expired")
+        raise ApiError(404, f"request {rid!r} not found", code="not_found")
 
 
 async def finish_cancels(timeout_s: float = 5.0) -> None:

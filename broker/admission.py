@@ -15,7 +15,7 @@ from sluice.broker.scripts import Scripts
 
 
 class QueueFull(Exception):
-    """The model's stream holds its bound of waiting requests."""
+    """The model's streams hold their bound of waiting requests (or its lane its share)."""
 
 
 class NotDurable(Exception):
@@ -24,37 +24,50 @@ class NotDurable(Exception):
 
 class Admission:
     def __init__(self, redis: Redis, *, status_ttl_s: int, reply_ttl_s: int, cancel_ttl_s: int,
+                 result_ttl_s: int = 3600, bulk_queue_share: float = 0.5,
                  strict: bool = False, fsync_timeout_ms: int = 1000):
         self.redis = redis
         self.scripts = Scripts.register(redis)
-        self.status_ttl_s = status_ttl_s
+        self.status_ttl_s = status_ttl_s  # while unfinished
+        self.result_ttl_s = result_ttl_s  # once final, unless admitted with its model's own
         self.reply_ttl_s = reply_ttl_s
+        self.bulk_queue_share = bulk_queue_share
         self.cancel_ttl_s = cancel_ttl_s
         self.strict = strict
         self.fsync_timeout_ms = fsync_timeout_ms
         self._waitaof: bool | None = None  # whether the server has WAITAOF (Redis 7.2+), once known
 
-    async def submit(self, message: RequestMessage, *, max_queued: int) -> str:
-        """XADD the request unless the bound is reached; returns the stream entry id.
+    async def submit(self, message: RequestMessage, *, max_queued: int, result_ttl_s: int | None = None) -> str:
+        """XADD the request unless the bound is reached; returns the stream entry id."""
+        return (await self.submit_many([message], max_queued=max_queued, result_ttl_s=result_ttl_s))[0]
 
-        Idempotent on the request id (admit.lua), so redis-py re-running the script after a
+    async def submit_many(self, messages: list[RequestMessage], *, max_queued: int,
+                          result_ttl_s: int | None = None) -> list[str]:
+        """XADD all the requests (one model, one lane, one owner) or none of them: they count
+        against max_queued, both lanes together, and bulk against its share of it. Returns
+        the stream entry ids ('' for a request that is final already).
+
+        Idempotent on the request ids (admit.lua), so redis-py re-running the script after a
         dropped connection enqueues nothing twice. Strict durability: the admission is on
         disk before this returns (WAITAOF where the server has it; a server without it must
         run with appendfsync always, as the embedded one does in strict mode)."""
-        keys = ModelKeys(message.model)
-        stream = keys.bulk if message.lane == "bulk" else keys.requests
-        entry = await self.scripts.admit(
-            keys=[stream, keys.status(message.id)],
-            args=[max_queued, message.id, message.model_dump_json(), self.status_ttl_s,
-                  message.enqueued_at, message.model, message.lane, message.owner or ""],
+        first = messages[0]
+        keys = ModelKeys(first.model)
+        stream, other = (keys.bulk, keys.requests) if first.lane == "bulk" else (keys.requests, keys.bulk)
+        lane_max = max(int(max_queued * self.bulk_queue_share), 1) if first.lane == "bulk" else max_queued
+        entries = await self.scripts.admit(
+            keys=[stream, other, *(keys.status(m.id) for m in messages)],
+            args=[max_queued, lane_max, self.status_ttl_s, first.enqueued_at, first.model, first.lane,
+                  first.owner or "", result_ttl_s or self.result_ttl_s,
+                  *(x for m in messages for x in (m.id, m.model_dump_json()))],
         )
-        if entry is None:
-            raise QueueFull(message.model)
+        if entries is None:
+            raise QueueFull(first.model)
         if self.strict and await self._has_waitaof():
             local, _ = await self.redis.execute_command("WAITAOF", 1, 0, self.fsync_timeout_ms)
             if int(local) < 1:
-                raise NotDurable(f"request {message.id} was not on disk within {self.fsync_timeout_ms} ms")
-        return entry
+                raise NotDurable(f"request {first.id} was not on disk within {self.fsync_timeout_ms} ms")
+        return list(entries)
 
     async def _has_waitaof(self) -> bool:
         if self._waitaof is None:
@@ -80,7 +93,7 @@ class Admission:
         keys = ModelKeys(model)
         return await self.scripts.cancel(
             keys=[keys.status(rid), keys.cancel(rid), keys.reply(rid)],
-            args=[time.time(), self.cancel_ttl_s, self.status_ttl_s, self.reply_ttl_s, DONE_CHANNEL, rid],
+            args=[time.time(), self.cancel_ttl_s, self.result_ttl_s, self.reply_ttl_s, DONE_CHANNEL, rid],
         )
 
     async def status(self, model: str, rid: str) -> dict[str, Any]:

@@ -12,6 +12,7 @@ from typing import Literal
 from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
+from sluice.broker.housekeeping import bounded_record, prune_consumers
 from sluice.broker.keys import DONE_CHANNEL, GROUP, ModelKeys
 from sluice.broker.messages import FinalResult, RequestMessage
 from sluice.broker.scripts import Scripts
@@ -59,14 +60,18 @@ class StreamConsumer:
         lease_timeout_s: float = 30.0,
         max_deliveries: int = 3,
         dlq_max_len: int = 10_000,
+        result_ttl_s: int = 3600,
+        log_max_record_bytes: int = 4096,
     ):
         self.redis = redis
         self.keys = ModelKeys(model)
         self.consumer = consumer
         self.scripts = Scripts.register(redis)
-        self.status_ttl_s = status_ttl_s
-        self.reply_ttl_s = reply_ttl_s
+        self.status_ttl_s = status_ttl_s  # while unfinished
+        self.result_ttl_s = result_ttl_s  # once final (a request admitted with its own keeps that)
+        self.reply_ttl_s = reply_ttl_s  # the reply stream, after the final
         self.log_max_len = log_max_len
+        self.log_max_record_bytes = log_max_record_bytes
         self.lease_timeout_s = lease_timeout_s
         self.max_deliveries = max_deliveries
         self.dlq_max_len = dlq_max_len
@@ -180,7 +185,7 @@ class StreamConsumer:
     async def dead_letter(self, stream: str, entry_id: str, rid: str, data: str, error: str, attempts: int) -> bool:
         written = await self.scripts.dead_letter(
             keys=[stream, self.keys.dead_letters, self.keys.status(rid), self.keys.reply(rid)],
-            args=[GROUP, self.consumer, entry_id, rid, data, error, attempts, time.time(), self.status_ttl_s,
+            args=[GROUP, self.consumer, entry_id, rid, data, error, attempts, time.time(), self.result_ttl_s,
                   self.reply_ttl_s, DONE_CHANNEL, self.dlq_max_len],
         )
         if written == 1:
@@ -239,7 +244,7 @@ class StreamConsumer:
         return await self.scripts.start(
             keys=[d.stream, self.keys.status(rid), self.keys.cancel(rid), self.keys.reply(rid)],
             args=[GROUP, self.consumer, d.entry_id, time.time(), d.message.deadline, d.attempt,
-                  self.status_ttl_s, self.reply_ttl_s, DONE_CHANNEL, rid, int(d.isolated)],
+                  self.status_ttl_s, self.reply_ttl_s, DONE_CHANNEL, rid, int(d.isolated), self.result_ttl_s],
         )
 
     async def lease_held(self) -> list[Delivery]:
@@ -263,7 +268,7 @@ class StreamConsumer:
         written = await self.scripts.commit(
             keys=[d.stream, self.keys.status(rid), self.keys.reply(rid)],
             args=[GROUP, self.consumer, d.entry_id, result.status.value, result.model_dump_json(exclude_none=True),
-                  time.time(), self.status_ttl_s, self.reply_ttl_s, DONE_CHANNEL, rid],
+                  time.time(), self.result_ttl_s, self.reply_ttl_s, DONE_CHANNEL, rid],
         )
         self.release(d)
         if not written:
@@ -274,14 +279,19 @@ class StreamConsumer:
         return written == 1
 
     async def append_log(self, records: list[dict]) -> None:
-        """The inference log, in the order rows were batched; bounded (approximate MAXLEN)."""
+        """The inference log, in the order rows were batched; bounded in records (approximate
+        MAXLEN) and in bytes per record (a long prompt or output keeps only its start)."""
         if not records:
             return
         async with self.redis.pipeline(transaction=False) as pipe:
             for record in records:
-                pipe.xadd(self.keys.log, {"data": json.dumps(record)}, maxlen=self.log_max_len,
-                          approximate=True)
+                pipe.xadd(self.keys.log, {"data": bounded_record(record, self.log_max_record_bytes)},
+                          maxlen=self.log_max_len, approximate=True)
             await pipe.execute()
+
+    async def prune_consumers(self) -> list[str]:
+        """Remove consumers of dead workers that hold nothing from the group (housekeeping.py)."""
+        return await prune_consumers(self.redis, self.scripts, self.keys, self.streams)
 
     async def cancelled(self, rids: list[str]) -> set[str]:
         """Which of these requests have their cancel flag set."""

@@ -29,11 +29,12 @@ class DeadLetter:
 
 
 class DeadLetters:
-    def __init__(self, redis: Redis, model: str, *, status_ttl_s: int = 86400):
+    def __init__(self, redis: Redis, model: str, *, status_ttl_s: int = 86400, bulk_queue_share: float = 0.5):
         self.redis = redis
         self.keys = ModelKeys(model)
         self.scripts = Scripts.register(redis)
         self.status_ttl_s = status_ttl_s
+        self.bulk_queue_share = bulk_queue_share
 
     async def list(self, count: int = 1000) -> list[DeadLetter]:
         entries = await self.redis.xrange(self.keys.dead_letters, count=count)
@@ -63,10 +64,13 @@ class DeadLetters:
             now = time.time()
             msg = d.message.model_copy(update={
                 "enqueued_at": now, "deadline": now + (d.message.deadline - d.message.enqueued_at)})
+            bulk = d.stream == self.keys.bulk
+            lane_max = max(int(max_queued * self.bulk_queue_share), 1) if bulk else max_queued
             entry = await self.scripts.requeue(
                 keys=[d.stream, self.keys.status(d.request_id), self.keys.reply(d.request_id),
-                      self.keys.dead_letters],
-                args=[max_queued, d.request_id, msg.model_dump_json(), now, self.status_ttl_s, d.entry_id],
+                      self.keys.dead_letters, self.keys.requests if bulk else self.keys.bulk],
+                args=[max_queued, d.request_id, msg.model_dump_json(), now, self.status_ttl_s, d.entry_id,
+                      lane_max],
             )
             if entry is None:
                 log.warning("the stream of %s is full: the other dead letters stay", self.keys.model)

@@ -28,6 +28,7 @@ class Scripts:
     dead_letter: AsyncScript
     reply: AsyncScript
     requeue: AsyncScript
+    consumer_drop: AsyncScript
     # bulk jobs (broker/batches.py)
     batch_refresh: AsyncScript
     batch_release: AsyncScript

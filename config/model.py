@@ -59,6 +59,7 @@ class ModelConfig(BaseModel):
     max_queued: int | None = Field(default=None, gt=0)
     request_timeout_s: float | None = Field(default=None, gt=0)
     max_deliveries: int | None = Field(default=None, gt=0)
+    result_ttl_s: int | None = Field(default=None, gt=0)  # how long a finished request's result is kept
     default_max_tokens: int = Field(default=256, gt=0)
 
     @model_validator(mode="after")

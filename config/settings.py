@@ -33,9 +33,11 @@ class Settings(BaseSettings):
     max_decoded_bytes: int = Field(default=16 * 1024 * 1024, gt=0)
     sse_idle_timeout_s: float = Field(default=300.0, gt=0)  # an SSE stream with no event this long closes
 
-    # Lifetimes of what a request leaves in Redis
-    reply_ttl_s: int = Field(default=3600, gt=0)
-    status_ttl_s: int = Field(default=86400, gt=0)
+    # Lifetimes of what a request leaves in Redis. Steady-state memory is about
+    # rate x result_ttl_s x bytes per finished request (README, "Retention").
+    result_ttl_s: int = Field(default=3600, gt=0)  # a finished request's status and result
+    reply_ttl_s: int = Field(default=60, gt=0)  # its reply stream, after the final
+    status_ttl_s: int = Field(default=86400, gt=0)  # an unfinished request's status and reply stream
     cancel_ttl_s: int = Field(default=3600, gt=0)
 
     # Delivery
@@ -45,7 +47,9 @@ class Settings(BaseSettings):
     # "strict": the embedded Redis fsyncs every write (appendfsync always) and, on a server with
     # WAITAOF (Redis 7.2+), a 202 is given only once the admission is on disk.
     durability: Literal["default", "strict"] = "default"
-    max_queued: int = Field(default=1000, gt=0)
+    max_queued: int = Field(default=1000, gt=0)  # entries of both lanes together, per model
+    # The part of max_queued the bulk lane may hold: the rest is always left to interactive.
+    bulk_queue_share: float = Field(default=0.5, gt=0, lt=1)
     request_timeout_s: float = Field(default=600.0, gt=0)
 
     # Workers
@@ -54,10 +58,15 @@ class Settings(BaseSettings):
     cancel_poll_s: float = Field(default=0.2, gt=0)
     shutdown_timeout_s: float = Field(default=30.0, ge=0)
     log_max_len: int = Field(default=10_000, gt=0)
+    # A log record over this many bytes keeps only the start of its prompt and output, so the
+    # log holds at most about log_max_len x log_max_record_bytes per model.
+    log_max_record_bytes: int = Field(default=4096, ge=512)
 
     # Files and bulk jobs
     files_dir: Path | None = None  # default: <data_dir>/files
     max_file_bytes: int = Field(default=200 * 1024 * 1024, gt=0)
+    file_ttl_s: int = Field(default=30 * 86400, gt=0)  # a file without expires_after (OpenAI's default)
+    batch_ttl_s: int = Field(default=30 * 86400, gt=0)  # a finished batch object
     bulk_outstanding: int = Field(default=64, gt=0)  # rows of one job on the bulk stream at once
     job_lock_ttl_s: float = Field(default=15.0, gt=0)
     jobs_concurrency: int = Field(default=4, gt=0)

@@ -77,8 +77,12 @@ class Worker:
             status_ttl_s=settings.status_ttl_s, reply_ttl_s=settings.reply_ttl_s,
             log_max_len=settings.log_max_len, lease_timeout_s=settings.lease_timeout_s,
             max_deliveries=model.max_deliveries or settings.max_deliveries, dlq_max_len=settings.dlq_max_len,
+            result_ttl_s=model.result_ttl_s or settings.result_ttl_s,
+            log_max_record_bytes=settings.log_max_record_bytes,
         )
-        self.replies = ReplyWriter(redis, model.name, reply_ttl_s=settings.reply_ttl_s)
+        # An unfinished request's reply stream lives as long as its status: a retry resumes
+        # from it. The final shortens it to reply_ttl_s.
+        self.replies = ReplyWriter(redis, model.name, reply_ttl_s=settings.status_ttl_s)
         self.workers = WorkerRegistry(redis)
         self.models = ModelRegistry(redis)
         self.policy = make_policy(model)
@@ -115,6 +119,8 @@ class Worker:
             asyncio.create_task(self._every(self.settings.heartbeat_interval_s, self._heartbeat), name="heartbeat"),
             asyncio.create_task(self._every(self.settings.lease_timeout_s / 3, self._lease), name="lease"),
             asyncio.create_task(self._every(self.settings.cancel_poll_s, self._watch), name="watch"),
+            asyncio.create_task(self._every(6 * self.settings.worker_ttl_s, self.consumer.prune_consumers),
+                                name="prune"),
             asyncio.create_task(self._forward_stop(), name="stop"),
         ]
         await self._heartbeat()

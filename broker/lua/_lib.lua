@@ -22,15 +22,25 @@ end
 
 -- The final event on the reply stream, the status hash, both with their TTLs, and the
 -- announcement that wakes long-polling readers. Refuses (returns false) when the request
--- is final already.
-local function write_final(status, reply, state, final, now, status_ttl, reply_ttl, channel, rid)
+-- is final already. Retention: the status keeps the result for its model's retention
+-- (`retain_s`, set at admission; `result_ttl` when absent), the reply stream only for the
+-- short `reply_ttl` (readers fall back to the status hash), and the delivery bookkeeping
+-- nobody reads after the final is dropped: what a finished request costs is mostly its text.
+local function write_final(status, reply, state, final, now, result_ttl, reply_ttl, channel, rid)
   if is_final(status) then
     return false
   end
   redis.call('XADD', reply, '*', 'kind', 'final', 'data', final)
   redis.call('EXPIRE', reply, reply_ttl)
+  local dropped = {'entry', 'stream', 'charges'}
+  for _, field in ipairs(redis.call('HKEYS', status)) do
+    if string.sub(field, 1, 5) == 'next:' then  -- reply.lua's token counts
+      dropped[#dropped + 1] = field
+    end
+  end
+  redis.call('HDEL', status, unpack(dropped))
   redis.call('HSET', status, 'state', state, 'result', final, 'finished_at', now)
-  redis.call('EXPIRE', status, status_ttl)
+  redis.call('EXPIRE', status, redis.call('HGET', status, 'retain_s') or result_ttl)
   redis.call('PUBLISH', channel, rid)
   return true
 end

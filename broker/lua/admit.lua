@@ -1,20 +1,37 @@
--- Admit one request: refuse when the model's stream already holds max_queued entries
--- (waiting plus pending: entries are deleted once acknowledged), else enqueue it and
--- create its status hash, in one step. Idempotent on the request id: a script re-run by a
--- client retrying through a dropped connection finds the status hash and enqueues nothing.
--- KEYS: stream, status   ARGV: max_queued, rid, data, status_ttl, now, model, lane, owner ('' for none)
--- Returns the entry id (the first one on a re-run), or false when the bound refuses it.
-if redis.call('EXISTS', KEYS[2]) == 1 then
-  return redis.call('HGET', KEYS[2], 'entry')
+-- Admit one request, or several at once (the prompts x n of one completion call: all or
+-- none). Refuse when the model's two lanes together would hold more than max_queued entries
+-- (waiting plus pending: entries are deleted once acknowledged), or this lane more than its
+-- own bound: bulk gets a share of max_queued, so a job can never take interactive's part.
+-- Otherwise enqueue each request and create its status hash, in one step. Idempotent on the
+-- request ids: a script re-run by a client retrying through a dropped connection finds the
+-- first status hash and enqueues nothing.
+-- KEYS: stream, the other lane's stream, then one status hash per request
+-- ARGV: max_queued, lane_max, status_ttl, now, model, lane, owner ('' for none), retain_s,
+--       then rid, data for each request
+-- Returns the entry ids ('' for one final already; the first ones on a re-run), or false when
+-- the bound refuses them.
+local n = #KEYS - 2
+local entries = {}
+if redis.call('EXISTS', KEYS[3]) == 1 then
+  for i = 3, #KEYS do
+    entries[#entries + 1] = redis.call('HGET', KEYS[i], 'entry') or ''
+  end
+  return entries
 end
-if redis.call('XLEN', KEYS[1]) >= tonumber(ARGV[1]) then
+local here = redis.call('XLEN', KEYS[1])
+if here + redis.call('XLEN', KEYS[2]) + n > tonumber(ARGV[1]) or here + n > tonumber(ARGV[2]) then
   return false
 end
-local entry = redis.call('XADD', KEYS[1], '*', 'id', ARGV[2], 'data', ARGV[3])
-redis.call('HSET', KEYS[2], 'state', 'queued', 'model', ARGV[6], 'enqueued_at', ARGV[5],
-           'lane', ARGV[7], 'entry', entry, 'stream', KEYS[1])
-if ARGV[8] ~= '' then
-  redis.call('HSET', KEYS[2], 'owner', ARGV[8])
+for i = 1, n do
+  local rid, status = ARGV[7 + 2 * i], KEYS[2 + i]
+  local entry = redis.call('XADD', KEYS[1], '*', 'id', rid, 'data', ARGV[8 + 2 * i])
+  -- retain_s: how long the result is kept once final (write_final reads it)
+  redis.call('HSET', status, 'state', 'queued', 'model', ARGV[5], 'enqueued_at', ARGV[4],
+             'lane', ARGV[6], 'entry', entry, 'stream', KEYS[1], 'retain_s', ARGV[8])
+  if ARGV[7] ~= '' then
+    redis.call('HSET', status, 'owner', ARGV[7])
+  end
+  redis.call('EXPIRE', status, ARGV[3])
+  entries[i] = entry
 end
-redis.call('EXPIRE', KEYS[2], ARGV[4])
-return entry
+return entries

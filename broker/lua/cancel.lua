@@ -1,6 +1,6 @@
 -- Cancel: set the flag the worker watches; a request still queued ends cancelled at once
 -- (the worker that later fetches it acknowledges it without running it).
--- KEYS: status, cancel, reply   ARGV: now, cancel_ttl, status_ttl, reply_ttl, done_channel, rid
+-- KEYS: status, cancel, reply   ARGV: now, cancel_ttl, result_ttl, reply_ttl, done_channel, rid
 local state = redis.call('HGET', KEYS[1], 'state')
 if not state then
   return false

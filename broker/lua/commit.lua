@@ -2,7 +2,7 @@
 -- status (unless the request is final already), acknowledge and delete the entry, and
 -- announce it, all at once. Otherwise it has been fenced out and writes nothing.
 -- KEYS: stream, status, reply
--- ARGV: group, consumer, entry_id, state, final_json, now, status_ttl, reply_ttl,
+-- ARGV: group, consumer, entry_id, state, final_json, now, result_ttl, reply_ttl,
 --       done_channel, rid
 -- Returns 1 (committed), 2 (acknowledged; the request was final already), 0 (fenced).
 if not owns(KEYS[1], ARGV[1], ARGV[3], ARGV[2]) then

@@ -3,7 +3,7 @@
 -- failed. A request that is final already (cancelled, say) is only acknowledged: it is
 -- neither copied nor given a second final, so `dlq retry` can never run it again.
 -- KEYS: stream, dlq, status, reply
--- ARGV: group, consumer, entry_id, rid, data, error, attempts, now, status_ttl, reply_ttl,
+-- ARGV: group, consumer, entry_id, rid, data, error, attempts, now, result_ttl, reply_ttl,
 --       done_channel, dlq_max_len
 -- Returns 1 (dead-lettered), 2 (acknowledged; final already), 0 (fenced).
 if not owns(KEYS[1], ARGV[1], ARGV[3], ARGV[2]) then

@@ -1,9 +1,12 @@
 -- Put a dead letter back on its stream (`sluice dlq retry`): within the stream's bound, as
 -- a new entry that becomes the request's current one, with its old reply stream cleared
 -- and no charges, and remove it from the dead-letter stream, all at once.
--- KEYS: stream, status, reply, dlq   ARGV: max_queued, rid, data, now, status_ttl, dlq_entry_id
+-- The bound is admit.lua's: both lanes together within max_queued, this lane within lane_max.
+-- KEYS: stream, status, reply, dlq, the other lane's stream
+-- ARGV: max_queued, rid, data, now, status_ttl, dlq_entry_id, lane_max
 -- Returns the new entry id, or false when the bound refuses it.
-if redis.call('XLEN', KEYS[1]) >= tonumber(ARGV[1]) then
+local here = redis.call('XLEN', KEYS[1])
+if here + redis.call('XLEN', KEYS[5]) >= tonumber(ARGV[1]) or here >= tonumber(ARGV[7]) then
   return false
 end
 local entry = redis.call('XADD', KEYS[1], '*', 'id', ARGV[2], 'data', ARGV[3])

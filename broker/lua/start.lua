@@ -5,13 +5,13 @@
 -- is charged to the request: past N charges it becomes a dead letter.
 -- KEYS: stream, status, cancel, reply
 -- ARGV: group, consumer, entry_id, now, deadline, attempt, status_ttl, reply_ttl, done_channel, rid,
---       quarantined (1 or 0)
+--       quarantined (1 or 0), result_ttl
 if not owns(KEYS[1], ARGV[1], ARGV[3], ARGV[2]) then
   return 'fenced'
 end
 local function finish(state, err)
   write_final(KEYS[2], KEYS[4], state, bare_final(KEYS[2], state, err, tonumber(ARGV[6]), ARGV[4]),
-              ARGV[4], ARGV[7], ARGV[8], ARGV[9], ARGV[10])
+              ARGV[4], ARGV[12], ARGV[8], ARGV[9], ARGV[10])
   ack_and_delete(KEYS[1], ARGV[1], ARGV[3])
   return state
 end

@@ -1,0 +1,19 @@
+-- Remove a dead worker's consumer from the group on every stream of its model, but only if
+-- no live worker holds its name (the name's lock expired) and it holds no pending entry on
+-- any of them: deleting a consumer drops its pending entries, which must be reclaimed first.
+-- KEYS: consumer lock, streams...   ARGV: group, consumer
+-- Returns 1 when removed, 0 when it stays.
+if redis.call('EXISTS', KEYS[1]) == 1 then
+  return 0
+end
+for i = 2, #KEYS do
+  if redis.call('EXISTS', KEYS[i]) == 1 and #redis.call('XPENDING', KEYS[i], ARGV[1], '-', '+', 1, ARGV[2]) > 0 then
+    return 0
+  end
+end
+for i = 2, #KEYS do
+  if redis.call('EXISTS', KEYS[i]) == 1 then
+    redis.call('XGROUP', 'DELCONSUMER', KEYS[i], ARGV[1], ARGV[2])
+  end
+end
+return 1

@@ -1,0 +1,73 @@
+"""Past its retention a request's result is gone, and the api says so (410), while an id that
+never existed is still a 404; a multi-request admission through the api state is whole."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import httpx
+import pytest
+from redis.asyncio import Redis
+
+from sluice.api.app import create_app
+from sluice.api.errors import ApiError
+from sluice.broker.keys import new_request_id, request_created_at
+from sluice.config.settings import Settings
+from tests.unit.broker_helpers import KEYS, MODEL
+
+MODELS_YAML = (f"models:\n  - name: {MODEL}\n    max_queued: 4\n    result_ttl_s: 1\n"
+               f"    dynamic_batching_config: {{batch_size_target: 4}}\n")
+
+
+@pytest.fixture
+async def app(redis: Redis, settings: Settings, tmp_path: Path):
+    models = tmp_path / "retention.yaml"
+    models.write_text(MODELS_YAML)
+    built = create_app(settings.model_copy(update={"models_file": models, "max_queued": 4}))
+    async with built.router.lifespan_context(built):
+        yield built
+
+
+@pytest.fixture
+async def api(app) -> AsyncIterator[httpx.AsyncClient]:
+    async with httpx.AsyncClient(base_url="http://sluice",
+                                 transport=httpx.ASGITransport(app, raise_app_exceptions=False)) as client:
+        yield client
+
+
+def test_request_ids_carry_their_creation_time() -> None:
+    rid = new_request_id()
+    assert abs(request_created_at(rid) - time.time()) < 5  # type: ignore[operator]
+    assert request_created_at(f"req-{uuid.uuid4().hex}") is None
+
+
+async def test_an_expired_result_is_gone_and_an_unknown_id_is_not_found(api: httpx.AsyncClient, redis: Redis) -> None:
+    sent = await api.post("/v1/requests", json={"prompt": "hello", "max_tokens": 3})
+    assert sent.status_code == 202
+    rid = sent.json()["id"]
+    assert (await api.get(f"/v1/requests/{rid}")).status_code == 200
+    await redis.delete(KEYS.status(rid))  # what its TTL does once the retention has passed
+    await asyncio.sleep(1.1)
+    gone = await api.get(f"/v1/requests/{rid}")
+    assert gone.status_code == 410 and "expired" in gone.text
+    assert (await api.get(f"/v1/requests/{rid}/events")).status_code == 410
+    young = new_request_id()
+    assert (await api.get(f"/v1/requests/{young}")).status_code == 404
+    for other in (f"req-{uuid.uuid4().hex}", "req-123-abc", "nonsense"):
+        assert (await api.get(f"/v1/requests/{other}")).status_code == 404
+
+
+async def test_a_multi_request_admission_is_whole(app, redis: Redis) -> None:
+    s = app.state.sluice
+    model = await s.model(MODEL)
+    with pytest.raises(ApiError) as refused:
+        await s.enqueue_many(model, [[{"prompt": f"p{i}", "max_tokens": 2}] for i in range(5)])
+    assert refused.value.status == 503
+    assert await redis.xlen(KEYS.requests) == 0
+    messages = await s.enqueue_many(model, [[{"prompt": f"p{i}", "max_tokens": 2}] for i in range(4)], seed=10)
+    assert [m.sampling.seed for m in messages] == [10, 11, 12, 13]
+    assert await redis.xlen(KEYS.requests) == 4
