@@ -6,6 +6,11 @@ import asyncio
 import logging
 import signal
 import socket
+import time
+
+from redis.asyncio import Redis
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from sluice.broker.connection import connect
 from sluice.broker.registry import ModelRegistry
@@ -23,6 +28,7 @@ async def serve(settings: Settings, model_name: str, name: str | None, engine: E
     models = {m.name: m for m in load_models(settings.models_file)}
     redis = connect(settings.redis_url, name="sluice-worker")
     try:
+        await _wait_for_redis(redis)
         registry = ModelRegistry(redis)
         if model_name in models:  # a deployment changed at run time is kept
             model = await registry.deploy(models[model_name], keep_existing=True)
@@ -43,6 +49,21 @@ async def serve(settings: Settings, model_name: str, name: str | None, engine: E
         await worker.run()
     finally:
         await redis.aclose()
+
+
+async def _wait_for_redis(redis: Redis, timeout_s: float = 60.0) -> None:
+    """A worker started while Redis restarts waits for it (as a Celery worker waits for its
+    broker) instead of exiting for its supervisor to try again."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            await redis.ping()
+            return
+        except (RedisConnectionError, RedisTimeoutError) as err:
+            if time.monotonic() > deadline:
+                raise
+            log.warning("waiting for Redis (%s)", err)
+            await asyncio.sleep(1.0)
 
 
 def _stop_handler(worker: Worker, sig: signal.Signals):
