@@ -29,6 +29,7 @@ ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
 _TIMES = ("created_at", "in_progress_at", "expires_at", "finalizing_at", "completed_at", "failed_at",
           "expired_at", "cancelling_at", "cancelled_at")
 _INDEX = f"{PREFIX}:batches"
+_WINDOW_S = 24 * 3600  # the only completion window: a batch is final by created_at + this
 
 
 class LockLost(Exception):
@@ -40,21 +41,33 @@ def _key(batch_id: str, part: str = "") -> str:
 
 
 class BatchStore:
-    def __init__(self, redis: Redis):
+    """`ttl_s`: how long a finished batch object is kept; its rows' ids and output records only
+    `result_ttl_s` (the output file has them). Every key has a TTL from its creation: a batch
+    whose job never finishes goes after its window plus ttl_s, and the index forgets batches
+    that old."""
+
+    def __init__(self, redis: Redis, ttl_s: int = 30 * 86400, result_ttl_s: int = 3600):
         self.redis = redis
         self.scripts = Scripts.register(redis)
+        self.ttl_s = ttl_s
+        self.result_ttl_s = result_ttl_s
+        self.lifetime_s = _WINDOW_S + ttl_s
 
     async def create(self, input_file_id: str, endpoint: str, completion_window: str,
-                     metadata: dict[str, str] | None) -> dict[str, Any]:
+                     metadata: dict[str, str] | None, owner: str | None = None) -> dict[str, Any]:
+        """`owner`: the digest of the api key that made it; kept in the hash, not in the object."""
         batch_id = f"batch_{uuid.uuid4().hex}"
         now = int(time.time())
         fields = {"id": batch_id, "endpoint": endpoint, "input_file_id": input_file_id,
                   "completion_window": completion_window, "status": "validating", "created_at": now,
                   "expires_at": now + 24 * 3600, "total": 0, "completed": 0, "failed": 0, "output_tokens": 0,
-                  "metadata": json.dumps(metadata or {})}
+                  "metadata": json.dumps(metadata or {}), "owner": owner or ""}
         async with self.redis.pipeline(transaction=True) as pipe:
             pipe.hset(_key(batch_id), mapping=fields)
+            pipe.expire(_key(batch_id), self.lifetime_s)
             pipe.zadd(_INDEX, {batch_id: now})
+            pipe.zremrangebyscore(_INDEX, "-inf", now - self.lifetime_s)
+            pipe.expire(_INDEX, self.lifetime_s)
             await pipe.execute()
         return await self.get(batch_id)  # type: ignore[return-value]
 
@@ -62,15 +75,22 @@ class BatchStore:
         raw = await self.redis.hgetall(_key(batch_id))
         return _object(raw) if raw else None
 
-    async def list(self, limit: int = 20, after: str | None = None) -> list[dict[str, Any]]:
+    async def owner(self, batch_id: str) -> str | None:
+        return await self.redis.hget(_key(batch_id), "owner") or None
+
+    async def list(self, limit: int = 20, after: str | None = None,
+                   owner: str | None = None) -> list[dict[str, Any]]:
+        """Newest first; with `owner`, only the batches that key made."""
         ids = await self.redis.zrevrange(_INDEX, 0, -1)
         if after in ids:
             ids = ids[ids.index(after) + 1:]
         out = []
-        for batch_id in ids[:limit]:
-            found = await self.get(batch_id)
-            if found:
-                out.append(found)
+        for batch_id in ids:
+            if len(out) >= limit:
+                break
+            raw = await self.redis.hgetall(_key(batch_id))
+            if raw and owner in (None, raw.get("owner")):
+                out.append(_object(raw))
         return out
 
     async def unfinished(self) -> list[str]:
@@ -85,8 +105,8 @@ class BatchStore:
         while that token holds the job's lock, and LockLost is raised otherwise."""
         pairs = [str(x) for k, v in fields.items() if v is not None for x in (k, v)]
         moved, status = await self.scripts.batch_move(
-            keys=[_key(batch_id), _key(batch_id, "lock")],
-            args=[to, " ".join(expected), token or "", int(time.time()), *pairs])
+            keys=[_key(batch_id), _key(batch_id, "lock"), _key(batch_id, "out"), _key(batch_id, "rids")],
+            args=[to, " ".join(expected), token or "", int(time.time()), self.ttl_s, self.result_ttl_s, *pairs])
         if moved == -1:
             raise LockLost(batch_id)
         return status
@@ -94,7 +114,7 @@ class BatchStore:
     async def request_cancel(self, batch_id: str) -> dict[str, Any] | None:
         """Cancel a batch that is being run; the answer is the batch, in its real status."""
         if await self.scripts.batch_cancel(keys=[_key(batch_id), _key(batch_id, "lock")],
-                                           args=[int(time.time())]) is None:
+                                           args=[int(time.time()), self.ttl_s]) is None:
             return None
         return await self.get(batch_id)
 
@@ -119,7 +139,7 @@ class BatchStore:
                    counts: dict[str, int]) -> bool:
         written = await self.scripts.batch_put(
             keys=[_key(batch_id, "lock"), _key(batch_id, part), _key(batch_id)],
-            args=[token, str(line), value, *[str(x) for pair in counts.items() for x in pair]])
+            args=[token, str(line), value, self.lifetime_s, *[str(x) for pair in counts.items() for x in pair]])
         if written == -1:
             raise LockLost(batch_id)
         return bool(written)

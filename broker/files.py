@@ -2,17 +2,24 @@
 
 from __future__ import annotations
 
+import asyncio
+import io
 import json
 import time
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from redis.asyncio import Redis
 
 from sluice.broker.keys import PREFIX
 
 PURPOSES = ("batch", "batch_output")
+_CHUNK = 1024 * 1024
+# How long a file on disk must be left alone before the sweep may take it: a complete one gets
+# its metadata milliseconds after its rename; an upload in progress touches its .part constantly.
+_FILE_IDLE_S = 60.0
+_PART_IDLE_S = 600.0
 
 
 class FileError(Exception):
@@ -26,40 +33,94 @@ def _key(file_id: str) -> str:
 
 
 class FileStore:
-    def __init__(self, redis: Redis, root: Path, max_bytes: int):
+    """`ttl_s`: how long a file is kept when its upload names no `expires_after` (OpenAI's
+    default for batch files is 30 days). The metadata key carries the TTL; the content on disk
+    goes with it, by the sweep that creating a file runs when it is due. File I/O runs in a
+    thread, never on the event loop, and an upload is copied to disk in chunks."""
+
+    def __init__(self, redis: Redis, root: Path, max_bytes: int, ttl_s: int = 30 * 86400):
         self.redis = redis
         self.root = Path(root)
         self.max_bytes = max_bytes
+        self.ttl_s = ttl_s
+        self.sweep_every_s = min(600.0, ttl_s / 2)
+        self._next_sweep = 0.0
 
     def path(self, file_id: str) -> Path:
         return self.root / file_id
 
-    async def create(self, filename: str, purpose: str, data: bytes) -> dict[str, Any]:
+    async def create(self, filename: str, purpose: str, data: bytes,
+                     owner: str | None = None, expires_after_s: int | None = None) -> dict[str, Any]:
+        return await self.create_from(filename, purpose, io.BytesIO(data), owner, expires_after_s)
+
+    async def create_from(self, filename: str, purpose: str, source: BinaryIO,
+                          owner: str | None = None, expires_after_s: int | None = None) -> dict[str, Any]:
+        """`owner`: the digest of the api key that made it (the api leaves it out of answers).
+        `source` is read in chunks: an upload is never whole in memory."""
         if purpose not in PURPOSES:
             raise FileError(400, f"purpose: must be one of {', '.join(PURPOSES)}, not {purpose!r}")
-        if len(data) > self.max_bytes:
-            raise FileError(413, f"file: {len(data)} bytes is over the limit of {self.max_bytes}")
-        if purpose == "batch" and not data.strip():
-            raise FileError(400, "file: empty")
         file_id = f"file-{uuid.uuid4().hex}"
+        size = await asyncio.to_thread(self._write, file_id, source, purpose == "batch")
+        ttl = expires_after_s or self.ttl_s
+        now = int(time.time())
+        meta = {"id": file_id, "object": "file", "bytes": size, "created_at": now, "expires_at": now + ttl,
+                "filename": filename, "purpose": purpose, "status": "processed", "owner": owner}
+        await self.redis.set(_key(file_id), json.dumps(meta), ex=ttl)
+        if time.monotonic() >= self._next_sweep:
+            self._next_sweep = time.monotonic() + self.sweep_every_s
+            await self.sweep()
+        return meta
+
+    def _write(self, file_id: str, source: BinaryIO, needs_content: bool) -> int:
         self.root.mkdir(parents=True, exist_ok=True)
         tmp = self.path(file_id).with_suffix(".part")
-        tmp.write_bytes(data)
-        tmp.rename(self.path(file_id))  # whole or absent, never half-written
-        meta = {"id": file_id, "object": "file", "bytes": len(data), "created_at": int(time.time()),
-                "filename": filename, "purpose": purpose, "status": "processed"}
-        await self.redis.set(_key(file_id), json.dumps(meta))
-        return meta
+        size, blank = 0, True
+        try:
+            with tmp.open("wb") as out:
+                while chunk := source.read(_CHUNK):
+                    size += len(chunk)
+                    if size > self.max_bytes:
+                        raise FileError(413, f"file: over the limit of {self.max_bytes} bytes")
+                    blank = blank and not chunk.strip()
+                    out.write(chunk)
+            if needs_content and blank:
+                raise FileError(400, "file: empty")
+            tmp.rename(self.path(file_id))  # whole or absent, never half-written
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        return size
+
+    async def sweep(self) -> list[str]:
+        """Remove the content of files whose metadata expired (or never came: an api stopped
+        mid-upload). Only files left alone a while: one just written gets its metadata next."""
+        names = await asyncio.to_thread(self._idle_names)
+        if not names:
+            return []
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for name in names:
+                pipe.exists(_key(name))
+            known = await pipe.execute()
+        gone = [n for n, k in zip(names, known) if n.endswith(".part") or not k]
+        await asyncio.to_thread(lambda: [self.path(n).unlink(missing_ok=True) for n in gone])
+        return gone
+
+    def _idle_names(self) -> list[str]:
+        if not self.root.is_dir():
+            return []
+        now = time.time()
+        return [p.name for p in self.root.iterdir()
+                if now - p.stat().st_mtime > (_PART_IDLE_S if p.suffix == ".part" else _FILE_IDLE_S)]
 
     async def get(self, file_id: str) -> dict[str, Any]:
         raw = await self.redis.get(_key(file_id))
-        if raw is None or not self.path(file_id).is_file():
+        if raw is None or not await asyncio.to_thread(self.path(file_id).is_file):
             raise FileError(404, f"file {file_id!r} not found")
         return json.loads(raw)
 
     async def content(self, file_id: str) -> bytes:
         await self.get(file_id)
-        return self.path(file_id).read_bytes()
+        return await asyncio.to_thread(self.path(file_id).read_bytes)
 
     async def list(self, purpose: str | None = None) -> list[dict[str, Any]]:
         keys = [k async for k in self.redis.scan_iter(match=_key("*"), count=500)]
@@ -69,4 +130,4 @@ class FileStore:
     async def delete(self, file_id: str) -> None:
         await self.get(file_id)
         await self.redis.delete(_key(file_id))
-        self.path(file_id).unlink(missing_ok=True)
+        await asyncio.to_thread(self.path(file_id).unlink, missing_ok=True)

@@ -25,7 +25,7 @@ from redis.exceptions import RedisError
 from sluice.broker.admission import Admission, QueueFull
 from sluice.broker.batches import ACTIVE, TERMINAL, BatchStore, LockLost
 from sluice.broker.files import FileStore
-from sluice.broker.keys import ModelKeys
+from sluice.broker.keys import ModelKeys, new_request_id
 from sluice.broker.messages import FinalResult, RequestMessage, SamplingSpec
 from sluice.broker.openai import ChatCompletionRequest, CompletionRequest, chat_object, completion_object
 from sluice.broker.registry import ModelRegistry
@@ -94,10 +94,11 @@ class BatchJob:
         self.batch_id = batch_id
         self.poll_s = poll_s
         self.ttl_s = settings.job_lock_ttl_s
-        self.store = BatchStore(redis)
-        self.files = FileStore(redis, settings.files_path, settings.max_file_bytes)
+        self.store = BatchStore(redis, settings.batch_ttl_s, settings.result_ttl_s)
+        self.files = FileStore(redis, settings.files_path, settings.max_file_bytes, settings.file_ttl_s)
         self.admission = Admission(redis, status_ttl_s=settings.status_ttl_s, reply_ttl_s=settings.reply_ttl_s,
-                                   cancel_ttl_s=settings.cancel_ttl_s)
+                                   cancel_ttl_s=settings.cancel_ttl_s, result_ttl_s=settings.result_ttl_s,
+                                   bulk_queue_share=settings.bulk_queue_share)
         self.models = ModelRegistry(redis)
         self.token = uuid.uuid4().hex
         self._lock_expires = 0.0  # monotonic time by which the lock lapses unless refreshed
@@ -169,6 +170,8 @@ class BatchJob:
         batch = await self.store.get(self.batch_id)
         if batch is None or batch["status"] in TERMINAL:
             return
+        # Its rows and output files belong to whoever made the batch (the object does not show it).
+        batch["owner"] = await self.store.owner(self.batch_id)
         text = (await self.files.content(batch["input_file_id"])).decode("utf-8", errors="replace")
         raw_lines = [(i, t) for i, t in enumerate(text.splitlines()) if t.strip()]
         lines: list[Line] = []
@@ -212,7 +215,7 @@ class BatchJob:
                 self._check_lock()
                 line = queue[0]
                 # A line keeps its first id, so a submission lost with its runner is not run twice.
-                rid = bound.setdefault(line.index, f"req-{uuid.uuid4().hex}")
+                rid = bound.setdefault(line.index, new_request_id())
                 await self.store.bind(self.batch_id, self.token, line.index, rid)
                 try:
                     await self._submit(batch, line, rid)
@@ -225,7 +228,8 @@ class BatchJob:
     async def _submit(self, batch: dict[str, Any], line: Line, rid: str) -> None:
         now = time.time()
         message = RequestMessage(id=rid, model=line.model, rows=[line.row], sampling=line.sampling,
-                                 enqueued_at=now, deadline=float(batch["expires_at"]), lane="bulk")
+                                 enqueued_at=now, deadline=float(batch["expires_at"]), lane="bulk",
+                                 owner=batch.get("owner"))
         await self.admission.submit(message, max_queued=self.settings.max_queued)
 
     async def _collect(self, outstanding: dict[int, tuple[Line, str]], cancelling: bool) -> None:
@@ -273,10 +277,10 @@ class BatchJob:
         name = batch["input_file_id"]
         if ok:
             fields["output_file_id"] = (await self.files.create(
-                f"{name}_output.jsonl", "batch_output", _jsonl(ok)))["id"]
+                f"{name}_output.jsonl", "batch_output", _jsonl(ok), owner=batch.get("owner")))["id"]
         if errors:
             fields["error_file_id"] = (await self.files.create(
-                f"{name}_errors.jsonl", "batch_output", _jsonl(errors)))["id"]
+                f"{name}_errors.jsonl", "batch_output", _jsonl(errors), owner=batch.get("owner")))["id"]
         # Rows still unfinished at the completion window's end expired with their deadline.
         expired = any(r.get("error", {}) and r["error"].get("code") == "expired" for r in errors)
         final = "cancelled" if status == "cancelling" else "expired" if expired else "completed"
