@@ -1,26 +1,108 @@
-"""Optional API keys: `Authorization: Bearer <key>` on every /v1 route when keys are configured.
+"""API keys with scopes, and who may see what.
 
-Keys are kept only as SHA-256 digests (SLUICE_API_KEYS takes plain keys or `sha256:<hex>`),
-compared in constant time.
+`SLUICE_API_KEYS` holds comma-separated entries `[scope:]key` or `[scope:]sha256:<hex>`, the
+scope `user` or `admin`. An entry without a scope is a `user` key: a key that was written
+down before scopes existed gets the least it needs, never configuration or everyone's data.
+Keys are kept only as SHA-256 digests and compared in constant time.
+
+A user key submits, and sees and cancels only what it made (requests, files, batches):
+anything else answers 404, exactly as a missing id does, so ids cannot be probed. An admin key
+does everything, including model configuration, the inference log and the live workers.
+Without keys everything is open (the caller is anonymous), and `sluice api` then listens only
+on a loopback address unless told `--allow-anonymous`.
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+import ipaddress
+import logging
+import re
+from dataclasses import dataclass
+from typing import Literal
 
 from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from sluice.api.errors import ApiError
+from sluice.config.model import ConfigError
+
+log = logging.getLogger(__name__)
+
+Scope = Literal["user", "admin"]
+SCOPES: tuple[Scope, ...] = ("user", "admin")
+_HEX_DIGEST = re.compile(r"[0-9a-f]{64}")
+
+
+@dataclass(frozen=True)
+class Caller:
+    digest: str | None  # the key's digest; None when no keys are configured
+    scope: Scope
+
+    @property
+    def admin(self) -> bool:
+        return self.scope == "admin"
+
+    def owns(self, owner: str | None) -> bool:
+        """Whether this caller may see and change what the key with digest `owner` made."""
+        return self.admin or (self.digest is not None and owner == self.digest)
+
+
+ANONYMOUS = Caller(None, "admin")
 
 
 def digest(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
 
 
-def key_digests(keys: list[str]) -> list[str]:
-    return [k.removeprefix("sha256:") if k.startswith("sha256:") else digest(k) for k in keys]
+def parse_key(entry: str) -> tuple[str, Scope]:
+    """One SLUICE_API_KEYS entry as (digest, scope)."""
+    head, sep, rest = entry.partition(":")
+    scope: Scope = "user"
+    if sep and head in SCOPES:
+        scope, entry = head, rest  # type: ignore[assignment]
+    if entry.startswith("sha256:"):
+        hexdigest = entry.removeprefix("sha256:").lower()
+        if not _HEX_DIGEST.fullmatch(hexdigest):
+            raise ConfigError("SLUICE_API_KEYS: a sha256: entry needs 64 hex digits (see `sluice keys new`)")
+        return hexdigest, scope
+    if not entry:
+        raise ConfigError(f"SLUICE_API_KEYS: an empty key after {head}:")
+    return digest(entry), scope
+
+
+def key_digests(keys: list[str]) -> dict[str, Scope]:
+    """Digest → scope of every configured key; a key given two scopes is a configuration error."""
+    scopes: dict[str, Scope] = {}
+    for entry in keys:
+        d, scope = parse_key(entry)
+        if scopes.setdefault(d, scope) != scope:
+            raise ConfigError("SLUICE_API_KEYS: one key is listed as both user and admin")
+    if scopes and "admin" not in scopes.values():
+        log.warning("SLUICE_API_KEYS has no admin key: model configuration, the inference log and "
+                    "/v1/workers are refused to every key (mark an operator's key admin:<key>)")
+    return scopes
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:  # a host name other than localhost may resolve to anything
+        return False
+
+
+def anonymous_listen_error(host: str, keys: list[str], allow_anonymous: bool) -> str | None:
+    """Why the api must not listen on `host`, or None: without keys, anyone who can reach it
+    could submit, read every result and reconfigure models."""
+    if keys or allow_anonymous or is_loopback(host):
+        return None
+    return (f"refusing to listen on {host} with no API keys: anyone who can reach it could use and "
+            "reconfigure it. Set SLUICE_API_KEYS (make a key with `sluice keys new --scope admin`), "
+            "or pass --allow-anonymous (SLUICE_ALLOW_ANONYMOUS=1) if something in front of it "
+            "already authenticates callers.")
 
 
 # Declares the bearer scheme in the OpenAPI document; the answers stay ours (auto_error off).
@@ -28,17 +110,28 @@ bearer = HTTPBearer(auto_error=False, description="an API key from SLUICE_API_KE
 
 
 async def require_key(request: Request,
-                      credentials: HTTPAuthorizationCredentials | None = Depends(bearer)) -> str | None:
-    """The caller's key digest (None when no keys are configured); 401 otherwise."""
-    digests: list[str] = request.app.state.sluice.key_digests
-    if not digests:
-        return None
+                      credentials: HTTPAuthorizationCredentials | None = Depends(bearer)) -> Caller:
+    """The caller (anonymous when no keys are configured); 401 for a missing or unknown key."""
+    scopes: dict[str, Scope] = request.app.state.sluice.key_digests
+    if not scopes:
+        return ANONYMOUS
     token = credentials.credentials if credentials else ""
     if not token:
         raise ApiError(401, "missing API key: send Authorization: Bearer <key>", code="authentication_error",
                        headers={"WWW-Authenticate": "Bearer"})
     presented = digest(token.strip())
-    if not any(hmac.compare_digest(presented, d) for d in digests):
+    found: Scope | None = None
+    for d, scope in scopes.items():  # every digest compared, so the time does not say which matched
+        if hmac.compare_digest(presented, d):
+            found = scope
+    if found is None:
         raise ApiError(401, "invalid API key", code="authentication_error",
                        headers={"WWW-Authenticate": "Bearer"})
-    return presented
+    return Caller(presented, found)
+
+
+async def require_admin(caller: Caller = Depends(require_key)) -> Caller:
+    if not caller.admin:
+        raise ApiError(403, "this route needs an admin key (an admin:<key> entry in SLUICE_API_KEYS)",
+                       code="permission_denied")
+    return caller

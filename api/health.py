@@ -6,6 +6,7 @@ from fastapi import APIRouter, Depends
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from sluice.api.auth import require_admin
 from sluice.api.metrics import OLDEST_AGE, QUEUE_DEPTH
 from sluice.api.state import ApiState, state
 
@@ -36,8 +37,9 @@ async def readyz(s: ApiState = Depends(state)) -> JSONResponse:
     return JSONResponse(body, 200 if models and not missing else 503)
 
 
-@router.get("/v1/workers", tags=["admin"])
+@router.get("/v1/workers", tags=["admin"], dependencies=[Depends(require_admin)])
 async def workers(s: ApiState = Depends(state)) -> dict:
+    """Live workers with their host names and pids: admin only when keys are set."""
     live = await s.workers.live(s.settings.worker_ttl_s)
     return {"workers": [w.__dict__ for w in live]}
 

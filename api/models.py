@@ -10,6 +10,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, model_validator
 
 from sluice.api.arrow import ARROW_STREAM, RowLimits, encode_rows, encode_table, parse_rows, wants_arrow
+from sluice.api.auth import Caller, require_admin, require_key
 from sluice.api.errors import ApiError
 from sluice.api.state import ApiState, state
 from sluice.config.batching import ContinuousBatchingConfig, DynamicBatchingConfig
@@ -34,7 +35,7 @@ async def list_models(s: ApiState = Depends(state)) -> dict:
 
 
 @router.get("/{model}")
-async def get_model(model: str, s: ApiState = Depends(state)) -> dict:
+async def get_model(model: str, s: ApiState = Depends(state), caller: Caller = Depends(require_key)) -> dict:
     m = await s.model(model)
     depth, bulk_depth = await s.admission.depth(m.name)
     live = [w for w in await s.workers.live(s.settings.worker_ttl_s) if w.model == m.name]
@@ -42,7 +43,9 @@ async def get_model(model: str, s: ApiState = Depends(state)) -> dict:
         **describe(m),
         "queue": {"depth": depth, "bulk_depth": bulk_depth,
                   "max_queued": m.max_queued or s.settings.max_queued},
-        "workers": [{"name": w.name, "version": w.version, "in_flight": w.in_flight} for w in live],
+        # Worker names carry host names: an admin's business, as /v1/workers is.
+        "workers": [{**({"name": w.name} if caller.admin else {}), "version": w.version,
+                     "in_flight": w.in_flight} for w in live],
     }
 
 
@@ -68,7 +71,7 @@ class ConfigureRequest(BaseModel):
         return self
 
 
-@router.put("/{model}/config")
+@router.put("/{model}/config", dependencies=[Depends(require_admin)])
 async def configure(model: str, body: ConfigureRequest, s: ApiState = Depends(state)) -> dict:
     current = await s.model(model)
     given = body.model_dump(exclude_none=True)
@@ -111,13 +114,15 @@ async def infer(
     seed: int | None = Query(None, ge=0, le=2**63 - 1),
     timeout_s: float | None = Query(None, gt=0, le=86400),
     s: ApiState = Depends(state),
+    caller: Caller = Depends(require_key),
 ) -> Response:
     """Rows in (JSON records or Arrow), one output row per input row, in order, out."""
     m = await s.model(model)
     content_type = request.headers.get("content-type")
     body = await request.body()  # bounded by the BodySizeLimit middleware
     rows = parse_rows(body, content_type, to_arrow(m.input_schema), RowLimits.of(s.settings))
-    message = await s.enqueue(m, rows, temperature=temperature, top_p=top_p, seed=seed, timeout_s=timeout_s)
+    message = await s.enqueue(m, rows, temperature=temperature, top_p=top_p, seed=seed, timeout_s=timeout_s,
+                              owner=caller.digest)
     status = await s.wait_final(m.name, message.id,
                                 min(message.deadline - message.enqueued_at, s.settings.max_wait_s))
     state_ = status.get("state")
@@ -139,14 +144,15 @@ async def infer(
     return JSONResponse([{n: r.get(n) for n in schema.names} for r in records], headers=headers)
 
 
-@router.get("/{model}/logs")
+@router.get("/{model}/logs", dependencies=[Depends(require_admin)])
 async def logs(
     model: str,
     request: Request,
     limit: int = Query(100, ge=1, le=10_000),
     s: ApiState = Depends(state),
 ) -> Response:
-    """The newest `limit` inference-log records, oldest first (Arrow with Accept: arrow stream)."""
+    """The newest `limit` inference-log records, oldest first (Arrow with Accept: arrow stream).
+    Admin only: the log holds every caller's prompts and outputs."""
     m = await s.model(model)
     records = await s.admission.inference_log(m.name, limit)
     if ARROW_STREAM in request.headers.get("accept", ""):

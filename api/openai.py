@@ -17,6 +17,7 @@ from fastapi import APIRouter, Depends
 from fastapi.responses import JSONResponse
 from sse_starlette.sse import EventSourceResponse
 
+from sluice.api.auth import Caller, require_key
 from sluice.api.errors import ApiError
 from sluice.api.schemas import MAX_TOKENS, require_unicode
 from sluice.api.state import ApiState, state
@@ -34,7 +35,7 @@ from sluice.config.model import ModelConfig
 router = APIRouter(prefix="/v1", tags=["openai"])
 
 async def _enqueue_choices(s: ApiState, model: ModelConfig, body: SamplingBody,
-                           rows: list[dict[str, Any]]) -> list[RequestMessage]:
+                           rows: list[dict[str, Any]], owner: str | None) -> list[RequestMessage]:
     bad = body.unsupported()
     if bad:
         raise ApiError(400, f"{', '.join(bad)}: not supported by this server", param=bad[0])
@@ -51,6 +52,7 @@ async def _enqueue_choices(s: ApiState, model: ModelConfig, body: SamplingBody,
             messages.append(await s.enqueue(
                 model, [row], temperature=body.temperature, top_p=body.top_p, stop=body.stop,
                 seed=seed + i, presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
+                owner=owner,
             ))
     except ApiError:
         for m in messages:  # all choices or none
@@ -129,10 +131,11 @@ def _stream(s: ApiState, model: str, messages: list[RequestMessage], chunk, incl
 
 
 @router.post("/completions")
-async def completions(body: CompletionRequest, s: ApiState = Depends(state)):
+async def completions(body: CompletionRequest, s: ApiState = Depends(state),
+                      caller: Caller = Depends(require_key)):
     model = await s.model(body.model)
     rows = [{"prompt": p, "max_tokens": body.max_tokens} for p in body.prompt for _ in range(body.n)]
-    messages = await _enqueue_choices(s, model, body, rows)
+    messages = await _enqueue_choices(s, model, body, rows, caller.digest)
     cid, created = f"cmpl-{messages[0].id.removeprefix('req-')}", int(time.time())
 
     def chunk(index: int, text: str, reason: str | None) -> dict:
@@ -146,11 +149,12 @@ async def completions(body: CompletionRequest, s: ApiState = Depends(state)):
 
 
 @router.post("/chat/completions")
-async def chat_completions(body: ChatCompletionRequest, s: ApiState = Depends(state)):
+async def chat_completions(body: ChatCompletionRequest, s: ApiState = Depends(state),
+                           caller: Caller = Depends(require_key)):
     model = await s.model(body.model)
     messages_in = [m.plain() for m in body.messages]
     rows = [{"messages": messages_in, "max_tokens": body.max_tokens} for _ in range(body.n)]
-    messages = await _enqueue_choices(s, model, body, rows)
+    messages = await _enqueue_choices(s, model, body, rows, caller.digest)
     cid, created = f"chatcmpl-{messages[0].id.removeprefix('req-')}", int(time.time())
 
     def chunk(index: int, text: str, reason: str | None, role: bool = False) -> dict:

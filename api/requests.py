@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 from fastapi import APIRouter, Depends, Header, Query
 from sse_starlette.sse import EventSourceResponse
 
-from sluice.api.auth import require_key
+from sluice.api.auth import Caller, require_key
 from sluice.api.errors import ApiError
 from sluice.api.schemas import RequestView, SubmitRequest, Submitted
 from sluice.api.state import ApiState, new_request_id, state
@@ -20,7 +20,7 @@ router = APIRouter(prefix="/v1/requests", tags=["requests"])
 async def submit(
     body: SubmitRequest,
     s: ApiState = Depends(state),
-    caller: str | None = Depends(require_key),
+    caller: Caller = Depends(require_key),
     idempotency_key: str | None = Header(None, max_length=256),
 ) -> Submitted:
     """Enqueue one request. With an Idempotency-Key, a repeat returns the first request's id.
@@ -30,7 +30,8 @@ async def submit(
     admission treats as one request, so a retried call never makes two."""
     model = await s.model(body.model)
     rid = new_request_id()
-    key = f"{caller or 'anonymous'}:{idempotency_key}" if idempotency_key else None
+    # Without API keys every caller is one anonymous caller, and shares idempotency keys.
+    key = f"{caller.digest or 'anonymous'}:{idempotency_key}" if idempotency_key else None
     if key:
         first = await s.admission.claim_idempotency(key, rid, model.name)
         if first:
@@ -43,6 +44,7 @@ async def submit(
         message = await s.enqueue(
             model, [{"prompt": body.prompt, "max_tokens": body.max_tokens}], temperature=body.temperature,
             top_p=body.top_p, stop=body.stop, seed=body.seed, timeout_s=body.timeout_s, rid=rid,
+            owner=caller.digest,
         )
     except ApiError as err:
         if key and (err.status != 503 or err.code == "overloaded"):  # refused: nothing was enqueued
@@ -66,19 +68,29 @@ def _num(value: str | None) -> float | None:
     return float(value) if value else None
 
 
+async def _visible(s: ApiState, caller: Caller, rid: str) -> str:
+    """The request's model, if the caller may see it: another key's request is as missing as
+    an unknown id (404, not 403), so ids cannot be probed."""
+    model = await s.model_of(rid)
+    if not caller.admin and not caller.owns((await s.admission.status(model, rid)).get("owner")):
+        raise ApiError(404, f"request {rid!r} not found", code="not_found")
+    return model
+
+
 @router.get("/{rid}", response_model=RequestView, response_model_exclude_none=True)
 async def get_request(
     rid: str,
     wait: float = Query(default=0.0, ge=0.0, description="long-poll up to this many seconds"),
     s: ApiState = Depends(state),
+    caller: Caller = Depends(require_key),
 ) -> RequestView:
-    model = await s.model_of(rid)
+    model = await _visible(s, caller, rid)
     return view(rid, model, await s.wait_final(model, rid, min(wait, s.settings.max_wait_s)))
 
 
 @router.delete("/{rid}", status_code=202)
-async def cancel(rid: str, s: ApiState = Depends(state)) -> dict:
-    model = await s.model_of(rid)
+async def cancel(rid: str, s: ApiState = Depends(state), caller: Caller = Depends(require_key)) -> dict:
+    model = await _visible(s, caller, rid)
     result = await s.admission.cancel(model, rid)
     if result is None:
         raise ApiError(404, f"request {rid!r} not found", code="not_found")
@@ -89,6 +101,7 @@ async def cancel(rid: str, s: ApiState = Depends(state)) -> dict:
 async def events(
     rid: str,
     s: ApiState = Depends(state),
+    caller: Caller = Depends(require_key),
     last_event_id: str | None = Header(
         None, alias="Last-Event-ID",
         description="Resume after this event: the `id` of the last event received (a browser's "
@@ -100,7 +113,7 @@ async def events(
     nothing (DELETE does). A stream silent for `SLUICE_SSE_IDLE_TIMEOUT_S` closes with a
     comment; the client reconnects with its Last-Event-ID.
     """
-    model = await s.model_of(rid)
+    model = await _visible(s, caller, rid)
     last_id = last_event_id or "0"
     try:
         next_index = await resume_index(s.redis, model, rid, last_id) if last_id != "0" else 0

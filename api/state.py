@@ -12,6 +12,7 @@ from celery import Celery
 from fastapi import Request
 from redis.asyncio import Redis
 
+from sluice.api.auth import Scope
 from sluice.api.errors import ApiError
 from sluice.api.metrics import ADMITTED, REJECTED
 from sluice.api.tokens import PromptLimits
@@ -41,7 +42,7 @@ class ApiState:
     default_model: str | None
     configured: dict[str, ModelConfig]  # the models file's deployments, re-registered if Redis lost them
     done: DoneListener
-    key_digests: list[str]
+    key_digests: dict[str, Scope]  # digest → scope of each configured key (api/auth.py)
     prompt_limits: PromptLimits
     files: FileStore
     batches: BatchStore

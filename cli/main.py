@@ -17,6 +17,7 @@ from sluice.cli import (  # noqa: F401  (add `bench chaos|durability|serve|queue
 )
 from sluice.cli.batch import batch_app
 from sluice.cli.bench import bench_app
+from sluice.cli.keys import keys_app
 from sluice.config.settings import Settings
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
@@ -27,9 +28,13 @@ dlq_app = typer.Typer(no_args_is_help=True, help="Requests that failed every del
 app.add_typer(dlq_app, name="dlq")
 app.add_typer(bench_app, name="bench")
 app.add_typer(batch_app, name="batch")
+app.add_typer(keys_app, name="keys")
 
 RedisUrl = typer.Option(None, "--redis-url", envvar="SLUICE_REDIS_URL", help="Redis URL (redis:// or rediss://).")
 ModelsFile = typer.Option(None, "--models-file", envvar="SLUICE_MODELS_FILE", help="Model deployments YAML.")
+AllowAnonymous = typer.Option(False, "--allow-anonymous", envvar="SLUICE_ALLOW_ANONYMOUS",
+                              help="Listen on a non-loopback address without SLUICE_API_KEYS (when "
+                                   "something in front of the api authenticates callers).")
 
 
 def _settings(**overrides) -> Settings:
@@ -49,6 +54,7 @@ def api(
     host: str | None = typer.Option(None, "--host", envvar="SLUICE_API_HOST"),
     port: int | None = typer.Option(None, "--port", envvar="SLUICE_API_PORT"),
     models_file: Path | None = ModelsFile,
+    allow_anonymous: bool = AllowAnonymous,
 ) -> None:
     """Start one api process."""
     import math
@@ -56,9 +62,16 @@ def api(
     import uvicorn
 
     from sluice.api.app import create_app
+    from sluice.api.auth import anonymous_listen_error, parse_key
 
     _logging()
     settings = _settings(redis_url=redis_url, api_host=host, api_port=port, models_file=models_file)
+    refused = anonymous_listen_error(settings.api_host, settings.api_keys, allow_anonymous)
+    if refused:
+        typer.echo(f"error: {refused}", err=True)
+        raise typer.Exit(2)
+    for entry in settings.api_keys:  # a malformed entry stops here with its message, not in a traceback
+        parse_key(entry)
     # SIGTERM closes the listening socket at once; open SSE streams run on for up to
     # shutdown_timeout_s (their own grace), and uvicorn waits a little longer so the streams,
     # not uvicorn, end what is left (an OpenAI stream then aborts its request).
@@ -102,12 +115,14 @@ def up(
     port: int = typer.Option(8000, "--port"),
     host: str = typer.Option("127.0.0.1", "--host"),
     models_file: Path | None = ModelsFile,
+    allow_anonymous: bool = AllowAnonymous,
 ) -> None:
     """The embedded default: Redis (local unless configured), the api, one worker for the default model."""
     from sluice.cli.up import run_up
 
     _logging()
-    raise typer.Exit(run_up(redis_url or os.environ.get("SLUICE_REDIS_URL"), host, port, models_file))
+    raise typer.Exit(run_up(redis_url or os.environ.get("SLUICE_REDIS_URL"), host, port, models_file,
+                            allow_anonymous=allow_anonymous))
 
 
 @models_app.command("prepare")

@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+from sluice.api.auth import anonymous_listen_error
 from sluice.broker.embedded import EmbeddedRedis
 from sluice.cli.processes import stop_processes, wait_ready
 from sluice.config.model import DEFAULT_MODEL_PATH, load_models
@@ -27,9 +28,15 @@ def _reachable(url: str) -> bool:
         return False
 
 
-def run_up(redis_url: str | None, host: str, port: int, models_file: Path | None) -> int:
+def run_up(redis_url: str | None, host: str, port: int, models_file: Path | None, *,
+           allow_anonymous: bool = False) -> int:
     t0 = time.monotonic()
     settings = Settings(**({"models_file": models_file} if models_file else {}))
+    # The api would refuse too, but only after Redis and the model were started for nothing.
+    refused = anonymous_listen_error(host, settings.api_keys, allow_anonymous)
+    if refused:
+        log.error("%s", refused)
+        return 2
     models = load_models(settings.models_file)
     default = models[0]
     if redis_url is not None and not _reachable(redis_url):
@@ -57,7 +64,8 @@ def run_up(redis_url: str | None, host: str, port: int, models_file: Path | None
         env["SLUICE_MODELS_FILE"] = str(models_file)
     cli = [sys.executable, "-m", "sluice.cli"]
     children = [
-        subprocess.Popen([*cli, "api", "--host", host, "--port", str(port)], env=env),
+        subprocess.Popen([*cli, "api", "--host", host, "--port", str(port),
+                          *(["--allow-anonymous"] if allow_anonymous else [])], env=env),
         subprocess.Popen([*cli, "worker", "--model", default.name], env=env),
         subprocess.Popen([*cli, "jobs"], env=env),
     ]
