@@ -16,13 +16,14 @@ from sluice.broker.keys import ModelKeys
 from tests.e2e.conftest import null_stack, wait_done
 
 MODELS = "models:\n  - name: acc\n    continuous_batching_config: {max_concurrent_batch_size: 8}\n"
-KEY = "s3cret-key"
+KEY = "s3cret-key"  # a user key
+ADMIN_KEY = "admin-s3cret"
 
 
 @pytest.fixture(scope="module")
 def secured(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str]]:
     with null_stack(tmp_path_factory.mktemp("acc"), MODELS, "acc", password="redis-pass",
-                    SLUICE_API_KEYS=f"other-key,{KEY}") as stack:
+                    SLUICE_API_KEYS=f"admin:{ADMIN_KEY},user:{KEY}") as stack:
         assert ":redis-pass@" in stack.redis.url
         yield stack.url, stack.redis.url
 
@@ -41,6 +42,10 @@ async def test_api_keys(secured: tuple[str, str]) -> None:
         assert r.status_code == 202
         client.headers.update(auth)
         assert (await wait_done(client, r.json()["id"]))["status"] == "done"  # through a password-protected Redis
+        assert (await client.get("/v1/workers")).status_code == 403  # host names and pids: admin only
+        assert (await client.get("/v1/workers", headers={"Authorization": f"Bearer {ADMIN_KEY}"})).status_code == 200
+        assert (await client.get(f"/v1/requests/{r.json()['id']}", headers={
+            "Authorization": f"Bearer {ADMIN_KEY}"})).json()["status"] == "done"  # admins see every request
 
 
 async def test_idempotency_key_under_concurrent_repeats(secured: tuple[str, str]) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -75,10 +76,28 @@ def test_docker_compose_config_accepts_the_files() -> None:
     docker = shutil.which("docker")
     if docker is None or subprocess.run([docker, "compose", "version"], capture_output=True).returncode != 0:
         pytest.skip("no docker compose client here; the YAML checks above still ran")
+    keyed = {**os.environ, "SLUICE_API_KEYS": "admin:sha256:" + "0" * 64}
     for files in (["docker-compose.yml"], ["docker-compose.yml", "docker-compose.cpu.yml"]):
         args = [a for f in files for a in ("-f", str(ROOT / f))]
-        done = subprocess.run([docker, "compose", *args, "config", "--quiet"], capture_output=True, text=True)
+        # --env-file: not a .env of the checkout's own
+        done = subprocess.run([docker, "compose", "--env-file", os.devnull, *args, "config", "--quiet"],
+                              capture_output=True, text=True, env=keyed)
         assert done.returncode == 0, done.stderr
+    unkeyed = {k: v for k, v in keyed.items() if k != "SLUICE_API_KEYS"}
+    done = subprocess.run([docker, "compose", "--env-file", os.devnull, "-f", str(ROOT / "docker-compose.yml"),
+                           "config", "--quiet"], capture_output=True, text=True, env=unkeyed)
+    assert done.returncode != 0 and "sluice keys new" in done.stderr, done.stderr
+
+
+def test_the_published_api_requires_keys_from_env() -> None:
+    """Compose refuses to start without SLUICE_API_KEYS, and .env.example documents it."""
+    api = compose()["services"]["api"]
+    assert "0.0.0.0" in str(compose()["x-sluice"]["environment"]["SLUICE_API_HOST"]) and api["ports"]
+    required = api["environment"]["SLUICE_API_KEYS"]
+    assert required.startswith("${SLUICE_API_KEYS:?") and "sluice keys new" in required
+    assert api["environment"]["SLUICE_REDIS_URL"]  # the shared settings are still merged in
+    example = (ROOT / ".env.example").read_text()
+    assert re.search(r"^SLUICE_API_KEYS=admin:sha256:", example, re.M) and "sluice keys new" in example
 
 
 def test_compose_build_args_are_declared_in_the_dockerfile() -> None:
