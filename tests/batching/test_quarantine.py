@@ -20,15 +20,17 @@ def clock() -> FakeClock:
 
 async def test_an_isolated_request_is_a_dynamic_batch_of_its_own(clock: FakeClock) -> None:
     source, handler = FakeSource(clock), RecordingHandler()
-    stopping, task = await start(dyn(clock, delay_ms=10_000, target=4, limit=8), source, handler)
-    source.push(Req(0), Req(1), Req(2, isolated=True), Req(3), Req(4, isolated=True), Req(5))
+    stopping, task = await start(dyn(clock, delay_ms=100, target=4, limit=8), source, handler)
+    source.push(Req(0), Req(1), Req(2, isolated=True), Req(3))
     await settle()
     # the prefix before the isolated request goes at once: nothing can join it
     assert handler.sizes == [[0, 1]]
-    for expected in ([[0, 1], [2]], [[0, 1], [2], [3]], [[0, 1], [2], [3], [4]]):
-        await handler.release()
-        assert handler.sizes == expected
-    assert clock.t == 0.0  # no batch waited for the delay
+    await handler.release()
+    assert handler.sizes == [[0, 1], [2]]  # alone, at once
+    await handler.release()
+    assert handler.sizes == [[0, 1], [2]]  # what follows is an ordinary batch again: it waits
+    await clock.advance(0.1)
+    assert handler.sizes == [[0, 1], [2], [3]]
     await stop(stopping, task, handler)
 
 
@@ -55,9 +57,9 @@ async def test_continuous_admission_runs_one_isolated_request_beside_fresh_ones(
     await settle()
     assert [b[0].n for b in handler.batches] == [0, 1]  # the quarantine slot is taken: 2 waits
     assert handler.max_running == 2
-    await handler.release()  # all finish; the quarantine slot is free again
-    await settle()
-    assert [b[0].n for b in handler.batches][:4] == [0, 1, 2, 3]
+    await handler.release()  # both finish; the quarantine slot is free again
+    await clock.advance(10.0)  # the fetch made while it was taken ends empty-handed
+    assert [b[0].n for b in handler.batches] == [0, 1, 2, 3]
     stopping.set()
     handler.auto = True
     await handler.release()

@@ -79,7 +79,7 @@ class FakeSource:
 
     async def fetch(self, count: int, timeout_s: float, isolated: int = 1) -> list[Req]:
         self.asked.append(count)
-        if not self.items:
+        if not take_items(self.items, count, isolated)[0]:  # nothing it may hand out: wait, as Redis would
             self._pushed.clear()
             waits = [asyncio.ensure_future(self._pushed.wait()), asyncio.ensure_future(self.clock.sleep(timeout_s))]
             await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)

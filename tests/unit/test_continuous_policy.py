@@ -32,7 +32,7 @@ class MemorySource:
 
     async def fetch(self, count: int, timeout_s: float, isolated: int = 1) -> list[Req]:
         self.calls.append((count, self.policy.capacity - self.policy.in_flight, timeout_s))
-        if not self.items:
+        if not take_items(self.items, count, isolated)[0]:  # nothing it may hand out: wait, as Redis would
             self._pushed.clear()
             try:
                 await asyncio.wait_for(self._pushed.wait(), timeout_s)
