@@ -45,6 +45,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             redis=redis,
             admission=Admission(redis, status_ttl_s=settings.status_ttl_s,
                                 reply_ttl_s=settings.reply_ttl_s, cancel_ttl_s=settings.cancel_ttl_s,
+                                result_ttl_s=settings.result_ttl_s, bulk_queue_share=settings.bulk_queue_share,
                                 strict=settings.durability == "strict"),
             models=registry,
             workers=WorkerRegistry(redis),
@@ -53,8 +54,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             done=DoneListener(redis),
             key_digests=key_digests(settings.api_keys),
             prompt_limits=PromptLimits(settings.cache_dir),
-            files=FileStore(redis, settings.files_path, settings.max_file_bytes),
-            batches=BatchStore(redis),
+            files=FileStore(redis, settings.files_path, settings.max_file_bytes, settings.file_ttl_s),
+            batches=BatchStore(redis, settings.batch_ttl_s, settings.result_ttl_s),
             celery=Celery("sluice", broker=settings.redis_url),
         )
         app.state.sluice.done.start()

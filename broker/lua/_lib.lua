@@ -50,3 +50,6 @@ local function bare_final(status, state, err, attempt, now)
   return cjson.encode({status = state, error = err, attempt = attempt,
     timings = {enqueued = tonumber(redis.call('HGET', status, 'enqueued_at')), finished = tonumber(now)}})
 end
+
+-- The statuses a batch (an OpenAI batch job) never leaves.
+local BATCH_FINAL = {failed = true, completed = true, expired = true, cancelled = true}

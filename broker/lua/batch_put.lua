@@ -1,7 +1,8 @@
 -- Write one field of a job once (a line's request id, a line's output record) and count it,
 -- in one step and only while the runner holds the job's lock: a runner that lost the lock
 -- writes nothing, and a record is never kept without its count.
--- KEYS: lock, hash, batch   ARGV: token, field, value, then counter, increment pairs
+-- The hash lives as long as its batch could (ttl): a job never resumed leaves nothing forever.
+-- KEYS: lock, hash, batch   ARGV: token, field, value, ttl (s), then counter, increment pairs
 -- Returns 1 when written, 0 when the field was already set, -1 when the token does not hold
 -- the lock.
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then
@@ -10,7 +11,8 @@ end
 if redis.call('HSETNX', KEYS[2], ARGV[2], ARGV[3]) == 0 then
   return 0
 end
-for i = 4, #ARGV, 2 do
+redis.call('EXPIRE', KEYS[2], ARGV[4])
+for i = 5, #ARGV, 2 do
   redis.call('HINCRBY', KEYS[3], ARGV[i], ARGV[i + 1])
 end
 return 1

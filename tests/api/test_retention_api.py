@@ -71,3 +71,16 @@ async def test_a_multi_request_admission_is_whole(app, redis: Redis) -> None:
     messages = await s.enqueue_many(model, [[{"prompt": f"p{i}", "max_tokens": 2}] for i in range(4)], seed=10)
     assert [m.sampling.seed for m in messages] == [10, 11, 12, 13]
     assert await redis.xlen(KEYS.requests) == 4
+
+
+async def test_an_upload_names_when_it_expires(api: httpx.AsyncClient, redis: Redis) -> None:
+    form = {"purpose": "batch", "expires_after[anchor]": "created_at", "expires_after[seconds]": "3600"}
+    sent = await api.post("/v1/files", data=form, files={"file": ("in.jsonl", b'{"a": 1}\n')})
+    assert sent.status_code == 200, sent.text
+    meta = sent.json()
+    assert meta["expires_at"] == meta["created_at"] + 3600
+    assert 0 < await redis.ttl(f"sluice:file:{meta['id']}") <= 3600
+    default = (await api.post("/v1/files", data={"purpose": "batch"}, files={"file": ("in.jsonl", b"{}\n")})).json()
+    assert default["expires_at"] == default["created_at"] + 30 * 86400
+    too_short = {**form, "expires_after[seconds]": "60"}
+    assert (await api.post("/v1/files", data=too_short, files={"file": ("x.jsonl", b"{}\n")})).status_code == 422

@@ -1,0 +1,87 @@
+"""Everything a batch, a file or the inference log leaves in Redis (and on disk) is bounded."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import time
+
+import pytest
+from redis.asyncio import Redis
+
+from sluice.broker.batches import BatchStore
+from sluice.broker.files import FileError, FileStore
+from sluice.config.settings import Settings
+from tests.unit.broker_helpers import KEYS, assert_request_keys_expire, ready_consumer
+
+
+async def test_a_finished_batch_and_its_records_expire(redis: Redis) -> None:
+    store = BatchStore(redis, ttl_s=1000, result_ttl_s=100)
+    batch = await store.create("file-x", "/v1/completions", "24h", None)
+    assert await store.lock(batch["id"], "runner", 10)
+    await store.move(batch["id"], "in_progress", ["validating"], "runner")
+    await store.bind(batch["id"], "runner", 0, "req-a")
+    await store.record(batch["id"], "runner", 0, {"id": "r"}, {"completed": 1})
+    await assert_request_keys_expire(redis)  # bounded while it runs, too
+    await store.move(batch["id"], "completed", ["in_progress"], "runner", output_file_id="file-out")
+    await store.unlock(batch["id"], "runner")
+    assert 900 < await redis.ttl(f"sluice:batch:{batch['id']}") <= 1000
+    assert 0 < await redis.ttl(f"sluice:batch:{batch['id']}:out") <= 100
+    assert 0 < await redis.ttl(f"sluice:batch:{batch['id']}:rids") <= 100
+    await assert_request_keys_expire(redis)
+
+
+async def test_a_batch_cancelled_before_it_ran_expires(redis: Redis) -> None:
+    store = BatchStore(redis, ttl_s=1000)
+    batch = await store.create("file-x", "/v1/completions", "24h", None)
+    assert (await store.request_cancel(batch["id"]))["status"] == "cancelled"  # type: ignore[index]
+    assert 0 < await redis.ttl(f"sluice:batch:{batch['id']}") <= 1000
+
+
+async def test_the_batch_index_forgets_batches_older_than_their_lifetime(redis: Redis) -> None:
+    store = BatchStore(redis, ttl_s=10)
+    await redis.zadd("sluice:batches", {"batch_ancient": time.time() - 2 * 86400})
+    await store.create("file-x", "/v1/completions", "24h", None)
+    assert "batch_ancient" not in await redis.zrange("sluice:batches", 0, -1)
+    assert 0 < await redis.ttl("sluice:batches")
+
+
+async def test_files_expire_and_their_content_is_swept(redis: Redis, settings: Settings) -> None:
+    files = FileStore(redis, settings.files_path, 10_000, ttl_s=5000)
+    kept = await files.create("a.jsonl", "batch", b'{"x": 1}\n')
+    assert kept["expires_at"] == kept["created_at"] + 5000
+    assert 4000 < await redis.ttl(f"sluice:file:{kept['id']}") <= 5000
+    short = await files.create("b.jsonl", "batch", b'{"x": 2}\n', expires_after_s=3600)
+    assert 0 < await redis.ttl(f"sluice:file:{short['id']}") <= 3600
+    await assert_request_keys_expire(redis)
+    await redis.delete(f"sluice:file:{short['id']}")  # its TTL ran out
+    old = time.time() - 3600
+    for f in (kept, short):
+        os.utime(files.path(f["id"]), (old, old))
+    assert await files.sweep() == [short["id"]]
+    assert files.path(kept["id"]).is_file() and not files.path(short["id"]).exists()
+
+
+async def test_an_upload_is_copied_in_chunks_and_refused_past_the_limit(redis: Redis, settings: Settings) -> None:
+    files = FileStore(redis, settings.files_path, 3 * 1024 * 1024)
+    meta = await files.create_from("big.jsonl", "batch", io.BytesIO(b"{}\n" * 1_000_000))
+    assert meta["bytes"] == 3_000_000
+    with pytest.raises(FileError) as refused:
+        await files.create_from("huge.jsonl", "batch", io.BytesIO(b"{}\n" * 2_000_000))
+    assert refused.value.status == 413
+    assert sorted(os.listdir(settings.files_path)) == [meta["id"]]  # no half-written part left
+    with pytest.raises(FileError):
+        await files.create_from("blank.jsonl", "batch", io.BytesIO(b"  \n\n"))
+
+
+async def test_log_records_have_a_byte_budget(redis: Redis, settings: Settings) -> None:
+    c = await ready_consumer(redis, settings)
+    big = "word " * 40_000
+    await c.append_log([{"request_id": "req-a", "row": 0, "status": "done", "input": {"prompt": big},
+                         "output": {"generated_text": big}}, {"request_id": "req-b", "row": 0, "input": {}}])
+    (_, first), (_, second) = await redis.xrange(KEYS.log)
+    record = json.loads(first["data"])
+    assert len(first["data"]) <= settings.log_max_record_bytes
+    assert record["truncated"] and record["input"]["prompt"].startswith("word word")
+    assert json.loads(second["data"]) == {"request_id": "req-b", "row": 0, "input": {}}
