@@ -279,8 +279,7 @@ class StreamConsumer:
         return written == 1
 
     async def append_log(self, records: list[dict]) -> None:
-        """The inference log, in the order rows were batched; bounded in records (approximate
-        MAXLEN) and in bytes per record (a long prompt or output keeps only its start)."""
+        """The inference log, in batched order; capped in records (approximate MAXLEN) and bytes each."""
         if not records:
             return
         async with self.redis.pipeline(transaction=False) as pipe:
@@ -289,8 +288,7 @@ class StreamConsumer:
                           maxlen=self.log_max_len, approximate=True)
             await pipe.execute()
 
-    async def prune_consumers(self) -> list[str]:
-        """Remove consumers of dead workers that hold nothing from the group (housekeeping.py)."""
+    async def prune_consumers(self) -> list[str]:  # dead workers' consumers holding nothing
         return await prune_consumers(self.redis, self.scripts, self.keys, self.streams)
 
     async def cancelled(self, rids: list[str]) -> set[str]:

@@ -9,11 +9,12 @@ from pathlib import Path
 
 import typer
 
-from sluice.cli import (  # noqa: F401  (add `bench chaos|durability|serve|queue|scale`)
+from sluice.cli import (  # noqa: F401  (add `bench chaos|durability|serve|queue|scale|soak`)
     bench_chaos,
     bench_durability,
     bench_queue,
     bench_serve,
+    bench_soak,
 )
 from sluice.cli.batch import batch_app
 from sluice.cli.bench import bench_app
