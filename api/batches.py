@@ -9,6 +9,7 @@ from fastapi import APIRouter, Depends, File, Form, Query, UploadFile
 from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field
 
+from sluice.api.auth import Caller, require_key
 from sluice.api.errors import ApiError
 from sluice.api.state import ApiState, state
 from sluice.broker.batches import ENDPOINTS, JOB_QUEUE, JOB_TASK
@@ -21,30 +22,55 @@ def _file_error(err: FileError) -> ApiError:
     return ApiError(err.status, str(err), code="not_found" if err.status == 404 else "invalid_request_error")
 
 
-@router.post("/files")
-async def upload(file: UploadFile = File(...), purpose: str = Form(...), s: ApiState = Depends(state)) -> dict:
-    data = await file.read()
+def _public(meta: dict[str, Any]) -> dict[str, Any]:
+    """The OpenAI file object: which key owns it stays inside."""
+    return {k: v for k, v in meta.items() if k != "owner"}
+
+
+async def _own_file(s: ApiState, caller: Caller, file_id: str) -> dict[str, Any]:
+    """A file the caller may use; another key's file is as missing as an unknown id."""
     try:
-        return await s.files.create(file.filename or "upload.jsonl", purpose, data)
+        meta = await s.files.get(file_id)
+    except FileError as err:
+        raise _file_error(err) from None
+    if not caller.owns(meta.get("owner")):
+        raise ApiError(404, f"file {file_id!r} not found", code="not_found")
+    return meta
+
+
+@router.post("/files")
+async def upload(
+    file: UploadFile = File(...), purpose: str = Form(...),
+    expires_anchor: str | None = Form(None, alias="expires_after[anchor]", pattern="^created_at$"),
+    expires_seconds: int | None = Form(None, alias="expires_after[seconds]", ge=3600, le=30 * 86400),
+    s: ApiState = Depends(state),
+    caller: Caller = Depends(require_key),
+) -> dict:
+    """`expires_after` as in OpenAI's Files API (default: SLUICE_FILE_TTL_S, 30 days)."""
+    try:
+        # Starlette has spooled the upload to a temporary file: it is copied in chunks, off the loop.
+        return _public(await s.files.create_from(file.filename or "upload.jsonl", purpose, file.file,
+                                                 expires_after_s=expires_seconds, owner=caller.digest))
     except FileError as err:
         raise _file_error(err) from None
 
 
 @router.get("/files")
-async def list_files(purpose: str | None = None, s: ApiState = Depends(state)) -> dict:
-    return {"object": "list", "data": await s.files.list(purpose)}
+async def list_files(purpose: str | None = None, s: ApiState = Depends(state),
+                     caller: Caller = Depends(require_key)) -> dict:
+    return {"object": "list",
+            "data": [_public(m) for m in await s.files.list(purpose) if caller.owns(m.get("owner"))]}
 
 
 @router.get("/files/{file_id}")
-async def get_file(file_id: str, s: ApiState = Depends(state)) -> dict:
-    try:
-        return await s.files.get(file_id)
-    except FileError as err:
-        raise _file_error(err) from None
+async def get_file(file_id: str, s: ApiState = Depends(state), caller: Caller = Depends(require_key)) -> dict:
+    return _public(await _own_file(s, caller, file_id))
 
 
 @router.get("/files/{file_id}/content")
-async def file_content(file_id: str, s: ApiState = Depends(state)) -> Response:
+async def file_content(file_id: str, s: ApiState = Depends(state),
+                       caller: Caller = Depends(require_key)) -> Response:
+    await _own_file(s, caller, file_id)
     try:
         return Response(await s.files.content(file_id), media_type="application/octet-stream")
     except FileError as err:
@@ -52,7 +78,8 @@ async def file_content(file_id: str, s: ApiState = Depends(state)) -> Response:
 
 
 @router.delete("/files/{file_id}")
-async def delete_file(file_id: str, s: ApiState = Depends(state)) -> dict:
+async def delete_file(file_id: str, s: ApiState = Depends(state), caller: Caller = Depends(require_key)) -> dict:
+    await _own_file(s, caller, file_id)
     try:
         await s.files.delete(file_id)
     except FileError as err:
@@ -70,19 +97,18 @@ class CreateBatch(BaseModel):
 
 
 @router.post("/batches")
-async def create_batch(body: CreateBatch, s: ApiState = Depends(state)) -> dict[str, Any]:
+async def create_batch(body: CreateBatch, s: ApiState = Depends(state),
+                       caller: Caller = Depends(require_key)) -> dict[str, Any]:
     if body.endpoint not in ENDPOINTS:
         raise ApiError(400, f"endpoint: must be one of {', '.join(ENDPOINTS)}", param="endpoint")
     if body.completion_window != "24h":
         raise ApiError(400, "completion_window: only '24h' is supported", param="completion_window")
-    try:
-        meta = await s.files.get(body.input_file_id)
-    except FileError as err:
-        raise _file_error(err) from None
+    meta = await _own_file(s, caller, body.input_file_id)
     if meta["purpose"] != "batch":
         raise ApiError(400, f"input_file_id: file {body.input_file_id} has purpose {meta['purpose']!r}, "
                             "not 'batch'", param="input_file_id")
-    batch = await s.batches.create(body.input_file_id, body.endpoint, body.completion_window, body.metadata)
+    batch = await s.batches.create(body.input_file_id, body.endpoint, body.completion_window, body.metadata,
+                                   owner=caller.digest)
     # kombu publishes synchronously: keep it off the event loop.
     await asyncio.to_thread(s.celery.send_task, JOB_TASK, [batch["id"]], queue=JOB_QUEUE)
     return batch
@@ -90,29 +116,33 @@ async def create_batch(body: CreateBatch, s: ApiState = Depends(state)) -> dict[
 
 @router.get("/batches")
 async def list_batches(limit: int = Query(20, ge=1, le=100), after: str | None = None,
-                       s: ApiState = Depends(state)) -> dict:
-    data = await s.batches.list(limit + 1, after)
+                       s: ApiState = Depends(state), caller: Caller = Depends(require_key)) -> dict:
+    data = await s.batches.list(limit + 1, after, owner=None if caller.admin else caller.digest)
     page = data[:limit]
     return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
             "last_id": page[-1]["id"] if page else None, "has_more": len(data) > limit}
 
 
-async def _batch(s: ApiState, batch_id: str) -> dict[str, Any]:
+async def _batch(s: ApiState, caller: Caller, batch_id: str) -> dict[str, Any]:
+    """A batch the caller may see; another key's batch is as missing as an unknown id."""
     found = await s.batches.get(batch_id)
-    if found is None:
+    if found is None or (not caller.admin and not caller.owns(await s.batches.owner(batch_id))):
         raise ApiError(404, f"batch {batch_id!r} not found", code="not_found")
     return found
 
 
 @router.get("/batches/{batch_id}")
-async def get_batch(batch_id: str, s: ApiState = Depends(state)) -> dict[str, Any]:
-    return await _batch(s, batch_id)
+async def get_batch(batch_id: str, s: ApiState = Depends(state),
+                    caller: Caller = Depends(require_key)) -> dict[str, Any]:
+    return await _batch(s, caller, batch_id)
 
 
 @router.post("/batches/{batch_id}/cancel")
-async def cancel_batch(batch_id: str, s: ApiState = Depends(state)) -> dict[str, Any]:
+async def cancel_batch(batch_id: str, s: ApiState = Depends(state),
+                       caller: Caller = Depends(require_key)) -> dict[str, Any]:
     """The batch in its real status: `cancelling` while its runner stops it, `cancelled` if no
     runner had started it, and unchanged once it is finalizing or final."""
+    await _batch(s, caller, batch_id)
     found = await s.batches.request_cancel(batch_id)
     if found is None:
         raise ApiError(404, f"batch {batch_id!r} not found", code="not_found")
