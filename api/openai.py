@@ -46,18 +46,11 @@ async def _enqueue_choices(s: ApiState, model: ModelConfig, body: SamplingBody,
     if any((row.get("max_tokens") or 0) > MAX_TOKENS for row in rows):
         raise ApiError(422, f"max_tokens: at most {MAX_TOKENS}", param="max_tokens")
     seed = body.seed if body.seed is not None else secrets.randbits(31)
-    messages: list[RequestMessage] = []
-    try:
-        for i, row in enumerate(rows):
-            messages.append(await s.enqueue(
-                model, [row], temperature=body.temperature, top_p=body.top_p, stop=body.stop,
-                seed=seed + i, presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
-                owner=owner,
-            ))
-    except ApiError:
-        for m in messages:  # all choices or none
-            await s.admission.cancel(model.name, m.id)
-        raise
+    # All choices admitted at once, or none (one admission against the queue bound).
+    messages = await s.enqueue_many(
+        model, [[row] for row in rows], temperature=body.temperature, top_p=body.top_p, stop=body.stop,
+        seed=seed, presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty, owner=owner,
+    )
     return messages
 
 

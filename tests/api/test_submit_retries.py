@@ -72,3 +72,16 @@ async def test_a_refused_submit_frees_its_key(api: httpx.AsyncClient, redis: Red
     ok = await api.post("/v1/requests", json=BODY, headers=headers)
     assert ok.status_code == 202
     assert await redis.xlen(KEYS.requests) == 1
+
+
+async def test_a_multi_prompt_completion_is_admitted_whole_or_refused_whole(
+        redis: Redis, settings: Settings, tmp_path: Path) -> None:
+    (tmp_path / "models.yaml").write_text(MODELS_YAML.replace("    continuous", "    max_queued: 3\n    continuous"))
+    app = create_app(settings.model_copy(update={"models_file": tmp_path / "models.yaml"}))
+    async with app.router.lifespan_context(app):
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://sluice") as client:
+            body = {"model": MODEL, "prompt": ["a", "b"], "n": 2, "max_tokens": 3}
+            refused = await client.post("/v1/completions", json=body)
+            assert refused.status_code == 503, refused.text
+            assert await redis.xlen(KEYS.requests) == 0  # not the first three of four
+            assert not [k async for k in redis.scan_iter(KEYS.status("*"))]
