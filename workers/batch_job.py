@@ -103,6 +103,7 @@ class BatchJob:
         self.token = uuid.uuid4().hex
         self._lock_expires = 0.0  # monotonic time by which the lock lapses unless refreshed
         self._lost = False
+        self._finished = False  # the run is over: the lock keeper stops
 
     async def run(self) -> None:
         """Take the job's lock and run the job to its end.
@@ -124,8 +125,9 @@ class BatchJob:
                 await self.store.move(self.batch_id, "failed", ACTIVE, self.token,
                                       error=f"{type(err).__name__}: {err}")
         finally:
+            self._finished = True
             keeper.cancel()
-            await asyncio.gather(keeper, return_exceptions=True)
+            await asyncio.wait([keeper], timeout=5)
             await self.store.unlock(self.batch_id, self.token)
 
     async def _acquire(self) -> bool:
@@ -146,8 +148,10 @@ class BatchJob:
     async def _keep_lock(self) -> None:
         """Refresh the lock; mark it lost when another runner holds it, it has lapsed, or Redis
         could not be reached to refresh it before it would lapse."""
-        while True:
+        while not self._finished:  # a flag as well: redis-py can swallow a cancel (see Worker.run)
             await asyncio.sleep(self.ttl_s / 3)
+            if self._finished:
+                return
             asked = time.monotonic()
             try:
                 if not await self.store.refresh_lock(self.batch_id, self.token, self.ttl_s):

@@ -53,9 +53,12 @@ async def null_worker(redis: Redis, delay_s: float = 0.005) -> AsyncIterator[lis
     """Finishes every row put on the bulk stream; yields the request ids of the entries it took,
     in order (a row submitted twice shows twice)."""
     seen: list[str] = []
+    stop = asyncio.Event()
 
     async def work() -> None:
-        while True:
+        # Ends on a flag, not on cancellation alone: redis-py on Python 3.11 can swallow a
+        # cancel that lands as a call completes (see Worker.run), and the loop would go on.
+        while not stop.is_set():
             for entry_id, fields in await redis.xrange(STREAM, count=1):
                 rid = RequestMessage.from_fields(fields).id
                 seen.append(rid)
@@ -70,8 +73,9 @@ async def null_worker(redis: Redis, delay_s: float = 0.005) -> AsyncIterator[lis
     try:
         yield seen
     finally:
+        stop.set()
         task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
+        await asyncio.wait([task], timeout=5)
 
 
 async def until(check: Callable[[], Awaitable[bool]], timeout_s: float = 10.0) -> None:
