@@ -12,6 +12,7 @@ from redis.asyncio import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from sluice.api.app import create_app
+from sluice.broker.keys import idempotency
 from sluice.config.settings import Settings
 from tests.unit.broker_helpers import KEYS, MODEL
 
@@ -65,10 +66,15 @@ async def test_a_retry_after_a_redis_failure_is_the_same_request(
     assert await redis.xlen(KEYS.requests) == 1
 
 
-async def test_a_refused_submit_frees_its_key(api: httpx.AsyncClient, redis: Redis) -> None:
+async def test_a_refused_submit_frees_its_key(
+        api: httpx.AsyncClient, redis: Redis, settings: Settings) -> None:
+    """Refused after the key was claimed (the prompt is too long): nothing was enqueued, so
+    the key is free again and a corrected retry becomes a new request."""
     headers = {"Idempotency-Key": "order-43"}
-    refused = await api.post("/v1/requests", json={**BODY, "model": MODEL, "max_tokens": 0}, headers=headers)
-    assert refused.status_code == 422
+    too_long = "x" * (settings.max_prompt_chars + 1)
+    refused = await api.post("/v1/requests", json={"prompt": too_long, "max_tokens": 3}, headers=headers)
+    assert refused.status_code == 413, refused.text
+    assert not [k async for k in redis.scan_iter(idempotency("*"))]  # released
     ok = await api.post("/v1/requests", json=BODY, headers=headers)
     assert ok.status_code == 202
     assert await redis.xlen(KEYS.requests) == 1
