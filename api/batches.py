@@ -12,8 +12,9 @@ from pydantic import BaseModel, ConfigDict, Field
 from sluice.api.auth import Caller, require_key
 from sluice.api.errors import ApiError
 from sluice.api.state import ApiState, state
-from sluice.broker.batches import ENDPOINTS, JOB_QUEUE, JOB_TASK
+from sluice.broker.batches import ENDPOINTS
 from sluice.broker.files import FileError
+from sluice.protocol.tasks import JOB_QUEUE, JOB_TASK
 
 router = APIRouter(prefix="/v1", tags=["files and batches"])
 

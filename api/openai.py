@@ -21,16 +21,17 @@ from sluice.api.auth import Caller, require_key
 from sluice.api.errors import ApiError
 from sluice.api.schemas import MAX_TOKENS, require_unicode
 from sluice.api.state import ApiState, state
-from sluice.broker.messages import FinalResult, RequestMessage
-from sluice.broker.openai import (
+from sluice.broker.replies import read_replies
+from sluice.config.model import ModelConfig
+from sluice.protocol.ids import completion_id
+from sluice.protocol.messages import FinalResult, RequestMessage
+from sluice.protocol.openai import (
     ChatCompletionRequest,
     CompletionRequest,
     SamplingBody,
     chat_object,
     completion_object,
 )
-from sluice.broker.replies import read_replies
-from sluice.config.model import ModelConfig
 
 router = APIRouter(prefix="/v1", tags=["openai"])
 
@@ -129,7 +130,7 @@ async def completions(body: CompletionRequest, s: ApiState = Depends(state),
     model = await s.model(body.model)
     rows = [{"prompt": p, "max_tokens": body.max_tokens} for p in body.prompt for _ in range(body.n)]
     messages = await _enqueue_choices(s, model, body, rows, caller.digest)
-    cid, created = f"cmpl-{messages[0].id.removeprefix('req-')}", int(time.time())
+    cid, created = completion_id(messages[0].id, chat=False), int(time.time())
 
     def chunk(index: int, text: str, reason: str | None) -> dict:
         return {"id": cid, "object": "text_completion", "created": created, "model": model.name,
@@ -148,7 +149,7 @@ async def chat_completions(body: ChatCompletionRequest, s: ApiState = Depends(st
     messages_in = [m.plain() for m in body.messages]
     rows = [{"messages": messages_in, "max_tokens": body.max_tokens} for _ in range(body.n)]
     messages = await _enqueue_choices(s, model, body, rows, caller.digest)
-    cid, created = f"chatcmpl-{messages[0].id.removeprefix('req-')}", int(time.time())
+    cid, created = completion_id(messages[0].id, chat=True), int(time.time())
 
     def chunk(index: int, text: str, reason: str | None, role: bool = False) -> dict:
         delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})

@@ -7,7 +7,7 @@ from typing import Annotated, Any
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 
 from sluice.api.errors import ApiError
-from sluice.broker.openai import stop_list
+from sluice.protocol.openai import stop_list
 
 MAX_TOKENS = 1_000_000
 

@@ -19,12 +19,13 @@ from sluice.api.tokens import PromptLimits
 from sluice.broker.admission import Admission, NotDurable, QueueFull
 from sluice.broker.batches import BatchStore
 from sluice.broker.files import FileStore
-from sluice.broker.keys import new_request_id, request_created_at
-from sluice.broker.messages import TERMINAL_STATES, RequestMessage, SamplingSpec
 from sluice.broker.notifications import DoneListener
 from sluice.broker.registry import ModelRegistry, WorkerRegistry
 from sluice.config.model import ModelConfig
 from sluice.config.settings import Settings
+from sluice.protocol.ids import new_request_id, request_created_at
+from sluice.protocol.messages import RequestMessage, SamplingSpec
+from sluice.protocol.states import FINAL_STATES
 
 # Cancels started by cancel_soon, kept referenced until they finish.
 _cancels: set[asyncio.Task] = set()
@@ -162,7 +163,7 @@ class ApiState:
                 if not status:
                     raise ApiError(404, f"request {rid!r} not found", code="not_found")
                 remaining = deadline - time.monotonic()
-                if status.get("state") in TERMINAL_STATES or remaining <= 0:
+                if status.get("state") in FINAL_STATES or remaining <= 0:
                     return status
                 await self.done.wait(done, remaining)
 

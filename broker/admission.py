@@ -10,8 +10,8 @@ from redis.asyncio import Redis
 
 from sluice.broker import keys
 from sluice.broker.keys import DONE_CHANNEL, ModelKeys
-from sluice.broker.messages import RequestMessage
 from sluice.broker.scripts import Scripts
+from sluice.protocol.messages import RequestMessage
 
 
 class QueueFull(Exception):

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-import uuid
 from collections.abc import Iterable
 from typing import Any
 
@@ -19,12 +18,9 @@ from redis.asyncio import Redis
 
 from sluice.broker.keys import PREFIX
 from sluice.broker.scripts import Scripts
+from sluice.protocol.ids import new_batch_id
+from sluice.protocol.states import BatchState
 
-# The Celery task that runs a job, and its queue (the api sends it by name).
-JOB_TASK = "sluice.run_batch"
-JOB_QUEUE = "sluice-jobs"
-TERMINAL = frozenset({"failed", "completed", "expired", "cancelled"})
-ACTIVE = ("validating", "in_progress", "finalizing", "cancelling")
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
 _TIMES = ("created_at", "in_progress_at", "expires_at", "finalizing_at", "completed_at", "failed_at",
           "expired_at", "cancelling_at", "cancelled_at")
@@ -56,7 +52,7 @@ class BatchStore:
     async def create(self, input_file_id: str, endpoint: str, completion_window: str,
                      metadata: dict[str, str] | None, owner: str | None = None) -> dict[str, Any]:
         """`owner`: the digest of the api key that made it; kept in the hash, not in the object."""
-        batch_id = f"batch_{uuid.uuid4().hex}"
+        batch_id = new_batch_id()
         now = int(time.time())
         fields = {"id": batch_id, "endpoint": endpoint, "input_file_id": input_file_id,
                   "completion_window": completion_window, "status": "validating", "created_at": now,
@@ -96,7 +92,7 @@ class BatchStore:
     async def unfinished(self) -> list[str]:
         ids = await self.redis.zrange(_INDEX, 0, -1)
         states = [await self.redis.hget(_key(i), "status") for i in ids]
-        return [i for i, s in zip(ids, states) if s and s not in TERMINAL]
+        return [i for i, s in zip(ids, states) if s and not BatchState(s).final]
 
     async def move(self, batch_id: str, to: str, expected: Iterable[str], token: str | None = None,
                    **fields: Any) -> str:

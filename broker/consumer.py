@@ -14,8 +14,8 @@ from redis.exceptions import ResponseError
 
 from sluice.broker.housekeeping import bounded_record, prune_consumers
 from sluice.broker.keys import DONE_CHANNEL, GROUP, ModelKeys
-from sluice.broker.messages import FinalResult, RequestMessage
 from sluice.broker.scripts import Scripts
+from sluice.protocol.messages import FinalResult, RequestMessage
 
 log = logging.getLogger(__name__)
 

@@ -10,8 +10,8 @@ from pydantic import ValidationError
 from redis.asyncio import Redis
 
 from sluice.broker.keys import ModelKeys
-from sluice.broker.messages import RequestMessage
 from sluice.broker.scripts import Scripts
+from sluice.protocol.messages import RequestMessage
 
 log = logging.getLogger(__name__)
 

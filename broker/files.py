@@ -6,13 +6,13 @@ import asyncio
 import io
 import json
 import time
-import uuid
 from pathlib import Path
 from typing import Any, BinaryIO
 
 from redis.asyncio import Redis
 
 from sluice.broker.keys import PREFIX
+from sluice.protocol.ids import new_file_id
 
 PURPOSES = ("batch", "batch_output")
 _CHUNK = 1024 * 1024
@@ -59,7 +59,7 @@ class FileStore:
         `source` is read in chunks: an upload is never whole in memory."""
         if purpose not in PURPOSES:
             raise FileError(400, f"purpose: must be one of {', '.join(PURPOSES)}, not {purpose!r}")
-        file_id = f"file-{uuid.uuid4().hex}"
+        file_id = new_file_id()
         size = await asyncio.to_thread(self._write, file_id, source, purpose == "batch")
         ttl = expires_after_s or self.ttl_s
         now = int(time.time())

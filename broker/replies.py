@@ -13,8 +13,9 @@ from typing import TYPE_CHECKING
 from redis.asyncio import Redis
 
 from sluice.broker.keys import GROUP, ModelKeys
-from sluice.broker.messages import TERMINAL_STATES, DeltaEvent, FinalResult
 from sluice.broker.scripts import Scripts
+from sluice.protocol.messages import DeltaEvent, FinalResult
+from sluice.protocol.states import FINAL_STATES
 
 if TYPE_CHECKING:
     from sluice.broker.consumer import Delivery
@@ -207,7 +208,7 @@ async def read_replies(
 
 async def _final_status(redis: Redis, status_key: str) -> FinalResult | None:
     state, result = await redis.hmget(status_key, ["state", "result"])
-    return FinalResult.model_validate_json(result) if state in TERMINAL_STATES and result else None
+    return FinalResult.model_validate_json(result) if state in FINAL_STATES and result else None
 
 
 _ENTRY_ID = re.compile(r"[0-9]{1,20}(-[0-9]{1,20})?")

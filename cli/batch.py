@@ -18,11 +18,12 @@ import pyarrow.parquet as pq
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
+from sluice.protocol.states import FINAL_BATCH_STATES
+
 batch_app = typer.Typer(no_args_is_help=True, help="Bulk jobs: run a file through a model, watch, cancel.")
 
 Url = typer.Option("http://127.0.0.1:8000", "--url", envvar="SLUICE_URL", help="The Sluice api.")
 ApiKey = typer.Option(None, "--api-key", envvar="SLUICE_API_KEY")
-TERMINAL = {"completed", "failed", "cancelled", "expired"}
 PARAMS = ("max_tokens", "temperature", "top_p", "seed")
 
 
@@ -147,7 +148,7 @@ def _follow(client: httpx.Client, batch: dict) -> dict:
     try:
         with Progress(*columns, transient=False) as progress:
             task = progress.add_task(batch["id"], total=None, rate="")
-            while batch["status"] not in TERMINAL:
+            while batch["status"] not in FINAL_BATCH_STATES:
                 time.sleep(0.5)
                 batch = _check(client.get(f"/v1/batches/{batch['id']}"))
                 c = batch["request_counts"]
@@ -159,7 +160,7 @@ def _follow(client: httpx.Client, batch: dict) -> dict:
     except KeyboardInterrupt:
         typer.echo(f"cancelling {batch['id']}", err=True)
         _check(client.post(f"/v1/batches/{batch['id']}/cancel"))
-        while batch["status"] not in TERMINAL:
+        while batch["status"] not in FINAL_BATCH_STATES:
             time.sleep(0.5)
             batch = _check(client.get(f"/v1/batches/{batch['id']}"))
     return batch

@@ -9,15 +9,8 @@ from pathlib import Path
 
 import typer
 
-from sluice.cli import (  # noqa: F401  (add `bench chaos|durability|serve|queue|scale|soak`)
-    bench_chaos,
-    bench_durability,
-    bench_queue,
-    bench_serve,
-    bench_soak,
-)
+from sluice.bench.app import bench_app
 from sluice.cli.batch import batch_app
-from sluice.cli.bench import bench_app
 from sluice.cli.keys import keys_app
 from sluice.config.settings import Settings
 

@@ -23,13 +23,16 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from sluice.broker.admission import Admission, QueueFull
-from sluice.broker.batches import ACTIVE, TERMINAL, BatchStore, LockLost
+from sluice.broker.batches import BatchStore, LockLost
 from sluice.broker.files import FileStore
-from sluice.broker.keys import ModelKeys, new_request_id
-from sluice.broker.messages import FinalResult, RequestMessage, SamplingSpec
-from sluice.broker.openai import ChatCompletionRequest, CompletionRequest, chat_object, completion_object
+from sluice.broker.keys import ModelKeys
 from sluice.broker.registry import ModelRegistry
 from sluice.config.settings import Settings
+from sluice.protocol.ids import new_request_id
+from sluice.protocol.messages import FinalResult, RequestMessage, SamplingSpec
+from sluice.protocol.openai import ChatCompletionRequest, CompletionRequest, chat_object, completion_object
+from sluice.protocol.states import ACTIVE_BATCH_STATES as ACTIVE
+from sluice.protocol.states import FINAL_BATCH_STATES as TERMINAL
 
 log = logging.getLogger(__name__)
 

@@ -17,9 +17,10 @@ from collections.abc import Callable
 from celery import Celery
 from celery.signals import worker_ready
 
-from sluice.broker.batches import JOB_QUEUE, JOB_TASK, BatchStore
+from sluice.broker.batches import BatchStore
 from sluice.broker.connection import connect
 from sluice.config.settings import Settings
+from sluice.protocol.tasks import JOB_QUEUE, JOB_TASK
 from sluice.workers.batch_job import BatchJob
 
 log = logging.getLogger(__name__)

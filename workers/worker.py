@@ -24,11 +24,12 @@ from sluice.batching.continuous import ContinuousAdmission
 from sluice.batching.dynamic import DynamicBatcher
 from sluice.batching.single import SingleBatcher
 from sluice.broker.consumer import Delivery, StreamConsumer
-from sluice.broker.messages import DeltaEvent, FinalResult, RowOutput, State, Timings, Usage
 from sluice.broker.registry import ModelRegistry, WorkerInfo, WorkerRegistry
 from sluice.broker.replies import Delivered, ReplyWriter, delivered
 from sluice.config.model import BatchMode, ModelConfig
 from sluice.config.settings import Settings
+from sluice.protocol.messages import DeltaEvent, FinalResult, RowOutput, Timings, Usage
+from sluice.protocol.states import State
 from sluice.workers import metrics
 from sluice.workers.engines.base import Engine, GenerationRequest
 

@@ -15,8 +15,8 @@ import pytest
 from redis.asyncio import Redis
 
 from sluice.api.app import create_app
-from sluice.broker.messages import DeltaEvent
 from sluice.config.settings import Settings
+from sluice.protocol.messages import DeltaEvent
 from tests.e2e.sse import SseEvent, sse_events
 from tests.unit.broker_helpers import KEYS, MODEL, done_result, running_request
 

@@ -15,8 +15,8 @@ from redis.asyncio import Redis
 
 from sluice.api.app import create_app
 from sluice.api.errors import ApiError
-from sluice.broker.keys import new_request_id, request_created_at
 from sluice.config.settings import Settings
+from sluice.protocol.ids import new_request_id, request_created_at
 from tests.unit.broker_helpers import KEYS, MODEL
 
 MODELS_YAML = (f"models:\n  - name: {MODEL}\n    max_queued: 4\n    result_ttl_s: 1\n"

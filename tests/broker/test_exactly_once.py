@@ -9,8 +9,9 @@ from redis.asyncio import Redis
 
 from sluice.broker.dead_letters import DeadLetters
 from sluice.broker.keys import GROUP
-from sluice.broker.messages import FinalResult, State
 from sluice.config.settings import Settings
+from sluice.protocol.messages import FinalResult
+from sluice.protocol.states import State
 from tests.unit.broker_helpers import (
     KEYS,
     admission,

@@ -10,9 +10,10 @@ from redis.asyncio import Redis
 
 from sluice.broker.admission import Admission, QueueFull
 from sluice.broker.dead_letters import DeadLetters
-from sluice.broker.messages import DeltaEvent, FinalResult, RequestMessage, RowOutput, SamplingSpec, State, Usage
 from sluice.broker.replies import ReplyWriter
 from sluice.config.settings import Settings
+from sluice.protocol.messages import DeltaEvent, FinalResult, RequestMessage, RowOutput, SamplingSpec, Usage
+from sluice.protocol.states import State
 from tests.unit.broker_helpers import (
     KEYS,
     MODEL,

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from sluice.cli.bench_soak import soak
+from sluice.bench.soak import soak
 
 pytestmark = pytest.mark.soak
 

@@ -10,7 +10,8 @@ from redis.asyncio import Redis
 from sluice.broker.admission import Admission
 from sluice.broker.consumer import Delivery, StreamConsumer
 from sluice.broker.keys import GROUP, ModelKeys
-from sluice.broker.messages import (
+from sluice.config.settings import Settings
+from sluice.protocol.messages import (
     FinalResult,
     RequestMessage,
     RowOutput,
@@ -18,7 +19,6 @@ from sluice.broker.messages import (
     State,
     Usage,
 )
-from sluice.config.settings import Settings
 
 MODEL = "t"
 KEYS = ModelKeys(MODEL)

@@ -7,15 +7,15 @@ from redis.asyncio import Redis
 
 from sluice.broker.admission import QueueFull
 from sluice.broker.keys import MODELS
-from sluice.broker.messages import (
-    FinalResult,
-    RequestMessage,
-    State,
-)
 from sluice.broker.registry import ModelRegistry
 from sluice.config.batching import ContinuousBatchingConfig, DynamicBatchingConfig
 from sluice.config.model import ModelConfig
 from sluice.config.settings import Settings
+from sluice.protocol.messages import (
+    FinalResult,
+    RequestMessage,
+    State,
+)
 from tests.unit.broker_helpers import (
     KEYS,
     MODEL,

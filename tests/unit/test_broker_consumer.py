@@ -7,8 +7,9 @@ import json
 from redis.asyncio import Redis
 
 from sluice.broker.keys import GROUP
-from sluice.broker.messages import FinalResult, State
 from sluice.config.settings import Settings
+from sluice.protocol.messages import FinalResult
+from sluice.protocol.states import State
 from tests.unit.broker_helpers import (
     KEYS,
     MODEL,

@@ -9,9 +9,9 @@ import pytest
 from redis.asyncio import Redis
 
 from sluice.broker.keys import GROUP
-from sluice.broker.messages import DeltaEvent
 from sluice.broker.replies import ReplyWriter, delivered, read_replies, resume_index
 from sluice.config.settings import Settings
+from sluice.protocol.messages import DeltaEvent
 from tests.unit.broker_helpers import (
     KEYS,
     MODEL,

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from sluice.cli.loadgen import Job, Record, drive, make_jobs, summarize
+from sluice.bench.loadgen import Job, Record, drive, make_jobs, summarize
 
 
 def fake_target(token_s: float = 0.002, first_s: float = 0.01):

@@ -14,12 +14,12 @@ from redis.asyncio import Redis
 from sluice.broker.admission import Admission
 from sluice.broker.consumer import StreamConsumer
 from sluice.broker.keys import GROUP, WORKERS, ModelKeys
-from sluice.broker.messages import FinalResult, RequestMessage, SamplingSpec
 from sluice.broker.registry import WorkerRegistry
 from sluice.broker.replies import read_replies
 from sluice.config.batching import ContinuousBatchingConfig
 from sluice.config.model import ModelConfig
 from sluice.config.settings import Settings
+from sluice.protocol.messages import FinalResult, RequestMessage, SamplingSpec
 from sluice.workers.engines.base import GenerationRequest, TokenDelta
 from sluice.workers.engines.null import NullEngine
 from sluice.workers.worker import Worker

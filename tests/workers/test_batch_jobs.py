@@ -18,10 +18,10 @@ from redis.asyncio import Redis
 from sluice.broker.batches import BatchStore
 from sluice.broker.files import FileStore
 from sluice.broker.keys import ModelKeys
-from sluice.broker.messages import RequestMessage
 from sluice.broker.registry import ModelRegistry
 from sluice.config.model import ModelConfig
 from sluice.config.settings import Settings
+from sluice.protocol.messages import RequestMessage
 from sluice.workers.batch_job import BatchJob
 from sluice.workers.jobs import celery_app
 from tests.unit.broker_helpers import done_result

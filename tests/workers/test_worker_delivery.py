@@ -13,12 +13,12 @@ from redis.asyncio import Redis
 from sluice.broker.admission import Admission
 from sluice.broker.consumer import StreamConsumer
 from sluice.broker.keys import GROUP
-from sluice.broker.messages import DeltaEvent, FinalResult
 from sluice.broker.registry import ModelRegistry
 from sluice.broker.replies import ReplyWriter, read_replies
 from sluice.config.batching import ContinuousBatchingConfig, DynamicBatchingConfig
 from sluice.config.model import ModelConfig
 from sluice.config.settings import Settings
+from sluice.protocol.messages import DeltaEvent, FinalResult
 from sluice.workers.engines.base import GenerationRequest, TokenDelta
 from sluice.workers.engines.null import NullEngine
 from sluice.workers.worker import Worker

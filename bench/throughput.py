@@ -24,14 +24,11 @@ from pathlib import Path
 import httpx
 import typer
 
+from sluice.bench.loadgen import p50_p99
 from sluice.broker.embedded import EmbeddedRedis, free_port
-from sluice.cli.loadgen import p50_p99
 from sluice.cli.processes import stop_processes, wait_ready
 from sluice.config.model import load_models
 from sluice.config.settings import Settings
-
-bench_app = typer.Typer(no_args_is_help=True, help="Measure Sluice against a baseline in the same run.",
-                        callback=lambda: os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING"))
 
 PROMPTS = [f"Write a short note about topic number {i}:" for i in range(256)]
 
@@ -122,7 +119,6 @@ async def _direct_round(settings: Settings, model: str | None, prompts: list[str
     return m, secs, toks
 
 
-@bench_app.command("throughput")
 def throughput(
     concurrency: int = typer.Option(32, help="Requests submitted at once."),
     max_tokens: int = typer.Option(64, help="Output tokens per request."),
@@ -177,7 +173,6 @@ def _first_token_after_up(cache_dir: Path, data_dir: Path) -> float:
         stop_processes([up])
 
 
-@bench_app.command("startup")
 def startup(out: Path = typer.Option(None, help="Also write the figures as JSON here.")) -> None:
     """Seconds from `sluice up` to the first streamed token, model not prepared and prepared."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -216,7 +211,6 @@ async def _burst(url: str, model: str, mode: dict, lengths: list[int]) -> dict:
             "wall_s": span}
 
 
-@bench_app.command("modes")
 def modes(
     requests: int = typer.Option(64, help="Requests in the burst."),
     seed: int = typer.Option(0, help="Seed of the max_tokens draw (16 to 128)."),
@@ -260,7 +254,6 @@ async def _interactive_latencies(url: str, model: str, n: int, max_tokens: int) 
         return sorted(await asyncio.gather(*(one(i) for i in range(n))))
 
 
-@bench_app.command("bulk")
 def bulk(
     rows: int = typer.Option(1000, help="Rows in the bulk job."),
     max_tokens: int = typer.Option(32, help="Output tokens per row."),

@@ -26,7 +26,6 @@ import redis as redis_sync
 import typer
 
 from sluice.broker.embedded import EmbeddedRedis, free_port
-from sluice.cli.bench import bench_app
 from sluice.cli.processes import stop_processes, wait_ready
 
 MODELS = """models:
@@ -236,7 +235,6 @@ def soak(minutes: float, retention_s: int, rate: float, warmup_s: float | None =
             "ok": counts.ok, "refused": counts.refused, "errors": counts.errors[:20], "error_count": len(counts.errors)}
 
 
-@bench_app.command("soak")
 def soak_command(
     minutes: float = typer.Option(10, help="Minutes of steady load."),
     retention: int = typer.Option(60, help="Seconds a finished request, file or batch is kept (short: so the "

@@ -1,5 +1,5 @@
 """The Celery baseline of `sluice bench queue`: an echo task on the same Redis (broker and
-results), started as `celery -A sluice.cli.celery_echo worker`. Benchmark-only."""
+results), started as `celery -A sluice.bench.celery_echo worker`. Benchmark-only."""
 
 from __future__ import annotations
 

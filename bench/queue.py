@@ -19,9 +19,8 @@ from pathlib import Path
 import httpx
 import typer
 
+from sluice.bench.loadgen import p50_p99
 from sluice.broker.embedded import EmbeddedRedis, free_port
-from sluice.cli.bench import bench_app
-from sluice.cli.loadgen import p50_p99
 from sluice.cli.processes import stop_processes, wait_ready
 
 MODELS = "models:\n  - name: echo\n    continuous_batching_config: {max_concurrent_batch_size: 256}\n"
@@ -75,12 +74,12 @@ async def _sluice_round_trips(url: str, n: int, concurrency: int) -> tuple[float
 
 def _celery_round_trips(redis_url: str, n: int, concurrency: int) -> tuple[float, list[float]]:
     env = {**os.environ, "SLUICE_REDIS_URL": redis_url}
-    worker = subprocess.Popen([sys.executable, "-m", "celery", "-A", "sluice.cli.celery_echo", "worker",
+    worker = subprocess.Popen([sys.executable, "-m", "celery", "-A", "sluice.bench.celery_echo", "worker",
                                "--pool=threads", "--concurrency=8", "--loglevel=WARNING", "-Q", "sluice-echo",
                                "--without-gossip", "--without-mingle"],
                               env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     os.environ["SLUICE_REDIS_URL"] = redis_url
-    from sluice.cli.celery_echo import app, echo
+    from sluice.bench.celery_echo import app, echo
 
     app.conf.broker_url = app.conf.result_backend = redis_url
     try:
@@ -107,7 +106,6 @@ def _stats(wall: float, lat: list[float], n: int) -> dict:
     return {"round_trips_per_s": n / wall, **{f"latency_{k}": v for k, v in p50_p99(lat, "ms", 1e3).items()}}
 
 
-@bench_app.command("queue")
 def queue(
     requests: int = typer.Option(2000, help="Round trips per system."),
     concurrency: int = typer.Option(32, help="Round trips in flight at once."),
@@ -128,7 +126,6 @@ def queue(
         out.write_text(json.dumps(figures, indent=2))
 
 
-@bench_app.command("scale")
 def scale(
     workers: str = typer.Option("1,2,4", help="Worker counts to measure."),
     requests: int = typer.Option(2000, help="Round trips per measurement."),

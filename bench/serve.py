@@ -12,8 +12,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from sluice.cli.bench import bench_app, direct_engine, local_stack
-from sluice.cli.loadgen import drive, engine_sender, make_jobs, openai_sender, sluice_sender, summarize
+from sluice.bench.loadgen import drive, engine_sender, make_jobs, openai_sender, sluice_sender, summarize
+from sluice.bench.throughput import direct_engine, local_stack
 from sluice.config.model import load_models
 from sluice.config.settings import Settings
 
@@ -87,7 +87,6 @@ def _plot(path: Path, by: str, runs: dict[str, list[dict]]) -> None:
     fig.savefig(path, dpi=120)
 
 
-@bench_app.command("serve")
 def serve(
     target: str = typer.Option("compare", help="sluice, engine, openai, or compare (sluice and engine)."),
     url: str = typer.Option(None, help="A running Sluice api or OpenAI-style server (else a local stack)."),

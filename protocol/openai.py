@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from sluice.broker.messages import FinalResult
+from sluice.protocol.messages import FinalResult
 
 
 def stop_list(value: str | list[str] | None) -> list[str]:

@@ -2,26 +2,11 @@
 
 from __future__ import annotations
 
-import enum
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-
-class State(str, enum.Enum):
-    QUEUED = "queued"
-    RUNNING = "running"
-    DONE = "done"
-    FAILED = "failed"
-    EXPIRED = "expired"
-    CANCELLED = "cancelled"
-
-    @property
-    def terminal(self) -> bool:
-        return self not in (State.QUEUED, State.RUNNING)
-
-
-TERMINAL_STATES = frozenset(s.value for s in State if s.terminal)
+from sluice.protocol.states import State
 
 
 class SamplingSpec(BaseModel):

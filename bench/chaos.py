@@ -25,9 +25,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from sluice.bench.chaos_load import Load, audit
 from sluice.broker.embedded import EmbeddedRedis, free_port
-from sluice.cli.bench import bench_app
-from sluice.cli.chaos_load import Load, audit
 from sluice.cli.processes import stop_processes, wait_ready
 
 MODELS = """models:
@@ -211,7 +210,6 @@ def _table(f: dict) -> Table:
     return table
 
 
-@bench_app.command("chaos")
 def chaos(
     seconds: float = typer.Option(60, help="Seconds of load and kills."),
     clients: int = typer.Option(12, help="Concurrent clients (each: submit, follow to the end, again)."),

@@ -27,7 +27,6 @@ import typer
 
 from sluice.broker.embedded import EmbeddedRedis, free_port
 from sluice.broker.keys import ModelKeys
-from sluice.cli.bench import bench_app
 from sluice.cli.processes import stop_processes
 
 MODEL = "echo"
@@ -110,7 +109,6 @@ def _loss(url: str, redis: EmbeddedRedis, concurrency: int) -> tuple[int, int]:
     return acknowledged, lost
 
 
-@bench_app.command("durability")
 def durability(
     seconds: float = typer.Option(5.0, help="Length of each throughput measurement."),
     concurrency: int = typer.Option(16, help="Clients submitting at once."),

@@ -1,0 +1,27 @@
+"""`sluice bench ...`: every benchmark registered here, by name (no import side effects)."""
+
+from __future__ import annotations
+
+import os
+
+import typer
+
+from sluice.bench import chaos, durability, queue, serve, soak, throughput
+
+bench_app = typer.Typer(no_args_is_help=True, help="Measure Sluice against a baseline in the same run.",
+                        callback=lambda: os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING"))
+
+COMMANDS = {
+    "throughput": throughput.throughput,
+    "startup": throughput.startup,
+    "modes": throughput.modes,
+    "bulk": throughput.bulk,
+    "serve": serve.serve,
+    "queue": queue.queue,
+    "scale": queue.scale,
+    "chaos": chaos.chaos,
+    "durability": durability.durability,
+    "soak": soak.soak_command,
+}
+for name, command in COMMANDS.items():
+    bench_app.command(name)(command)
