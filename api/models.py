@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from typing import Any, Literal
 
 from fastapi import APIRouter, Depends, Query, Request
@@ -16,6 +15,7 @@ from sluice.api.state import ApiState, state
 from sluice.config.batching import ContinuousBatchingConfig, DynamicBatchingConfig
 from sluice.config.model import ConfigError, ModelConfig, parse_model
 from sluice.config.schema import to_arrow
+from sluice.protocol.states import State
 
 router = APIRouter(prefix="/v1/models", tags=["models"])
 MAX_BATCH = 100_000  # far above any engine's batch
@@ -125,18 +125,15 @@ async def infer(
                               owner=caller.digest)
     status = await s.wait_final(m.name, message.id,
                                 min(message.deadline - message.enqueued_at, s.settings.max_wait_s))
-    state_ = status.get("state")
-    if state_ != "done":
-        result = json.loads(status["result"]) if "result" in status else {}
-        code = {"expired": 504, "cancelled": 409}.get(state_ or "", 502)
-        if state_ in ("queued", "running"):
-            code, result["error"] = 504, f"no result yet: poll GET /v1/requests/{message.id}"
-        raise ApiError(code, f"request {message.id}: {state_}: {result.get('error') or 'no result'}",
+    result = status.result
+    if status.state is not State.DONE or result is None:
+        code = {State.EXPIRED: 504, State.CANCELLED: 409}.get(status.state, 502)
+        error = result.error if result else None
+        if not status.state.final:
+            code, error = 504, f"no result yet: poll GET /v1/requests/{message.id}"
+        raise ApiError(code, f"request {message.id}: {status.state.value}: {error or 'no result'}",
                        code="inference_failed")
-    result = json.loads(status["result"])
-    outputs = result.get("rows") or [result["output"]]
-    records = [{"generated_text": o["text"], "num_output_tokens": o["num_output_tokens"], **(o.get("fields") or {})}
-               for o in outputs]
+    records = [o.record() for o in (result.rows or [result.output])]
     schema = to_arrow(m.output_schema)
     headers = {"X-Request-Id": message.id}
     if wants_arrow(content_type) or ARROW_STREAM in request.headers.get("accept", ""):

@@ -32,6 +32,7 @@ from sluice.protocol.openai import (
     chat_object,
     completion_object,
 )
+from sluice.protocol.states import State
 
 router = APIRouter(prefix="/v1", tags=["openai"])
 
@@ -59,12 +60,12 @@ async def _finals(s: ApiState, model: str, messages: list[RequestMessage]) -> li
     statuses = await asyncio.gather(*(s.wait_final(model, m.id, s.settings.max_wait_s) for m in messages))
     finals = []
     for m, status in zip(messages, statuses):
-        if "result" not in status:
+        final = status.result
+        if final is None:
             raise ApiError(504, f"no result within {s.settings.max_wait_s:.0f}s; poll GET /v1/requests/{m.id}",
                            code="timeout")
-        final = FinalResult.model_validate_json(status["result"])
-        if final.status.value != "done":
-            raise ApiError(502 if final.status.value == "failed" else 504,
+        if final.status is not State.DONE:
+            raise ApiError(502 if final.status is State.FAILED else 504,
                            f"request {m.id} {final.status.value}: {final.error}", code="inference_failed")
         finals.append(final)
     return finals

@@ -13,6 +13,8 @@ from sluice.api.errors import ApiError
 from sluice.api.schemas import RequestView, SubmitRequest, Submitted
 from sluice.api.state import ApiState, new_request_id, state
 from sluice.broker.replies import read_replies, resume_index
+from sluice.broker.status import RequestStatus
+from sluice.protocol.states import State
 
 router = APIRouter(prefix="/v1/requests", tags=["requests"])
 
@@ -38,7 +40,7 @@ async def submit(
             first_model, first_id = first
             status = await s.admission.status(first_model, first_id)
             if status:
-                return Submitted(id=first_id, status=status.get("state", "queued"), model=first_model)
+                return Submitted(id=first_id, status=status.state.value, model=first_model)
             model, rid = await s.model(first_model), first_id
     try:
         message = await s.enqueue(
@@ -53,26 +55,20 @@ async def submit(
     return Submitted(id=message.id, status="queued", model=model.name)
 
 
-def view(rid: str, model: str, status: dict[str, str]) -> RequestView:
-    if "result" in status:
-        result = json.loads(status["result"])
-        return RequestView(id=rid, model=model, **result)
-    timings = {"enqueued": _num(status.get("enqueued_at")), "started": _num(status.get("started_at"))}
-    attempt = status.get("attempt")
-    return RequestView(id=rid, model=model, status=status.get("state", "queued"),
-                       timings={k: v for k, v in timings.items() if v is not None},
-                       attempt=int(attempt) if attempt else None)
-
-
-def _num(value: str | None) -> float | None:
-    return float(value) if value else None
+def view(status: RequestStatus) -> RequestView:
+    if status.result is not None:
+        return RequestView(id=status.id, model=status.model, **status.result.model_dump(mode="json"))
+    timings = {"enqueued": status.enqueued_at, "started": status.started_at}
+    return RequestView(id=status.id, model=status.model, status=status.state.value,
+                       timings={k: v for k, v in timings.items() if v is not None}, attempt=status.attempt)
 
 
 async def _visible(s: ApiState, caller: Caller, rid: str) -> str:
     """The request's model, if the caller may see it: another key's request is as missing as
     an unknown id (404, not 403), so ids cannot be probed."""
     model = await s.model_of(rid)
-    if not caller.admin and not caller.owns((await s.admission.status(model, rid)).get("owner")):
+    status = await s.admission.status(model, rid)
+    if not caller.admin and not caller.owns(status.owner if status else None):
         raise ApiError(404, f"request {rid!r} not found", code="not_found")
     return model
 
@@ -85,7 +81,7 @@ async def get_request(
     caller: Caller = Depends(require_key),
 ) -> RequestView:
     model = await _visible(s, caller, rid)
-    return view(rid, model, await s.wait_final(model, rid, min(wait, s.settings.max_wait_s)))
+    return view(await s.wait_final(model, rid, min(wait, s.settings.max_wait_s)))
 
 
 @router.delete("/{rid}", status_code=202)
@@ -130,7 +126,7 @@ async def events(
                        "data": json.dumps({"index": ev.delta.i, "text": ev.delta.text, "row": ev.delta.row})}
             elif ev.final is not None:
                 final = RequestView(id=rid, model=model, **ev.final.model_dump(mode="json"))
-                kind = "done" if ev.final.status.value == "done" else "error"
+                kind = "done" if ev.final.status is State.DONE else "error"
                 yield {"event": kind, "id": ev.entry_id, "data": final.model_dump_json(exclude_none=True)}
                 return
         # Closed so that an idle reader does not hold the connection (and a proxy's) forever.

@@ -21,11 +21,11 @@ from sluice.broker.batches import BatchStore
 from sluice.broker.files import FileStore
 from sluice.broker.notifications import DoneListener
 from sluice.broker.registry import ModelRegistry, WorkerRegistry
+from sluice.broker.status import RequestStatus
 from sluice.config.model import ModelConfig
 from sluice.config.settings import Settings
 from sluice.protocol.ids import new_request_id, request_created_at
 from sluice.protocol.messages import RequestMessage, SamplingSpec
-from sluice.protocol.states import FINAL_STATES
 
 # Cancels started by cancel_soon, kept referenced until they finish.
 _cancels: set[asyncio.Task] = set()
@@ -154,8 +154,8 @@ class ApiState:
             if too_long:
                 raise ApiError(400, too_long if len(rows) == 1 else f"rows[{i}].{too_long}", param="prompt")
 
-    async def wait_final(self, model: str, rid: str, wait_s: float) -> dict[str, str]:
-        """The status hash once the request is final, or as it is after `wait_s`."""
+    async def wait_final(self, model: str, rid: str, wait_s: float) -> RequestStatus:
+        """The status once the request is final, or as it is after `wait_s`."""
         deadline = time.monotonic() + wait_s
         with self.done.watch(rid) as done:
             while True:
@@ -163,7 +163,7 @@ class ApiState:
                 if not status:
                     raise ApiError(404, f"request {rid!r} not found", code="not_found")
                 remaining = deadline - time.monotonic()
-                if status.get("state") in FINAL_STATES or remaining <= 0:
+                if status.final or remaining <= 0:
                     return status
                 await self.done.wait(done, remaining)
 

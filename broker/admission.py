@@ -11,6 +11,7 @@ from redis.asyncio import Redis
 from sluice.broker import keys
 from sluice.broker.keys import DONE_CHANNEL, ModelKeys
 from sluice.broker.scripts import Scripts
+from sluice.broker.status import RequestStatus
 from sluice.protocol.messages import RequestMessage
 
 
@@ -96,8 +97,9 @@ class Admission:
             args=[time.time(), self.cancel_ttl_s, self.result_ttl_s, self.reply_ttl_s, DONE_CHANNEL, rid],
         )
 
-    async def status(self, model: str, rid: str) -> dict[str, Any]:
-        return await self.redis.hgetall(ModelKeys(model).status(rid))
+    async def status(self, model: str, rid: str) -> RequestStatus | None:
+        """The request's status; None when Redis holds none (unknown, or expired)."""
+        return RequestStatus.from_hash(rid, model, await self.redis.hgetall(ModelKeys(model).status(rid)))
 
     async def depth(self, model: str) -> tuple[int, int]:
         """Entries on the interactive and bulk streams (waiting plus running)."""

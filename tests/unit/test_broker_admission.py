@@ -44,8 +44,8 @@ async def test_submit_enqueues_and_creates_a_queued_status(redis: Redis, setting
     assert got_id == entry
     assert RequestMessage.from_fields(fields) == m
     status = await adm.status(MODEL, m.id)
-    assert status["state"] == "queued"
-    assert status["entry"] == entry
+    assert status is not None and status.state is State.QUEUED
+    assert status.entry == entry
     assert 0 < await redis.ttl(KEYS.status(m.id)) <= settings.status_ttl_s
     assert await adm.find_model(m.id, ["other", MODEL]) == MODEL
     assert await adm.find_model("req-unknown", ["other", MODEL]) is None
@@ -66,7 +66,7 @@ async def test_submit_refuses_at_the_bound(redis: Redis, settings: Settings) -> 
     with pytest.raises(QueueFull):
         await adm.submit(refused, max_queued=3)
     assert await redis.xlen(KEYS.requests) == 3
-    assert await adm.status(MODEL, refused.id) == {}
+    assert await adm.status(MODEL, refused.id) is None
 
 
 async def test_pending_entries_count_toward_the_bound_until_committed(
@@ -90,7 +90,7 @@ async def test_cancel_of_a_queued_request_ends_it_at_once(redis: Redis, settings
     (m,) = await submit_n(adm, 1)
     assert await adm.cancel(MODEL, m.id) == "cancelled"
     status = await adm.status(MODEL, m.id)
-    assert status["state"] == "cancelled"
+    assert status is not None and status.state is State.CANCELLED
     events = await replies(redis, m.id)
     assert [f["kind"] for _, f in events] == ["final"]
     assert FinalResult.model_validate_json(events[0][1]["data"]).status is State.CANCELLED
@@ -111,7 +111,7 @@ async def test_cancel_of_a_queued_request_ends_it_at_once(redis: Redis, settings
 async def test_cancel_of_a_running_request_sets_the_flag(redis: Redis, settings: Settings) -> None:
     adm, m, c, d = await running_request(redis, settings)
     assert await adm.cancel(MODEL, m.id) == "cancelling"
-    assert (await adm.status(MODEL, m.id))["state"] == "running"
+    assert (await adm.status(MODEL, m.id)).state is State.RUNNING  # type: ignore[union-attr]
     assert 0 < await redis.ttl(KEYS.cancel(m.id)) <= settings.cancel_ttl_s
     assert await c.cancelled([m.id, "req-other"]) == {m.id}
     assert await replies(redis, m.id) == []

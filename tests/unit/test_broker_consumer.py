@@ -12,7 +12,6 @@ from sluice.protocol.messages import FinalResult
 from sluice.protocol.states import State
 from tests.unit.broker_helpers import (
     KEYS,
-    MODEL,
     admission,
     assert_request_keys_expire,
     consumer,
@@ -125,7 +124,7 @@ async def test_another_consumer_does_not_see_foreign_pending_entries(
 
 async def test_start_marks_the_request_running(redis: Redis, settings: Settings) -> None:
     adm, m, c, d = await running_request(redis, settings)
-    status = await adm.status(MODEL, m.id)
+    status = await redis.hgetall(KEYS.status(m.id))
     assert status["state"] == "running"
     assert status["worker"] == "w1"
     assert status["attempt"] == "1"
@@ -177,7 +176,7 @@ async def test_start_is_fenced_for_an_entry_owned_by_another_consumer(
     d = await fetch_one(c)
     await redis.xclaim(KEYS.requests, GROUP, "w2", 0, [d.entry_id], justid=True)
     assert await c.start(d) == "fenced"
-    assert (await adm.status(MODEL, m.id))["state"] == "queued"
+    assert await redis.hget(KEYS.status(m.id), "state") == "queued"
     assert await replies(redis, m.id) == []
     assert [p["consumer"] for p in await pending(redis)] == ["w2"]
 
@@ -210,7 +209,7 @@ async def test_commit_writes_the_final_and_removes_the_entry(redis: Redis, setti
     events = await replies(redis, m.id)
     assert [f["kind"] for _, f in events] == ["final"]
     assert FinalResult.model_validate_json(events[0][1]["data"]) == result
-    status = await adm.status(MODEL, m.id)
+    status = await redis.hgetall(KEYS.status(m.id))
     assert status["state"] == "done"
     assert FinalResult.model_validate_json(status["result"]) == result
     assert 0 < await redis.ttl(KEYS.reply(m.id)) <= settings.reply_ttl_s
@@ -236,7 +235,7 @@ async def test_commit_by_a_fenced_out_consumer_writes_nothing(redis: Redis, sett
     assert await c.commit(d, done_result()) is False
     assert await replies(redis, m.id) == []
     assert await redis.exists(KEYS.reply(m.id)) == 0
-    assert (await adm.status(MODEL, m.id))["state"] == "running"
+    assert await redis.hget(KEYS.status(m.id), "state") == "running"
     assert await redis.xlen(KEYS.requests) == 1
     assert [p["consumer"] for p in await pending(redis)] == ["w2"]
 
