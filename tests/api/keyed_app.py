@@ -12,7 +12,7 @@ from fastapi import FastAPI
 
 from sluice.api.app import create_app
 from sluice.config.settings import Settings
-from tests.unit.broker_helpers import MODEL
+from tests.broker.helpers import MODEL
 
 MODELS_YAML = f"models:\n  - name: {MODEL}\n    continuous_batching_config: {{max_concurrent_batch_size: 4}}\n"
 ADMIN, ALICE, BOB = "admin-key", "alice-key", "bob-key"

@@ -21,7 +21,7 @@ from sluice.cli.main import app as cli
 from sluice.config.model import ConfigError
 from sluice.config.settings import Settings
 from tests.api.keyed_app import ADMIN, ALICE, BOB, client, keyed_app
-from tests.unit.broker_helpers import MODEL
+from tests.broker.helpers import MODEL
 
 ADMIN_ROUTES = [("PUT", f"/v1/models/{MODEL}/config", {"batch_config": "single"}),
                 ("GET", f"/v1/models/{MODEL}/logs", None),

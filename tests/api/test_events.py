@@ -17,8 +17,8 @@ from redis.asyncio import Redis
 from sluice.api.app import create_app
 from sluice.config.settings import Settings
 from sluice.protocol.messages import DeltaEvent
+from tests.broker.helpers import KEYS, MODEL, done_result, running_request
 from tests.e2e.sse import SseEvent, sse_events
-from tests.unit.broker_helpers import KEYS, MODEL, done_result, running_request
 
 MODELS_YAML = f"models:\n  - name: {MODEL}\n    continuous_batching_config: {{max_concurrent_batch_size: 4}}\n"
 IDLE_S = 1.0

@@ -20,7 +20,7 @@ from sluice.config.model import ModelConfig
 from sluice.config.settings import Settings
 from sluice.workers.batch_job import BatchJob
 from tests.api.keyed_app import ADMIN, ALICE, BOB, client, keyed_app
-from tests.unit.broker_helpers import KEYS, MODEL
+from tests.broker.helpers import KEYS, MODEL
 from tests.workers.test_batch_jobs import MODEL as JOB_MODEL
 from tests.workers.test_batch_jobs import null_worker
 

@@ -17,7 +17,7 @@ from sluice.api.app import create_app
 from sluice.api.errors import ApiError
 from sluice.config.settings import Settings
 from sluice.protocol.ids import new_request_id, request_created_at
-from tests.unit.broker_helpers import KEYS, MODEL
+from tests.broker.helpers import KEYS, MODEL
 
 MODELS_YAML = (f"models:\n  - name: {MODEL}\n    max_queued: 4\n    result_ttl_s: 1\n"
                f"    dynamic_batching_config: {{batch_size_target: 4}}\n")

@@ -14,7 +14,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from sluice.api.app import create_app
 from sluice.broker.keys import idempotency
 from sluice.config.settings import Settings
-from tests.unit.broker_helpers import KEYS, MODEL
+from tests.broker.helpers import KEYS, MODEL
 
 MODELS_YAML = f"models:\n  - name: {MODEL}\n    continuous_batching_config: {{max_concurrent_batch_size: 4}}\n"
 BODY = {"prompt": "hello", "max_tokens": 3}

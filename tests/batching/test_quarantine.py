@@ -9,8 +9,8 @@ import pytest
 
 from sluice.batching.continuous import ContinuousAdmission
 from sluice.config.batching import ContinuousBatchingConfig
-from tests.unit.fakes import FakeClock, FakeSource, RecordingHandler, Req, settle
-from tests.unit.test_dynamic_policy import dyn, start, stop
+from tests.batching.test_dynamic import dyn, start, stop
+from tests.fakes import FakeClock, FakeSource, RecordingHandler, Req, settle
 
 
 @pytest.fixture

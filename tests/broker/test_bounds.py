@@ -13,7 +13,7 @@ from redis.asyncio import Redis
 from sluice.broker.batches import BatchStore
 from sluice.broker.files import FileError, FileStore
 from sluice.config.settings import Settings
-from tests.unit.broker_helpers import KEYS, assert_request_keys_expire, ready_consumer
+from tests.broker.helpers import KEYS, assert_request_keys_expire, ready_consumer
 
 
 async def test_a_finished_batch_and_its_records_expire(redis: Redis) -> None:

@@ -12,7 +12,7 @@ from sluice.broker.keys import GROUP
 from sluice.config.settings import Settings
 from sluice.protocol.messages import FinalResult
 from sluice.protocol.states import State
-from tests.unit.broker_helpers import (
+from tests.broker.helpers import (
     KEYS,
     admission,
     consumer,

@@ -14,7 +14,7 @@ from sluice.broker.replies import ReplyWriter
 from sluice.config.settings import Settings
 from sluice.protocol.messages import DeltaEvent, FinalResult, RequestMessage, RowOutput, SamplingSpec, Usage
 from sluice.protocol.states import State
-from tests.unit.broker_helpers import (
+from tests.broker.helpers import (
     KEYS,
     MODEL,
     assert_request_keys_expire,

@@ -24,7 +24,7 @@ from sluice.config.settings import Settings
 from sluice.protocol.messages import RequestMessage
 from sluice.workers.batch_job import BatchJob
 from sluice.workers.jobs import celery_app
-from tests.unit.broker_helpers import done_result
+from tests.broker.helpers import done_result
 
 MODEL = "bj"
 STREAM = ModelKeys(MODEL).bulk

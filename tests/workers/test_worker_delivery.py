@@ -22,7 +22,7 @@ from sluice.protocol.messages import DeltaEvent, FinalResult
 from sluice.workers.engines.base import GenerationRequest, TokenDelta
 from sluice.workers.engines.null import NullEngine
 from sluice.workers.worker import Worker
-from tests.unit.test_worker_null import KEYS, MODEL, eventually, submit
+from tests.workers.test_worker_null import KEYS, MODEL, eventually, submit
 
 DYNAMIC = DynamicBatchingConfig(max_batch_delay_ms=10, batch_size_target=4, batch_size_limit=4)
 

@@ -16,7 +16,7 @@ from sluice.protocol.messages import (
     RequestMessage,
     State,
 )
-from tests.unit.broker_helpers import (
+from tests.broker.helpers import (
     KEYS,
     MODEL,
     admission,

@@ -9,7 +9,7 @@ import pytest
 
 from sluice.batching.continuous import ContinuousAdmission
 from sluice.config.batching import ContinuousBatchingConfig
-from tests.unit.fakes import Req, take_items
+from tests.fakes import Req, take_items
 
 
 class MemorySource:

@@ -18,7 +18,7 @@ import sluice.api.metrics  # noqa: F401  (registers the api's metrics)
 import sluice.workers.metrics  # noqa: F401  (registers the workers' metrics)
 from sluice.cli.main import app
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 
 
 class _ComposeLoader(yaml.SafeLoader):

@@ -9,7 +9,7 @@ import pytest
 from sluice.batching.dynamic import DynamicBatcher
 from sluice.batching.single import SingleBatcher
 from sluice.config.batching import DynamicBatchingConfig
-from tests.unit.fakes import FakeClock, FakeSource, RecordingHandler, Req, settle
+from tests.fakes import FakeClock, FakeSource, RecordingHandler, Req, settle
 
 
 @pytest.fixture

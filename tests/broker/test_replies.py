@@ -12,7 +12,7 @@ from sluice.broker.keys import GROUP
 from sluice.broker.replies import ReplyWriter, delivered, read_replies, resume_index
 from sluice.config.settings import Settings
 from sluice.protocol.messages import DeltaEvent
-from tests.unit.broker_helpers import (
+from tests.broker.helpers import (
     KEYS,
     MODEL,
     done_result,
