@@ -10,12 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import random
 import re
-import signal
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -26,8 +23,8 @@ from rich.console import Console
 from rich.table import Table
 
 from sluice.bench.chaos_load import Load, audit
-from sluice.broker.embedded import EmbeddedRedis, free_port
-from sluice.cli.processes import stop_processes, wait_ready
+from sluice.cli.processes import free_port, wait_ready
+from sluice.cli.stack import LocalStack
 
 MODELS = """models:
   - name: chaos-cont
@@ -45,17 +42,17 @@ class ChaosStack:
 
     def __init__(self, tmp: Path, logs: Path, *, workers_per_model: int, token_delay_s: float, strict: bool):
         self.logs = logs
-        logs.mkdir(parents=True, exist_ok=True)
-        (tmp / "models.yaml").write_text(MODELS)
-        self.redis = EmbeddedRedis(tmp / "redis", strict=strict).start()
-        self.env = {**os.environ, "SLUICE_REDIS_URL": self.redis.url, "SLUICE_MODELS_FILE": str(tmp / "models.yaml"),
-                    "SLUICE_DATA_DIR": str(tmp / "data"), "SLUICE_LEASE_TIMEOUT_S": "2",
-                    "SLUICE_WORKER_TTL_S": str(WORKER_TTL_S), "SLUICE_HEARTBEAT_INTERVAL_S": "0.3",
-                    "SLUICE_CANCEL_POLL_S": "0.1", "SLUICE_SHUTDOWN_TIMEOUT_S": "5", "SLUICE_REPLY_TTL_S": "3600",
-                    "SLUICE_NULL_TOKEN_DELAY_S": str(token_delay_s), "SLUICE_NULL_COMPOSITION": "1",
-                    # Ten deliveries: a request killed three times by bad luck is no finding.
-                    "SLUICE_LOG_LEVEL": "WARNING", "SLUICE_MAX_DELIVERIES": "10",
-                    **({"SLUICE_DURABILITY": "strict"} if strict else {})}
+        env = {"SLUICE_LEASE_TIMEOUT_S": "2",
+               "SLUICE_WORKER_TTL_S": str(WORKER_TTL_S), "SLUICE_HEARTBEAT_INTERVAL_S": "0.3",
+               "SLUICE_CANCEL_POLL_S": "0.1", "SLUICE_SHUTDOWN_TIMEOUT_S": "5", "SLUICE_REPLY_TTL_S": "3600",
+               "SLUICE_NULL_TOKEN_DELAY_S": str(token_delay_s), "SLUICE_NULL_COMPOSITION": "1",
+               # Ten deliveries: a request killed three times by bad luck is no finding.
+               "SLUICE_LOG_LEVEL": "WARNING", "SLUICE_MAX_DELIVERIES": "10",
+               **({"SLUICE_DURABILITY": "strict"} if strict else {})}
+        self.local = LocalStack(tmp, MODELS, env=env, strict=strict, output="logs", logs_dir=logs)
+        self.local.start_redis()
+        assert self.local.redis is not None
+        self.redis = self.local.redis
         self.ports = [free_port(), free_port()]
         self.apis: dict[int, subprocess.Popen] = {}
         self.workers: dict[str, subprocess.Popen] = {}  # slot -> process
@@ -68,21 +65,16 @@ class ChaosStack:
     def urls(self) -> list[str]:
         return [f"http://127.0.0.1:{p}" for p in self.ports]
 
-    def _popen(self, args: list[str], log: str) -> subprocess.Popen:
-        with open(self.logs / f"{log}.log", "ab") as out:
-            return subprocess.Popen([sys.executable, "-m", "sluice.cli", *args], env=self.env, stdout=out,
-                                    stderr=subprocess.STDOUT)
-
     def start_api(self, i: int) -> None:
-        self.apis[i] = self._popen(["api", "--port", str(self.ports[i])], f"api{i}")
+        self.local.start_api(self.ports[i], log=f"api{i}")
+        self.apis[i] = self.local.apis[self.ports[i]]
 
     def start_worker(self, slot: str, new_name: bool = False) -> None:
         if new_name or slot not in self.names:
             self.generation += 1
             self.names[slot] = f"{slot}-g{self.generation}"
         model = slot.rsplit("-w", 1)[0]
-        self.workers[slot] = self._popen(["worker", "--model", model, "--engine", "null",
-                                          "--name", self.names[slot]], slot)
+        self.workers[slot] = self.local.start_worker(model, self.names[slot], engine="null", log=slot)
 
     def start(self) -> None:
         for slot in self.slots:
@@ -93,13 +85,10 @@ class ChaosStack:
             wait_ready(url, [*self.apis.values(), *self.workers.values()], timeout_s=120)
 
     def kill(self, proc: subprocess.Popen) -> None:
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
+        self.local.kill(proc)
 
     def restart_redis(self) -> None:
-        self.redis.stop(kill=True)
-        time.sleep(0.5)
-        self.redis.start()
+        self.local.restart_redis(down_s=0.5)
 
     def check_exits(self, expected: set[int]) -> None:
         """Restart a process that died without being killed here (and say so in the report)."""
@@ -118,8 +107,7 @@ class ChaosStack:
         return sum(int(m.group(1)) for f in self.logs.glob("*-w*.log") for m in pattern.finditer(f.read_text()))
 
     def stop(self) -> None:
-        stop_processes([*self.workers.values(), *self.apis.values()], timeout_s=15)
-        self.redis.stop()
+        self.local.stop(timeout_s=15)
 
 
 class Chaos(threading.Thread):

@@ -12,10 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import os
 import random
-import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -25,9 +22,9 @@ import httpx
 import redis as redis_sync
 import typer
 
-from sluice.broker.embedded import EmbeddedRedis, free_port
 from sluice.broker.keys import ModelKeys
-from sluice.cli.processes import stop_processes
+from sluice.cli.processes import EmbeddedRedis
+from sluice.cli.stack import LocalStack
 
 MODEL = "echo"
 MODELS = f"models:\n  - name: {MODEL}\n    max_queued: 10000000\n"
@@ -35,27 +32,11 @@ MODELS = f"models:\n  - name: {MODEL}\n    max_queued: 10000000\n"
 
 @contextlib.contextmanager
 def _api(strict: bool) -> Iterator[tuple[str, EmbeddedRedis]]:
-    with tempfile.TemporaryDirectory() as tmp:
-        (Path(tmp) / "models.yaml").write_text(MODELS)
-        redis = EmbeddedRedis(Path(tmp) / "redis", strict=strict).start()
-        port = free_port()
-        env = {**os.environ, "SLUICE_REDIS_URL": redis.url, "SLUICE_MODELS_FILE": str(Path(tmp) / "models.yaml"),
-               "SLUICE_LOG_LEVEL": "ERROR", "SLUICE_DURABILITY": "strict" if strict else "default"}
-        api = subprocess.Popen([sys.executable, "-m", "sluice.cli", "api", "--port", str(port)], env=env,
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        url = f"http://127.0.0.1:{port}"
-        try:
-            deadline = time.monotonic() + 60
-            while True:
-                with contextlib.suppress(httpx.HTTPError):
-                    if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
-                        break
-                assert time.monotonic() < deadline and api.poll() is None, "the api did not start"
-                time.sleep(0.1)
-            yield url, redis
-        finally:
-            stop_processes([api])
-            redis.stop()
+    env = {"SLUICE_LOG_LEVEL": "ERROR", "SLUICE_DURABILITY": "strict" if strict else "default"}
+    with tempfile.TemporaryDirectory() as tmp, LocalStack(Path(tmp), MODELS, strict=strict, env=env) as stack:
+        url = stack.up([], timeout_s=60).url  # the api alone: nothing runs the requests
+        assert stack.redis is not None
+        yield url, stack.redis
 
 
 async def _burst(url: str, seconds: float, concurrency: int, accepted: list[str],

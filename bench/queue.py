@@ -20,36 +20,21 @@ import httpx
 import typer
 
 from sluice.bench.loadgen import p50_p99
-from sluice.broker.embedded import EmbeddedRedis, free_port
-from sluice.cli.processes import stop_processes, wait_ready
+from sluice.cli.stack import LocalStack
 
 MODELS = "models:\n  - name: echo\n    continuous_batching_config: {max_concurrent_batch_size: 256}\n"
 
 
 @contextlib.contextmanager
 def _null_stack(workers: int) -> Iterator[tuple[str, str]]:
-    with tempfile.TemporaryDirectory() as tmp:
-        (Path(tmp) / "models.yaml").write_text(MODELS)
-        redis = EmbeddedRedis(Path(tmp) / "redis", appendonly=False).start()
-        port = free_port()
-        env = {**os.environ, "SLUICE_REDIS_URL": redis.url, "SLUICE_MODELS_FILE": str(Path(tmp) / "models.yaml"),
-               "SLUICE_LOG_LEVEL": "WARNING"}
-        cli = [sys.executable, "-m", "sluice.cli"]
-        quiet = {"env": env, "stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
-        procs = [subprocess.Popen([*cli, "api", "--port", str(port)], **quiet)]
-        procs += [subprocess.Popen([*cli, "worker", "--model", "echo", "--engine", "null", "--name", f"w{i}"], **quiet)
-                  for i in range(workers)]
-        try:
-            url = f"http://127.0.0.1:{port}"
-            wait_ready(url, procs, timeout_s=60)
-            deadline = time.monotonic() + 30
-            while len(httpx.get(f"{url}/v1/workers").json()["workers"]) < workers:
-                assert time.monotonic() < deadline, "workers did not come up"
-                time.sleep(0.2)
-            yield url, redis.url
-        finally:
-            stop_processes(procs)
-            redis.stop()
+    with tempfile.TemporaryDirectory() as tmp, LocalStack(Path(tmp), MODELS, appendonly=False,
+                                                          env={"SLUICE_LOG_LEVEL": "WARNING"}) as stack:
+        url = stack.up(["echo"] * workers, engine="null", timeout_s=60).url
+        deadline = time.monotonic() + 30
+        while len(httpx.get(f"{url}/v1/workers").json()["workers"]) < workers:
+            assert time.monotonic() < deadline, "workers did not come up"
+            time.sleep(0.2)
+        yield url, stack.redis_url
 
 
 async def _sluice_round_trips(url: str, n: int, concurrency: int) -> tuple[float, list[float], dict]:

@@ -11,9 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -25,8 +22,7 @@ import psutil
 import redis as redis_sync
 import typer
 
-from sluice.broker.embedded import EmbeddedRedis, free_port
-from sluice.cli.processes import stop_processes, wait_ready
+from sluice.cli.stack import LocalStack
 
 MODELS = """models:
   - name: soak-cont
@@ -56,27 +52,18 @@ class Counts:
 
 class SoakStack:
     def __init__(self, tmp: Path, retention_s: int):
-        (tmp / "models.yaml").write_text(MODELS)
-        self.redis = EmbeddedRedis(tmp / "redis", appendonly=False).start()
-        self.files_dir = tmp / "data" / "files"
         ttl = str(retention_s)
-        self.env = {**os.environ, "SLUICE_REDIS_URL": self.redis.url, "SLUICE_MODELS_FILE": str(tmp / "models.yaml"),
-                    "SLUICE_DATA_DIR": str(tmp / "data"), "SLUICE_LOG_LEVEL": "WARNING",
-                    "SLUICE_RESULT_TTL_S": ttl, "SLUICE_FILE_TTL_S": ttl, "SLUICE_BATCH_TTL_S": ttl,
-                    "SLUICE_REPLY_TTL_S": str(max(retention_s // 6, 1)), "SLUICE_LOG_MAX_LEN": "1000",
-                    "SLUICE_NULL_TOKEN_DELAY_S": "0.001"}
-        self.port = free_port()
-        cli = [sys.executable, "-m", "sluice.cli"]
-        quiet = {"env": self.env, "stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
-        self.workers = [subprocess.Popen([*cli, "worker", "--model", m, "--engine", "null", "--name", f"{m}-w"],
-                                         **quiet) for m in ("soak-cont", "soak-dyn")]
-        self.api = subprocess.Popen([*cli, "api", "--port", str(self.port)], **quiet)
-        self.jobs = subprocess.Popen([*cli, "jobs"], **quiet)
-        wait_ready(self.url, [self.api, *self.workers, self.jobs], timeout_s=120)
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        env = {"SLUICE_LOG_LEVEL": "WARNING", "SLUICE_RESULT_TTL_S": ttl, "SLUICE_FILE_TTL_S": ttl,
+               "SLUICE_BATCH_TTL_S": ttl, "SLUICE_REPLY_TTL_S": str(max(retention_s // 6, 1)),
+               "SLUICE_LOG_MAX_LEN": "1000", "SLUICE_NULL_TOKEN_DELAY_S": "0.001"}
+        self.stack = LocalStack(tmp, MODELS, appendonly=False, env=env)
+        self.stack.up(["soak-cont", "soak-dyn"], engine="null", jobs=True, timeout_s=120)
+        self.files_dir = tmp / "data" / "files"
+        self.url = self.stack.url
+        assert self.stack.redis is not None
+        self.redis = self.stack.redis
+        self.api = next(iter(self.stack.apis.values()))
+        self.workers = list(self.stack.workers.values())
 
     def sample(self, at: float) -> Sample:
         r = redis_sync.Redis.from_url(self.redis.url)
@@ -101,8 +88,7 @@ class SoakStack:
             r.close()
 
     def stop(self) -> None:
-        stop_processes([*self.workers, self.jobs, self.api], timeout_s=15)
-        self.redis.stop()
+        self.stack.stop(timeout_s=15)
 
 
 def _rss(pid: int) -> int:

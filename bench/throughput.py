@@ -25,8 +25,8 @@ import httpx
 import typer
 
 from sluice.bench.loadgen import p50_p99
-from sluice.broker.embedded import EmbeddedRedis, free_port
-from sluice.cli.processes import stop_processes, wait_ready
+from sluice.cli.processes import free_port, stop_processes, wait_ready
+from sluice.cli.stack import LocalStack
 from sluice.config.model import load_models
 from sluice.config.settings import Settings
 
@@ -36,23 +36,8 @@ PROMPTS = [f"Write a short note about topic number {i}:" for i in range(256)]
 @contextlib.contextmanager
 def local_stack(model: str, *, jobs: bool = False) -> Iterator[str]:
     """A private Redis, one worker for `model` and one api (and a jobs worker); yields the api's URL."""
-    with tempfile.TemporaryDirectory() as tmp:
-        redis = EmbeddedRedis(Path(tmp) / "redis").start()
-        port = free_port()
-        env = {**os.environ, "SLUICE_REDIS_URL": redis.url, "SLUICE_DATA_DIR": str(Path(tmp) / "data")}
-        cli = [sys.executable, "-m", "sluice.cli"]
-        quiet = {"env": env, "stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
-        procs = [subprocess.Popen([*cli, "worker", "--model", model], **quiet),
-                 subprocess.Popen([*cli, "api", "--port", str(port)], **quiet)]
-        if jobs:
-            procs.append(subprocess.Popen([*cli, "jobs"], **quiet))
-        try:
-            url = f"http://127.0.0.1:{port}"
-            wait_ready(url, procs)
-            yield url
-        finally:
-            stop_processes(procs)
-            redis.stop()
+    with tempfile.TemporaryDirectory() as tmp, LocalStack(Path(tmp)) as stack:
+        yield stack.up([model], jobs=jobs, timeout_s=900).url
 
 
 async def request_result(client: httpx.AsyncClient, prompt: str, max_tokens: int, model: str | None = None) -> dict:

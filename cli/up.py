@@ -3,16 +3,12 @@
 from __future__ import annotations
 
 import logging
-import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 from sluice.api.auth import anonymous_listen_error
-from sluice.broker.embedded import EmbeddedRedis
-from sluice.cli.processes import stop_processes, wait_ready
+from sluice.cli.stack import LocalStack
 from sluice.config.model import DEFAULT_MODEL_PATH, load_models
 from sluice.config.settings import Settings
 
@@ -54,21 +50,8 @@ def run_up(redis_url: str | None, host: str, port: int, models_file: Path | None
             log.error("%s", err)
             return 2
 
-    redis: EmbeddedRedis | None = None
-    if redis_url is None:
-        redis = EmbeddedRedis(settings.data_dir / "redis", strict=settings.durability == "strict").start()
-        redis_url = redis.url
-        log.info("started a local redis-server on %s (AOF in %s)", redis_url, redis.data_dir)
-    env = {**os.environ, "SLUICE_REDIS_URL": redis_url}
-    if models_file:
-        env["SLUICE_MODELS_FILE"] = str(models_file)
-    cli = [sys.executable, "-m", "sluice.cli"]
-    children = [
-        subprocess.Popen([*cli, "api", "--host", host, "--port", str(port),
-                          *(["--allow-anonymous"] if allow_anonymous else [])], env=env),
-        subprocess.Popen([*cli, "worker", "--model", default.name], env=env),
-        subprocess.Popen([*cli, "jobs"], env=env),
-    ]
+    stack = LocalStack(settings.data_dir, models_file=models_file, redis_url=redis_url, output="inherit", host=host,
+                       strict=settings.durability == "strict", env={"SLUICE_DATA_DIR": str(settings.data_dir)})
     stop = {"requested": False}
 
     def on_signal(signum, _frame) -> None:
@@ -76,12 +59,17 @@ def run_up(redis_url: str | None, host: str, port: int, models_file: Path | None
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
-    base = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
     try:
-        if wait_ready(base, children, cancelled=lambda: stop["requested"]):
-            log.info("Sluice is up at %s serving %s (%.1fs); Ctrl-C stops it", base, default.name,
+        stack.start_redis()
+        if redis_url is None and stack.redis is not None:
+            log.info("started a local redis-server on %s (AOF in %s)", stack.redis_url, stack.redis.data_dir)
+        stack.start_worker(default.name)
+        stack.start_jobs()
+        stack.start_api(port, *(["--allow-anonymous"] if allow_anonymous else []))
+        if stack.wait_ready(timeout_s=900, cancelled=lambda: stop["requested"]):
+            log.info("Sluice is up at %s serving %s (%.1fs); Ctrl-C stops it", stack.url, default.name,
                      time.monotonic() - t0)
-        while not stop["requested"] and all(c.poll() is None for c in children):
+        while not stop["requested"] and all(c.poll() is None for c in stack.processes):
             time.sleep(0.2)
         return 0 if stop["requested"] else 1
     except (RuntimeError, TimeoutError) as err:  # a child died while starting, or never got ready
@@ -89,6 +77,4 @@ def run_up(redis_url: str | None, host: str, port: int, models_file: Path | None
         return 1
     finally:
         log.info("stopping")
-        stop_processes(list(reversed(children)))  # the worker first: it drains its requests
-        if redis:
-            redis.stop()
+        stack.stop()  # the worker first: it drains its requests

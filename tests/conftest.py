@@ -10,7 +10,7 @@ import pytest
 from redis.asyncio import Redis
 
 from sluice.broker.connection import connect
-from sluice.broker.embedded import EmbeddedRedis
+from sluice.cli.processes import EmbeddedRedis
 from sluice.config.settings import Settings
 
 # One cache for every run on this machine: the default model is prepared once.

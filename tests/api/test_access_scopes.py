@@ -14,10 +14,10 @@ from redis.asyncio import Redis
 from typer.testing import CliRunner
 
 from sluice.api.auth import anonymous_listen_error, digest, key_digests, parse_key
-from sluice.broker.embedded import free_port
 from sluice.broker.registry import WorkerInfo, WorkerRegistry
 from sluice.cli import up
 from sluice.cli.main import app as cli
+from sluice.cli.processes import free_port
 from sluice.config.model import ConfigError
 from sluice.config.settings import Settings
 from tests.api.keyed_app import ADMIN, ALICE, BOB, client, keyed_app

@@ -7,9 +7,7 @@ The model runs in float32 so that batching cannot change greedy results.
 from __future__ import annotations
 
 import contextlib
-import os
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -18,8 +16,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from sluice.broker.embedded import EmbeddedRedis, free_port
-from sluice.cli.processes import stop_processes, wait_ready
+from sluice.cli.processes import EmbeddedRedis
+from sluice.cli.stack import LocalStack
 from sluice.config.settings import Settings
 from sluice.workers.model_prep import prepare_default_model
 
@@ -91,22 +89,12 @@ def e2e_models_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def stack(tmp_path_factory: pytest.TempPathFactory, model_dir: Path, e2e_models_file: Path) -> Iterator[Stack]:
-    redis = EmbeddedRedis(tmp_path_factory.mktemp("e2e-redis")).start()
-    port = free_port()
-    env = {**os.environ, "SLUICE_REDIS_URL": redis.url, "SLUICE_MODELS_FILE": str(e2e_models_file),
-           "SLUICE_HEARTBEAT_INTERVAL_S": "0.5", "SLUICE_CANCEL_POLL_S": "0.1",
+    env = {"SLUICE_HEARTBEAT_INTERVAL_S": "0.5", "SLUICE_CANCEL_POLL_S": "0.1",
            "SLUICE_LEASE_TIMEOUT_S": str(LEASE_TIMEOUT_S)}
-    cli = [sys.executable, "-m", "sluice.cli"]
-    workers = [subprocess.Popen([*cli, "worker", "--model", m, "--name", f"e2e-{m}"], env=env)
-               for m in (MODEL, DYNAMIC, CUSTOM)]
-    api = subprocess.Popen([*cli, "api", "--port", str(port)], env=env)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_ready(url, [*workers, api], timeout_s=600)
-        yield Stack(url, redis.url, env, e2e_models_file, model_dir, workers, api)
-    finally:
-        stop_processes([*workers, api])
-        redis.stop()
+    with LocalStack(tmp_path_factory.mktemp("e2e"), models_file=e2e_models_file, env=env, output="inherit") as local:
+        local.up([MODEL, DYNAMIC, CUSTOM], names=[f"e2e-{m}" for m in (MODEL, DYNAMIC, CUSTOM)])
+        yield Stack(local.url, local.redis_url or "", local.child_env, e2e_models_file, model_dir,
+                    list(local.workers.values()), next(iter(local.apis.values())))
 
 
 @dataclass
@@ -122,24 +110,13 @@ def null_stack(tmp: Path, models_yaml: str, model: str, *, password: str | None 
                tls: tuple[Path, Path] | None = None, jobs: bool = False,
                **env: str) -> Iterator[NullStack]:
     """A private Redis, a null-engine worker and an api: for tests of the api and the queue."""
-    (tmp / "models.yaml").write_text(models_yaml)
-    redis = EmbeddedRedis(tmp / "redis", password=password, tls=tls).start()
-    port = free_port()
-    env = {**os.environ, "SLUICE_REDIS_URL": redis.url, "SLUICE_MODELS_FILE": str(tmp / "models.yaml"),
-           "SLUICE_DATA_DIR": str(tmp / "data"), "SLUICE_LOG_LEVEL": "WARNING", **env}
-    cli = [sys.executable, "-m", "sluice.cli"]
-    procs = {"worker": subprocess.Popen([*cli, "worker", "--model", model, "--engine", "null"], env=env),
-             "api": subprocess.Popen([*cli, "api", "--port", str(port)], env=env,
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)}
-    if jobs:
-        procs["jobs"] = subprocess.Popen([*cli, "jobs"], env=env)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_ready(url, list(procs.values()), timeout_s=60)
-        yield NullStack(url, redis, env, procs)
-    finally:
-        stop_processes(list(procs.values()))
-        redis.stop()
+    with LocalStack(tmp, models_yaml, redis_password=password, redis_tls=tls,
+                    env={"SLUICE_LOG_LEVEL": "WARNING", **env}) as local:
+        local.up([model], engine="null", jobs=jobs, timeout_s=60)
+        assert local.redis is not None
+        procs = {"worker": next(iter(local.workers.values())), "api": next(iter(local.apis.values())),
+                 **({"jobs": local.jobs} if local.jobs else {})}
+        yield NullStack(local.url, local.redis, local.child_env, procs)
 
 
 async def submit(client: httpx.AsyncClient, model: str = MODEL, **body) -> str:

@@ -12,8 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from sluice.broker.embedded import free_port
-from sluice.cli.processes import wait_ready
+from sluice.cli.processes import free_port, wait_ready
 from tests.e2e.conftest import ENGINE
 
 pytestmark = pytest.mark.engine

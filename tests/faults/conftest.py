@@ -11,19 +11,17 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
 import pytest
 import redis as redis_sync
 
-from sluice.broker.embedded import EmbeddedRedis, free_port
 from sluice.broker.keys import ModelKeys
-from sluice.cli.processes import stop_processes
+from sluice.cli.processes import EmbeddedRedis, free_port
+from sluice.cli.stack import LocalStack
 
 MODEL = "echo"
 KEYS = ModelKeys(MODEL)
@@ -36,27 +34,28 @@ models:
 ROWS: list[dict] = []
 
 
-@dataclass
 class Cluster:
-    tmp: Path
-    redis: EmbeddedRedis
-    env: dict[str, str]
-    url: str
-    api: subprocess.Popen | None = None
-    workers: dict[str, subprocess.Popen] = field(default_factory=dict)
+    """A LocalStack whose api and workers a test starts, kills and restarts. `env` is the whole
+    environment of the processes started from now on (a test may change it)."""
+
+    def __init__(self, local: LocalStack) -> None:
+        self.local = local
+        self.tmp = local.data_dir
+        assert local.redis is not None
+        self.redis: EmbeddedRedis = local.redis
+        self.env = local.child_env
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.api: subprocess.Popen | None = None
+        self.workers: dict[str, subprocess.Popen] = {}
 
     def start_api(self) -> None:
-        port = int(self.url.rsplit(":", 1)[1])
-        self.api = subprocess.Popen([sys.executable, "-m", "sluice.cli", "api", "--port", str(port)],
-                                    env=self.env)
+        self.local.start_api(self.port, **self.env)
+        self.api = self.local.apis[self.port]
 
     def start_worker(self, name: str, model: str = MODEL, **env: str) -> subprocess.Popen:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "sluice.cli", "worker", "--model", model, "--engine", "null", "--name", name],
-            env={**self.env, **env},
-        )
-        self.workers[name] = proc
-        return proc
+        self.workers[name] = self.local.start_worker(model, name, engine="null", **{**self.env, **env})
+        return self.workers[name]
 
     def wait_workers(self, n: int, timeout_s: float = 60) -> None:
         deadline = time.monotonic() + timeout_s
@@ -75,10 +74,7 @@ class Cluster:
 
     def restart_redis(self) -> float:
         """kill -9 Redis and start it again on the same port and data; returns the seconds it was down."""
-        t0 = time.monotonic()
-        self.redis.stop(kill=True)
-        self.redis.start()
-        return time.monotonic() - t0
+        return self.local.restart_redis()
 
     def sync(self) -> redis_sync.Redis:
         return redis_sync.Redis.from_url(self.redis.url, decode_responses=True)
@@ -88,41 +84,22 @@ class Cluster:
 def make_cluster(tmp_path: Path, models_yaml: str = MODELS_YAML, *, strict: bool = False,
                  **env: str) -> Iterator[Cluster]:
     """A private Redis (fsync on every write when `strict`) and an api; workers are started by the test."""
-    models = tmp_path / "models.yaml"
-    models.write_text(models_yaml)
-    redis = EmbeddedRedis(tmp_path / "redis", strict=strict).start()
-    env = {**os.environ, "SLUICE_REDIS_URL": redis.url, "SLUICE_MODELS_FILE": str(models),
-           "SLUICE_LEASE_TIMEOUT_S": "2", "SLUICE_WORKER_TTL_S": "3", "SLUICE_HEARTBEAT_INTERVAL_S": "0.3",
+    env = {"SLUICE_LEASE_TIMEOUT_S": "2", "SLUICE_WORKER_TTL_S": "3", "SLUICE_HEARTBEAT_INTERVAL_S": "0.3",
            "SLUICE_CANCEL_POLL_S": "0.1", "SLUICE_SHUTDOWN_TIMEOUT_S": "30",
            "SLUICE_NULL_TOKEN_DELAY_S": "0.02", "SLUICE_LOG_LEVEL": "INFO",
            "SLUICE_DURABILITY": "strict" if strict else "default", **env}
-    c = Cluster(tmp_path, redis, env, f"http://127.0.0.1:{free_port()}")
-    c.start_api()
-    try:
-        _wait_api(c)
+    with LocalStack(tmp_path, models_yaml, strict=strict, env=env, output="inherit") as local:
+        local.start_redis()
+        c = Cluster(local)
+        c.start_api()
+        local.wait_ready(60, probe="healthz")
         yield c
-    finally:
-        stop_processes([*c.workers.values(), *([c.api] if c.api else [])], timeout_s=30)
-        redis.stop()
 
 
 @pytest.fixture
 def cluster(tmp_path: Path) -> Iterator[Cluster]:
     with make_cluster(tmp_path) as c:
         yield c
-
-
-def _wait_api(c: Cluster) -> None:
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        assert c.api is not None and c.api.poll() is None, "the api exited"
-        try:
-            if httpx.get(f"{c.url}/healthz", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    raise TimeoutError("api")
 
 
 def audit(c: Cluster, rids: list[str]) -> dict[str, int]:
