@@ -23,7 +23,7 @@ WORDS = ("river stone light garden window silver market engine harbor forest sig
 
 
 @dataclass
-class Job:
+class LoadRequest:
     prompt: str
     max_tokens: int
 
@@ -40,31 +40,32 @@ class Record:
     error: str | None = None
 
 
-Send = Callable[[Job], Awaitable[Record]]
+Send = Callable[[LoadRequest], Awaitable[Record]]
 
 
-def make_jobs(n: int, prompt_words: tuple[int, int], output_tokens: tuple[int, int], seed: int) -> list[Job]:
+def make_requests(n: int, prompt_words: tuple[int, int], output_tokens: tuple[int, int],
+                  seed: int) -> list[LoadRequest]:
     rng = random.Random(seed)
-    return [Job(" ".join(rng.choice(WORDS) for _ in range(rng.randint(*prompt_words))),
+    return [LoadRequest(" ".join(rng.choice(WORDS) for _ in range(rng.randint(*prompt_words))),
                 rng.randint(*output_tokens)) for _ in range(n)]
 
 
-async def drive(send: Send, jobs: list[Job], *, rate: float | None, poisson: bool, concurrency: int | None,
+async def drive(send: Send, requests: list[LoadRequest], *, rate: float | None, poisson: bool, concurrency: int | None,
                 seed: int) -> tuple[list[Record], float]:
-    """Send the jobs with the arrival process (rate: requests/s) and/or a concurrency cap."""
+    """Send the requests with the arrival process (rate: requests/s) and/or a concurrency cap."""
     rng = random.Random(seed + 1)
     sem = asyncio.Semaphore(concurrency) if concurrency else None
 
-    async def one(job: Job) -> Record:
+    async def one(request: LoadRequest) -> Record:
         if sem is None:
-            return await send(job)
+            return await send(request)
         async with sem:
-            return await send(job)
+            return await send(request)
 
     t0 = time.perf_counter()
     tasks = []
-    for job in jobs:
-        tasks.append(asyncio.create_task(one(job)))
+    for request in requests:
+        tasks.append(asyncio.create_task(one(request)))
         if rate:
             await asyncio.sleep(rng.expovariate(rate) if poisson else 1.0 / rate)
     records = await asyncio.gather(*tasks)
@@ -106,9 +107,9 @@ def sluice_sender(url: str, model: str | None) -> Send:
     client = httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(600, connect=30),
                                limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256))
 
-    async def send(job: Job) -> Record:
+    async def send(request: LoadRequest) -> Record:
         rec = Record(start=time.perf_counter())
-        body = {"prompt": job.prompt, "max_tokens": job.max_tokens, "temperature": 0.0}
+        body = {"prompt": request.prompt, "max_tokens": request.max_tokens, "temperature": 0.0}
         if model:
             body["model"] = model
         r = await client.post("/v1/requests", json=body)
@@ -145,9 +146,9 @@ def openai_sender(url: str, model: str, api_key: str | None = None) -> Send:
     client = httpx.AsyncClient(base_url=url.rstrip("/"), timeout=httpx.Timeout(600, connect=30), headers=headers,
                                limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256))
 
-    async def send(job: Job) -> Record:
+    async def send(request: LoadRequest) -> Record:
         rec = Record(start=time.perf_counter())
-        body = {"model": model, "prompt": job.prompt, "max_tokens": job.max_tokens, "temperature": 0.0,
+        body = {"model": model, "prompt": request.prompt, "max_tokens": request.max_tokens, "temperature": 0.0,
                 "stream": True, "stream_options": {"include_usage": True}}
         async with client.stream("POST", "/v1/completions", json=body) as response:
             if response.status_code != 200:
@@ -179,10 +180,10 @@ def engine_sender(engine) -> Send:
 
     counter = iter(range(10**12))
 
-    async def send(job: Job) -> Record:
+    async def send(request: LoadRequest) -> Record:
         rec = Record(start=time.perf_counter())
-        params = SamplingParams(max_tokens=job.max_tokens, temperature=0.0, output_kind=RequestOutputKind.DELTA)
-        async for out in engine.generate(job.prompt, params, request_id=f"bench-{next(counter)}"):
+        params = SamplingParams(max_tokens=request.max_tokens, temperature=0.0, output_kind=RequestOutputKind.DELTA)
+        async for out in engine.generate(request.prompt, params, request_id=f"bench-{next(counter)}"):
             ids = out.outputs[0].token_ids
             if ids:
                 now = time.perf_counter()

@@ -12,7 +12,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from sluice.bench.loadgen import drive, engine_sender, make_jobs, openai_sender, sluice_sender, summarize
+from sluice.bench.loadgen import drive, engine_sender, make_requests, openai_sender, sluice_sender, summarize
 from sluice.bench.throughput import direct_engine, local_stack
 from sluice.config.model import load_models
 from sluice.config.settings import Settings
@@ -30,10 +30,10 @@ def _levels(text: str) -> list[float]:
 async def _levels_run(send, levels: list[float], by: str, n: int, words, outputs, seed: int, poisson: bool,
                       slo: tuple[float, float]) -> list[dict]:
     results = []
-    await drive(send, make_jobs(2, (4, 4), (4, 4), seed + 99), rate=None, poisson=False, concurrency=2, seed=seed)
+    await drive(send, make_requests(2, (4, 4), (4, 4), seed + 99), rate=None, poisson=False, concurrency=2, seed=seed)
     for level in levels:
-        jobs = make_jobs(n, words, outputs, seed)
-        records, wall = await drive(send, jobs, rate=level if by == "rate" else None, poisson=poisson,
+        requests = make_requests(n, words, outputs, seed)
+        records, wall = await drive(send, requests, rate=level if by == "rate" else None, poisson=poisson,
                                     concurrency=int(level) if by == "concurrency" else None, seed=seed)
         results.append({by: level, **summarize(records, wall, slo_ttft_s=slo[0], slo_tpot_s=slo[1])})
     return results
