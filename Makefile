@@ -1,7 +1,7 @@
 # The two commands of the quick start: `make up` and `make test`.
 VENV ?= .venv
 
-.PHONY: install up test bench
+.PHONY: install up test coverage bench
 
 install:
 	@bash scripts/install.sh
@@ -11,6 +11,13 @@ up: install
 
 test: install
 	$(VENV)/bin/python -m pytest
+
+# The suite under coverage (api and worker processes included), then the line report.
+coverage: install
+	rm -rf .coverage-data && mkdir -p .coverage-data
+	$(VENV)/bin/python -m coverage run -m pytest
+	$(VENV)/bin/python -m coverage combine -q
+	$(VENV)/bin/python -m coverage report --sort=cover
 
 bench: install
 	$(VENV)/bin/sluice bench throughput

@@ -189,7 +189,8 @@ def growth_per_minute(samples: list[Sample], attr: str) -> tuple[float, float]:
     return slope, my
 
 
-def soak(minutes: float, retention_s: int, rate: float, warmup_s: float | None = None) -> dict:
+def soak(minutes: float, retention_s: int, rate: float, warmup_s: float | None = None,
+         sample_every_s: float = SAMPLE_EVERY_S, batch_every_s: float = 20) -> dict:
     """Run the soak; returns the samples, the growth after warm-up, and the traffic counts."""
     warmup = warmup_s if warmup_s is not None else 2 * retention_s
     samples: list[Sample] = []
@@ -199,12 +200,12 @@ def soak(minutes: float, retention_s: int, rate: float, warmup_s: float | None =
             t0, done = time.monotonic(), threading.Event()
 
             def sampler() -> None:
-                while not done.wait(SAMPLE_EVERY_S):
+                while not done.wait(sample_every_s):
                     samples.append(stack.sample(time.monotonic() - t0))
 
             thread = threading.Thread(target=sampler, daemon=True, name="soak-sampler")
             thread.start()
-            counts = asyncio.run(Traffic(stack.url, rate, batch_every_s=20).run(minutes * 60))
+            counts = asyncio.run(Traffic(stack.url, rate, batch_every_s=batch_every_s).run(minutes * 60))
             done.set()  # samples of a stack without load would end the curve with a drop
             thread.join()
             per_request = stack.per_request_bytes()

@@ -53,7 +53,10 @@ class EmbeddedRedis:
         every write is on disk before it is answered (appendfsync always), so a kill -9 loses
         nothing that was acknowledged; the default fsyncs once a second."""
         self.data_dir = Path(data_dir)
-        self.port = port or free_port(6380)
+        # A port of our choosing may be taken in between (tests start many servers at once):
+        # the first start chooses again; a restart keeps its port, its clients know it.
+        self._pick_port = port is None
+        self.port = port or free_port()
         self.appendonly = appendonly
         self.strict = strict
         self.password = password
@@ -68,6 +71,19 @@ class EmbeddedRedis:
         return f"redis://{auth}127.0.0.1:{self.port}/0"
 
     def start(self, timeout_s: float = 10.0) -> EmbeddedRedis:
+        for _ in range(5):
+            try:
+                self._start(timeout_s)
+                self._pick_port = False
+                return self
+            except EmbeddedRedisError:
+                if not self._pick_port:
+                    raise
+                self.stop()
+                self.port = free_port()
+        return self._start(timeout_s)
+
+    def _start(self, timeout_s: float) -> EmbeddedRedis:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         self.process = subprocess.Popen(
             [redis_server_binary(), *self._listen(), "--bind", "127.0.0.1",
@@ -85,14 +101,30 @@ class EmbeddedRedis:
                 with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as raw:
                     s = ssl.create_default_context(cafile=str(self.tls[0])).wrap_socket(
                         raw, server_hostname="127.0.0.1") if self.tls else raw
-                    s.sendall(b"PING\r\n")
-                    answer = s.recv(64)
-                    if answer.startswith(b"+PONG") or answer.startswith(b"-NOAUTH"):
+                    if self._answers_as_ours(s):
                         return self
             except OSError:
                 pass
             time.sleep(0.05)
         raise EmbeddedRedisError(f"redis-server did not answer on port {self.port} in {timeout_s}s")
+
+    def _answers_as_ours(self, s: socket.socket) -> bool:
+        """Whether the server on our port is the one we started (tests start many at once: a
+        server that lost the port to another answers with the other's pid)."""
+        auth = f"AUTH {self.password}\r\n".encode() if self.password else b""
+        s.sendall(auth + b"INFO server\r\n")
+        answer = b""
+        while b"process_id:" not in answer or not answer.endswith(b"\r\n\r\n"):
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            answer += chunk
+        assert self.process is not None
+        if f"process_id:{self.process.pid}\r\n".encode() in answer:
+            return True
+        if b"process_id:" in answer:
+            raise EmbeddedRedisError(f"port {self.port} is another redis-server's")
+        return False
 
     def _listen(self) -> list[str]:
         if not self.tls:

@@ -40,6 +40,7 @@ class LocalStack:
     appendonly: bool = True
     redis_password: str | None = None
     redis_tls: tuple[Path, Path] | None = None
+    redis_port: int | None = None  # a free one if None
     host: str = "127.0.0.1"
     logs_dir: Path | None = None  # with output="logs"; data_dir/logs if not given
     redis: EmbeddedRedis | None = None
@@ -60,7 +61,7 @@ class LocalStack:
         """Start the local Redis unless a URL was given; returns the URL the children use."""
         if self.redis_url is None or self.redis is not None:
             if self.redis is None:
-                self.redis = EmbeddedRedis(self.data_dir / "redis", appendonly=self.appendonly,
+                self.redis = EmbeddedRedis(self.data_dir / "redis", self.redis_port, appendonly=self.appendonly,
                                            password=self.redis_password, tls=self.redis_tls, strict=self.strict)
             self.redis.start()
             self.redis_url = self.redis.url
@@ -135,9 +136,9 @@ class LocalStack:
                    probe: str = "readyz") -> bool:
         """Until every api answers /readyz (its models have live workers; /healthz for an api
         started without workers); raises if a child exits first."""
+        live = [p for p in self.processes if p.poll() is None]  # not those a test killed earlier
         for port in self.apis:
-            if not wait_ready(self.api_url(port), self.processes, timeout_s=timeout_s, cancelled=cancelled,
-                              probe=probe):
+            if not wait_ready(self.api_url(port), live, timeout_s=timeout_s, cancelled=cancelled, probe=probe):
                 return False
         return True
 

@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 from sluice.api.auth import anonymous_listen_error
+from sluice.cli.processes import free_port
 from sluice.cli.stack import LocalStack
 from sluice.config.model import DEFAULT_MODEL_PATH, load_models
 from sluice.config.settings import Settings
@@ -51,7 +52,8 @@ def run_up(redis_url: str | None, host: str, port: int, models_file: Path | None
             return 2
 
     stack = LocalStack(settings.data_dir, models_file=models_file, redis_url=redis_url, output="inherit", host=host,
-                       strict=settings.durability == "strict", env={"SLUICE_DATA_DIR": str(settings.data_dir)})
+                       strict=settings.durability == "strict", env={"SLUICE_DATA_DIR": str(settings.data_dir)},
+                       redis_port=free_port(6380))
     stop = {"requested": False}
 
     def on_signal(signum, _frame) -> None:

@@ -96,6 +96,10 @@ def make_cluster(tmp_path: Path, models_yaml: str = MODELS_YAML, *, strict: bool
         yield c
 
 
+def _wait_api(c: Cluster) -> None:
+    c.local.wait_ready(60, probe="healthz")
+
+
 @pytest.fixture
 def cluster(tmp_path: Path) -> Iterator[Cluster]:
     with make_cluster(tmp_path) as c:

@@ -1,5 +1,6 @@
-"""A 2-minute chaos run (`sluice bench chaos`): workers and apis killed under load, then
-every accepted request audited in Redis. Select it with `-m chaos`."""
+"""A 40-second chaos run (`sluice bench chaos`): a worker killed every 2 s and an api every
+8 s on average under load, then every accepted request audited in Redis. Select it with
+`-m chaos`; `sluice bench chaos --seconds 120` is the longer run of the README."""
 
 from __future__ import annotations
 
@@ -15,14 +16,15 @@ pytestmark = pytest.mark.chaos
 
 def test_chaos_run_loses_and_duplicates_nothing(tmp_path: Path) -> None:
     out = tmp_path / "chaos.json"
-    run = subprocess.run([sys.executable, "-m", "sluice.cli", "bench", "chaos", "--seconds", "120",
+    run = subprocess.run([sys.executable, "-m", "sluice.cli", "bench", "chaos", "--seconds", "40", "--kill-every", "2",
+                          "--api-kill-every", "8",
                           "--json", str(out), "--logs", str(tmp_path / "logs")],
                          capture_output=True, text=True, timeout=540)
     assert out.exists(), run.stdout[-3000:] + run.stderr[-3000:]
     figures = json.loads(out.read_text())
     print(run.stdout[-2500:])  # the table (shown with -s)
     broken = json.dumps(figures["broken"][:5], indent=1)
-    assert figures["accepted"] > 100, run.stdout[-3000:]
+    assert figures["accepted"] > 40, run.stdout[-3000:]  # about 100 when it shares the machine, 300 alone
     assert figures["kills"]["workers"] >= 10 and figures["kills"]["apis"] >= 2, figures["kills"]
     assert figures["lost"] == 0, broken
     assert figures["duplicated"] == 0, broken
