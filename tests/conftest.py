@@ -22,7 +22,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Under xdist (`-n 2 --dist loadgroup`, the default), every test of the real engine runs in
     one worker process, so the session's one engine stack is started once."""
     for item in items:
-        if item.get_closest_marker("engine"):
+        if item.get_closest_marker("engine") and not item.get_closest_marker("xdist_group"):
             item.add_marker(pytest.mark.xdist_group("engine"))
 
 

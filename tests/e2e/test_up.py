@@ -15,7 +15,8 @@ import pytest
 from sluice.cli.processes import free_port, wait_ready
 from tests.e2e.conftest import ENGINE
 
-pytestmark = pytest.mark.engine
+# Its own engine (sluice up starts one): beside the shared stack, in another xdist process.
+pytestmark = [pytest.mark.engine, pytest.mark.xdist_group("up")]
 
 
 def port_open(port: int) -> bool:
