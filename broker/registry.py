@@ -10,25 +10,10 @@ from dataclasses import asdict, dataclass
 from redis.asyncio import Redis
 
 from sluice.broker.keys import MODELS, WORKERS
+from sluice.broker.scripts import Scripts
 from sluice.config.model import ModelConfig, parse_model
 
-# A stored deployment is "<version>\n<fingerprint>\n<config json>". Deploy compares
-# fingerprints and bumps the version in one step, so concurrent deploys do not race.
-_DEPLOY = r"""
-local current = redis.call('HGET', KEYS[1], ARGV[1])
-local version = 1
-if current then
-  local nl1 = string.find(current, '\n', 1, true)
-  local nl2 = string.find(current, '\n', nl1 + 1, true)
-  if ARGV[4] == '1' or string.sub(current, nl1 + 1, nl2 - 1) == ARGV[2] then
-    return current
-  end
-  version = tonumber(string.sub(current, 1, nl1 - 1)) + 1
-end
-local stored = version .. '\n' .. ARGV[2] .. '\n' .. ARGV[3]
-redis.call('HSET', KEYS[1], ARGV[1], stored)
-return stored
-"""
+# A stored deployment is "<version>\n<fingerprint>\n<config json>" (lua/deploy.lua).
 
 
 def _decode(name: str, stored: str) -> ModelConfig:
@@ -41,7 +26,7 @@ def _decode(name: str, stored: str) -> ModelConfig:
 class ModelRegistry:
     def __init__(self, redis: Redis):
         self.redis = redis
-        self._deploy = redis.register_script(_DEPLOY)
+        self._deploy = Scripts.register(redis).deploy
 
     async def deploy(self, model: ModelConfig, *, keep_existing: bool = False) -> ModelConfig:
         """Store a deployment; a changed one gets the next version, an unchanged one keeps its own.

@@ -29,6 +29,7 @@ class Scripts:
     reply: AsyncScript
     requeue: AsyncScript
     consumer_drop: AsyncScript
+    deploy: AsyncScript  # model deployments (broker/registry.py)
     # bulk jobs (broker/batches.py)
     batch_refresh: AsyncScript
     batch_release: AsyncScript
