@@ -48,21 +48,9 @@ class Delivery:
 
 
 class StreamConsumer:
-    def __init__(
-        self,
-        redis: Redis,
-        model: str,
-        consumer: str,
-        *,
-        status_ttl_s: int,
-        reply_ttl_s: int,
-        log_max_len: int,
-        lease_timeout_s: float = 30.0,
-        max_deliveries: int = 3,
-        dlq_max_len: int = 10_000,
-        result_ttl_s: int = 3600,
-        log_max_record_bytes: int = 4096,
-    ):
+    def __init__(self, redis: Redis, model: str, consumer: str, *, status_ttl_s: int, reply_ttl_s: int,
+                 log_max_len: int, lease_timeout_s: float = 30.0, max_deliveries: int = 3, dlq_max_len: int = 10_000,
+                 result_ttl_s: int = 3600, log_max_record_bytes: int = 4096):
         self.redis = redis
         self.keys = ModelKeys(model)
         self.consumer = consumer
@@ -115,18 +103,32 @@ class StreamConsumer:
         return [self.keys.requests, self.keys.bulk]
 
     async def ensure_groups(self) -> None:
-        """Create the consumer group on each stream; a group that exists already is fine."""
+        """Create the consumer group on each stream (and the stream) unless it exists."""
         for stream in self.streams:
             try:
                 await self.redis.xgroup_create(stream, GROUP, id="0", mkstream=True)
             except ResponseError as err:
-                if "BUSYGROUP" not in str(err):
+                if "BUSYGROUP" not in str(err):  # the group exists already: fine
                     raise
 
     async def fetch(self, count: int, block_ms: int, *, isolated: int = 1) -> list[Delivery]:
         """At most `count` entries, of which at most `isolated` redelivered ones: first own
         pending entries (after a restart), then entries whose lease expired elsewhere, then
-        new ones. What is returned is held, and leased by lease_held(), until released."""
+        new ones. What is returned is held, and leased by lease_held(), until released.
+
+        A consumer group that is gone (Redis restarted without its data, or was flushed) is
+        created again, and the read answers nothing this time: callers see no Redis errors
+        of that kind."""
+        try:
+            return await self._fetch(count, block_ms, isolated)
+        except ResponseError as err:
+            if "NOGROUP" not in str(err):
+                raise
+            log.warning("the consumer group of %s is gone (Redis lost its data): re-creating it", self.keys.model)
+            await self.ensure_groups()
+            return []
+
+    async def _fetch(self, count: int, block_ms: int, isolated: int) -> list[Delivery]:
         out = await self._redelivered(min(count, isolated)) if count > 0 else []
         if out or count <= 0:
             return self._hold(out)
@@ -137,14 +139,11 @@ class StreamConsumer:
             got = await self.redis.xreadgroup(GROUP, self.consumer, {stream: ">"}, count=count)
             if got:
                 return self._hold(await self._deliveries(stream, got[0][1], redelivered=False))
-        got = await self.redis.xreadgroup(
-            GROUP, self.consumer, {self.keys.requests: ">"}, count=count, block=block_ms
-        )
+        got = await self.redis.xreadgroup(GROUP, self.consumer, {self.keys.requests: ">"}, count=count, block=block_ms)
         return self._hold(await self._deliveries(self.keys.requests, got[0][1], redelivered=False) if got else [])
 
     def _hold(self, deliveries: list[Delivery]) -> list[Delivery]:
-        for d in deliveries:
-            self.held[d.key] = d
+        self.held.update((d.key, d) for d in deliveries)
         return deliveries
 
     def release(self, d: Delivery) -> None:
@@ -272,8 +271,7 @@ class StreamConsumer:
         )
         self.release(d)
         if not written:
-            log.warning("request %s: entry %s was reclaimed by another worker; result dropped",
-                        rid, d.entry_id)
+            log.warning("request %s: entry %s was reclaimed by another worker; result dropped", rid, d.entry_id)
         elif written == 2:
             log.info("request %s was final already (cancelled or expired meanwhile): acknowledged", rid)
         return written == 1
@@ -293,7 +291,5 @@ class StreamConsumer:
 
     async def cancelled(self, rids: list[str]) -> set[str]:
         """Which of these requests have their cancel flag set."""
-        if not rids:
-            return set()
-        flags = await self.redis.mget([self.keys.cancel(r) for r in rids])
+        flags = await self.redis.mget([self.keys.cancel(r) for r in rids]) if rids else []
         return {r for r, f in zip(rids, flags) if f is not None}

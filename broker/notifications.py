@@ -1,8 +1,9 @@
 """Wake long-polling readers when a request's final result lands (pub/sub on sluice:done).
 
-One subscription per api process fans the announcements out to waiting requests, so a
-long poll costs nothing while tokens stream. A lost announcement (a reconnect) costs at
-most one re-check interval: waiters re-read the status at least every `recheck_s`.
+One subscription per process (an api process, a bulk job's runner) fans the announcements
+out to waiters, so a long poll costs nothing while tokens stream. A lost announcement (a
+reconnect) costs at most one re-check interval: waiters re-read the status at least every
+`recheck_s`.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import asyncio
 import contextlib
 import logging
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 from redis.asyncio import Redis
 
@@ -19,52 +20,121 @@ from sluice.broker.keys import DONE_CHANNEL
 
 log = logging.getLogger(__name__)
 
+_READ_S = 0.5  # longest wait for one announcement: bounds how long close() takes
+Waiter = Callable[[str], None]  # called with the id of a request announced done
+
 
 class DoneListener:
     def __init__(self, redis: Redis, recheck_s: float = 1.0):
         self.redis = redis
         self.recheck_s = recheck_s
-        self._waiters: dict[str, set[asyncio.Future]] = defaultdict(set)
+        self._waiters: dict[str, set[Waiter]] = defaultdict(set)
         self._task: asyncio.Task | None = None
+        self._closing = False
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="done-listener")
 
     async def close(self) -> None:
+        # A flag as well as the cancel: redis-py can swallow a cancel that lands while it
+        # connects or subscribes, and the task would listen on; the flag ends it within one read.
+        self._closing = True
         if self._task:
             self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+            await asyncio.wait([self._task], timeout=2 * _READ_S)
 
     @contextlib.contextmanager
     def watch(self, rid: str) -> Iterator[asyncio.Future]:
         """A future set when `rid` is announced done. Watch before reading the status,
         so that an announcement between the read and the wait is not missed."""
         fut = asyncio.get_running_loop().create_future()
-        self._waiters[rid].add(fut)
+
+        def announced(_: str) -> None:
+            if not fut.done():
+                fut.set_result(None)
+
+        self._add(rid, announced)
         try:
             yield fut
         finally:
-            waiters = self._waiters.get(rid)
-            if waiters is not None:
-                waiters.discard(fut)
-                if not waiters:
-                    del self._waiters[rid]
+            self._discard(rid, announced)
+
+    def inbox(self) -> Inbox:
+        """A changing set of watched requests (a bulk job's outstanding lines), and which of
+        them were announced done since the last look."""
+        return Inbox(self)
+
+    def _add(self, rid: str, waiter: Waiter) -> None:
+        self._waiters[rid].add(waiter)
+
+    def _discard(self, rid: str, waiter: Waiter) -> None:
+        waiters = self._waiters.get(rid)
+        if waiters is not None:
+            waiters.discard(waiter)
+            if not waiters:
+                del self._waiters[rid]
 
     async def wait(self, fut: asyncio.Future, timeout_s: float) -> None:
         """Return when announced, or after min(timeout_s, recheck_s) to re-read the status."""
         await asyncio.wait([fut], timeout=min(timeout_s, self.recheck_s))
 
     async def _run(self) -> None:
-        while True:
+        while not self._closing:
             try:
                 async with self.redis.pubsub(ignore_subscribe_messages=True) as pubsub:
                     await pubsub.subscribe(DONE_CHANNEL)
-                    async for message in pubsub.listen():
-                        for fut in self._waiters.get(message["data"], ()):
-                            if not fut.done():
-                                fut.set_result(None)
+                    while not self._closing:
+                        message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=_READ_S)
+                        if message is None:
+                            continue
+                        rid = message["data"]
+                        for waiter in list(self._waiters.get(rid, ())):
+                            waiter(rid)
             except asyncio.CancelledError:
                 raise
             except Exception as err:
                 log.warning("done-listener lost its subscription (%s); resubscribing", err)
                 await asyncio.sleep(0.5)
+
+
+class Inbox:
+    """Watches many requests at once. Watch a request before reading its status (as with
+    `DoneListener.watch`), so that an announcement between the read and the wait is kept."""
+
+    def __init__(self, listener: DoneListener):
+        self._listener = listener
+        self._watched: set[str] = set()
+        self._announced: set[str] = set()
+        self._event = asyncio.Event()
+
+    def watch(self, rids: Iterable[str]) -> None:
+        for rid in rids:
+            if rid not in self._watched:
+                self._watched.add(rid)
+                self._listener._add(rid, self._on_done)
+
+    def forget(self, rid: str) -> None:
+        self._watched.discard(rid)
+        self._announced.discard(rid)
+        self._listener._discard(rid, self._on_done)
+
+    def close(self) -> None:
+        for rid in list(self._watched):
+            self.forget(rid)
+
+    def take(self) -> set[str]:
+        """The watched requests announced done since the last take."""
+        out, self._announced = self._announced, set()
+        self._event.clear()
+        return out
+
+    async def wait(self, timeout_s: float) -> None:
+        """Return once an announcement is waiting to be taken, or after min(timeout_s,
+        recheck_s) for the caller to re-read what it watches."""
+        if not self._announced:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._event.wait(), min(timeout_s, self._listener.recheck_s))
+
+    def _on_done(self, rid: str) -> None:
+        self._announced.add(rid)
+        self._event.set()

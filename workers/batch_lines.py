@@ -1,0 +1,137 @@
+"""The lines of an OpenAI batch file, as pure code: an input line becomes a typed `Line` or
+the error record that stands for it, and a request's final result becomes its output line.
+
+No Redis here: a job's runner (workers/batch_job.py) does the I/O, this module the rules, so
+that hostile input files are tested without a broker.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import ValidationError
+
+from sluice.protocol.ids import batch_line_id, completion_id
+from sluice.protocol.messages import FinalResult, SamplingSpec
+from sluice.protocol.openai import ChatCompletionRequest, CompletionRequest, chat_object, completion_object
+from sluice.protocol.states import State
+
+Record = dict[str, Any]  # one line of an output or error file, as OpenAI writes them
+
+
+@dataclass(frozen=True)
+class Line:
+    """A valid input line: what becomes one single-row request on the bulk lane."""
+
+    index: int  # 0-based position in the input file, blank lines counted
+    custom_id: str
+    model: str
+    row: dict[str, Any]
+    sampling: SamplingSpec
+
+    @property
+    def chat(self) -> bool:
+        return "messages" in self.row
+
+
+@dataclass(frozen=True)
+class ParsedFile:
+    """An input file's lines: the valid ones, the error records of the others (by index), and
+    how many non-blank lines it has (the batch's `total`)."""
+
+    lines: list[Line]
+    errors: dict[int, Record]
+    total: int
+
+
+def error_record(custom_id: str | None, code: str, message: str, rid: str | None = None) -> Record:
+    return {"id": batch_line_id(rid), "custom_id": custom_id, "response": None,
+            "error": {"code": code, "message": message}, "request_id": rid}
+
+
+def parse_file(text: str, endpoint: str, default_max_tokens: int = 256) -> ParsedFile:
+    """Every non-blank line of an input file. A custom_id seen on an earlier line makes the
+    later line an error: results are matched to inputs by custom_id, so two lines sharing one
+    could not be told apart in the output."""
+    lines: list[Line] = []
+    errors: dict[int, Record] = {}
+    seen: set[str] = set()
+    total = 0
+    for index, raw in enumerate(text.splitlines()):
+        if not raw.strip():
+            continue
+        total += 1
+        parsed = parse_line(index, raw, endpoint, default_max_tokens)
+        if isinstance(parsed, Line) and parsed.custom_id in seen:
+            errors[index] = error_record(parsed.custom_id, "duplicate_custom_id",
+                                         f"line {index + 1}: custom_id {parsed.custom_id!r} is used by an "
+                                         f"earlier line")
+        elif isinstance(parsed, Line):
+            seen.add(parsed.custom_id)
+            lines.append(parsed)
+        else:
+            errors[index] = parsed
+    return ParsedFile(lines, errors, total)
+
+
+def parse_line(index: int, text: str, endpoint: str, default_max_tokens: int = 256) -> Line | Record:
+    """A valid line, or the error record that stands for it in the error file."""
+    where = f"line {index + 1}"
+    try:
+        data = json.loads(text)
+    except (json.JSONDecodeError, RecursionError) as err:  # deep nesting: not worth a crash
+        return error_record(None, "invalid_json", f"{where}: {err}")
+    if not isinstance(data, dict):
+        return error_record(None, "invalid_request", f"{where}: expected a JSON object")
+    custom_id = data.get("custom_id")
+    if not isinstance(custom_id, str) or not custom_id:
+        return error_record(None, "invalid_request", f"{where}: custom_id must be a non-empty string")
+    if data.get("method") != "POST" or data.get("url") != endpoint:
+        return error_record(custom_id, "invalid_request",
+                            f"{where}: method must be POST and url {endpoint} (the batch's endpoint)")
+    schema = CompletionRequest if endpoint == "/v1/completions" else ChatCompletionRequest
+    try:
+        body = schema.model_validate(data.get("body"))
+    except ValidationError as err:
+        first = err.errors()[0]
+        return error_record(custom_id, "invalid_request",
+                            f"{where}: body: {first['msg']} at {'.'.join(map(str, first['loc']))}")
+    bad = body.unsupported() + (["n"] if body.n != 1 else []) + (["stream"] if body.stream else [])
+    if isinstance(body, CompletionRequest) and len(body.prompt) != 1:
+        bad.append("prompt (one prompt per line)")
+    if not body.model:
+        bad.append("model (required)")
+    if bad:
+        return error_record(custom_id, "invalid_request", f"{where}: not supported in a batch: " + ", ".join(bad))
+    max_tokens = body.max_tokens or default_max_tokens
+    if isinstance(body, CompletionRequest):
+        row: dict[str, Any] = {"prompt": body.prompt[0], "max_tokens": max_tokens}
+    else:
+        row = {"messages": [m.plain() for m in body.messages], "max_tokens": max_tokens}
+    # The line's index seeds it when the client gave no seed: a re-run samples the same text.
+    sampling = SamplingSpec(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
+                            stop=body.stop or [], seed=body.seed if body.seed is not None else index,
+                            presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty)
+    return Line(index, custom_id, body.model, row, sampling)
+
+
+def result_record(line: Line, rid: str, final: FinalResult) -> Record:
+    """The output line (a `done` result) or error line (any other final) of a finished request."""
+    if final.status is not State.DONE:
+        return error_record(line.custom_id, final.status.value, final.error or final.status.value, rid)
+    build = chat_object if line.chat else completion_object
+    body = build(completion_id(rid, chat=line.chat), line.model, int(final.timings.finished or 0), [final])
+    return {"id": batch_line_id(rid), "custom_id": line.custom_id,
+            "response": {"status_code": 200, "request_id": rid, "body": body}, "error": None}
+
+
+def output_tokens(record: Record) -> int:
+    """The completion tokens an output line accounts for (0 for an error line)."""
+    response = record.get("response")
+    return int(response["body"]["usage"]["completion_tokens"]) if response else 0
+
+
+def jsonl(records: list[Record]) -> bytes:
+    return "".join(json.dumps(r) + "\n" for r in records).encode()
