@@ -1,4 +1,9 @@
-"""Batching configurations, with the names, defaults and messages of the product documents."""
+"""Batching configurations, with the names, defaults and messages of the product documents.
+
+Each configuration states its own row rule (`rows_error`): the api refuses a request by it
+before admission, and it travels with the configuration so the api needs no batching code.
+Which policy runs each mode is batching/registry.py.
+"""
 
 from __future__ import annotations
 
@@ -29,6 +34,10 @@ class ContinuousBatchingConfig(BaseModel):
 
     max_concurrent_batch_size: int = Field(default=256, gt=0)
 
+    def rows_error(self, rows: int) -> str | None:
+        """Each request holds one engine slot: a multi-row request would need several."""
+        return CONTINUOUS_MULTI_ROW if rows > 1 else None
+
 
 class DynamicBatchingConfig(BaseModel):
     """A batch is released at `batch_size_target` rows or after `max_batch_delay_ms`."""
@@ -47,3 +56,17 @@ class DynamicBatchingConfig(BaseModel):
                 f"batch_size_target ({self.batch_size_target})"
             )
         return self
+
+    def rows_error(self, rows: int) -> str | None:
+        """A request is never split across batches, so it must fit the limit whole."""
+        return MAX_BATCH_SIZE_EXCEEDED if self.batch_size_limit is not None and rows > self.batch_size_limit else None
+
+
+class SingleBatchConfig(BaseModel):
+    """Single batch mode (`batch_config="single"`) has no options; this stands for it so that
+    every mode has a configuration and a row rule."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    def rows_error(self, rows: int) -> str | None:
+        return SINGLE_MULTI_ROW if rows > 1 else None
