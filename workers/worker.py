@@ -14,56 +14,22 @@ import logging
 import os
 import socket
 import time
-from dataclasses import dataclass, field
 
 from redis.asyncio import Redis
-from redis.exceptions import ResponseError
 
-from sluice.batching.base import BatchingPolicy
-from sluice.batching.continuous import ContinuousAdmission
-from sluice.batching.dynamic import DynamicBatcher
-from sluice.batching.single import SingleBatcher
+from sluice.batching.registry import make_policy
 from sluice.broker.consumer import Delivery, StreamConsumer
 from sluice.broker.registry import ModelRegistry, WorkerInfo, WorkerRegistry
-from sluice.broker.replies import Delivered, ReplyWriter, delivered
-from sluice.config.model import BatchMode, ModelConfig
+from sluice.broker.replies import ReplyWriter, delivered
+from sluice.config.model import ModelConfig
 from sluice.config.settings import Settings
-from sluice.protocol.messages import DeltaEvent, FinalResult, RowOutput, Timings, Usage
+from sluice.protocol.messages import RowOutput
 from sluice.protocol.states import State
 from sluice.workers import metrics
-from sluice.workers.engines.base import Engine, GenerationRequest
+from sluice.workers.engines.base import Engine
+from sluice.workers.generation import Generation, Running, final_result, log_records
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class RowResult:
-    text: list[str] = field(default_factory=list)
-    tokens: int = 0
-    prompt_tokens: int = 0
-    finish_reason: str | None = None
-
-
-@dataclass
-class Running:
-    """A request the engine is working on."""
-
-    delivery: Delivery
-    started: float
-    engine_ids: list[str]
-    first_token: float | None = None
-    prompt_tokens: int = 0
-    stop_reason: State | None = None  # CANCELLED / EXPIRED once aborted for that reason
-    lost: bool = False  # reclaimed by another worker: finish quietly, commit nothing
-
-
-def make_policy(model: ModelConfig) -> BatchingPolicy[Delivery]:
-    if model.mode is BatchMode.DYNAMIC:
-        assert model.dynamic_batching_config is not None
-        return DynamicBatcher(model.dynamic_batching_config)
-    if model.mode is BatchMode.SINGLE:
-        return SingleBatcher()
-    return ContinuousAdmission(model.continuous)
 
 
 class Worker:
@@ -84,6 +50,7 @@ class Worker:
         # An unfinished request's reply stream lives as long as its status: a retry resumes
         # from it. The final shortens it to reply_ttl_s.
         self.replies = ReplyWriter(redis, model.name, reply_ttl_s=settings.status_ttl_s)
+        self.generation = Generation(engine, self.replies)
         self.workers = WorkerRegistry(redis)
         self.models = ModelRegistry(redis)
         self.policy = make_policy(model)
@@ -101,12 +68,8 @@ class Worker:
         try:
             return await self.consumer.fetch(count, int(timeout_s * 1000), isolated=isolated)
         except Exception as err:
-            if isinstance(err, ResponseError) and "NOGROUP" in str(err):
-                log.warning("the consumer group of %s is gone (Redis restarted without its data, or was "
-                            "flushed): re-creating it", self.model.name)
-                await self.consumer.ensure_groups()
-                return []
-            # Redis away: say so, wait, and try again
+            # Redis away: say so, wait, and try again (a lost consumer group the consumer
+            # re-creates itself)
             log.warning("fetching from Redis failed (%s: %s); retrying", type(err).__name__, err)
             await asyncio.sleep(min(timeout_s, 1.0))
             return []
@@ -211,100 +174,26 @@ class Worker:
         if decision != "run":
             log.info("request %s not run: %s", rid, decision)
             return []
-        n_rows = len(d.message.rows)
-        engine_ids = [rid] if n_rows == 1 else [f"{rid}:{i}" for i in range(n_rows)]
-        run = Running(d, time.time(), engine_ids)
+        run = Running.start(d)
         self.running[rid] = run
         error: str | None = None
+        outputs: list[RowOutput] = []
         try:
-            # A redelivered request continues after the tokens its reply stream already holds:
-            # what was streamed and the final text then agree by construction.
             resume = await delivered(self.redis, self.model.name, rid) if d.attempt > 1 else {}
-            results = await asyncio.gather(*(self._generate_row(run, i, resume.get(i)) for i in range(n_rows)))
+            outputs = await self.generation.rows(run, resume)
         except Exception as err:
             log.exception("request %s failed in the engine", rid)
-            error, results = f"{type(err).__name__}: {err}", []
+            error = f"{type(err).__name__}: {err}"
         finally:
             del self.running[rid]
         if run.lost:
             return []
-        final = self._final(run, results, error)
+        final = final_result(run, outputs, error)
         await self.replies.flush()
         if not await self.consumer.commit(d, final):
             return []
         metrics.observe_final(self.model.name, final)
-        outputs = final.rows or ([final.output] if final.output else [])
-        return [
-            {"request_id": rid, "row": i, "status": final.status.value, "input": row,
-             "output": outputs[i].record() if i < len(outputs) else None,
-             "timings": final.timings.model_dump()}
-            for i, row in enumerate(d.message.rows)
-        ]
-
-    async def _generate_row(self, run: Running, row: int, before: Delivered | None) -> RowOutput:
-        msg = run.delivery.message
-        values = msg.rows[row]
-        s = msg.sampling
-        before = before or Delivered()
-        max_tokens = int(values.get("max_tokens") or s.max_tokens)
-        result = RowResult(text=list(before.text), tokens=len(before.token_ids), finish_reason=before.finish)
-        if result.finish_reason is None and result.tokens >= max_tokens:
-            result.finish_reason = "length"
-        if result.finish_reason is None:
-            await self._stream_row(run, row, result, GenerationRequest(
-                request_id=run.engine_ids[row],
-                prompt=self.engine.prompt_for(values),
-                max_tokens=max_tokens - result.tokens,
-                temperature=s.temperature,
-                top_p=s.top_p,
-                stop=s.stop,
-                seed=s.seed + row,
-                presence_penalty=s.presence_penalty,
-                frequency_penalty=s.frequency_penalty,
-                resume_token_ids=before.token_ids,
-            ))
-        text = "".join(result.text)
-        extra = self.engine.extra_outputs(values, text, result.tokens)
-        output = RowOutput(text=text, num_output_tokens=result.tokens, finish_reason=result.finish_reason,
-                           fields=extra or None)
-        run.prompt_tokens += result.prompt_tokens
-        return output
-
-    async def _stream_row(self, run: Running, row: int, result: RowResult, request: GenerationRequest) -> None:
-        async for delta in self.engine.generate(request):
-            if delta.prompt_tokens is not None:
-                result.prompt_tokens = delta.prompt_tokens
-            finish = delta.finish_reason if delta.finish_reason != "abort" else None
-            if delta.token_ids or finish:
-                if run.first_token is None and delta.token_ids:
-                    run.first_token = time.time()
-                self.replies.delta(run.delivery, DeltaEvent(
-                    i=result.tokens, text=delta.text, token_ids=delta.token_ids,
-                    attempt=run.delivery.attempt, row=row, finish=finish,
-                ))
-                result.text.append(delta.text)
-                result.tokens += len(delta.token_ids)
-            if delta.finish_reason is not None:
-                result.finish_reason = delta.finish_reason
-
-    def _final(self, run: Running, outputs: list[RowOutput], error: str | None) -> FinalResult:
-        msg = run.delivery.message
-        timings = Timings(enqueued=msg.enqueued_at, started=run.started,
-                          first_token=run.first_token, finished=time.time())
-        usage = Usage(prompt_tokens=run.prompt_tokens,
-                      completion_tokens=sum(o.num_output_tokens for o in outputs))
-        if run.stop_reason is not None:
-            status = run.stop_reason
-            error = ("cancelled by the client" if status is State.CANCELLED
-                     else "the request passed its deadline while running")
-        else:
-            status = State.FAILED if error else State.DONE
-        return FinalResult(
-            status=status,
-            output=outputs[0] if len(outputs) == 1 else None,
-            rows=outputs if len(msg.rows) > 1 and outputs else None,
-            error=error, usage=usage, timings=timings, attempt=run.delivery.attempt,
-        )
+        return log_records(d, final)
 
     # -- background duties
     async def _every(self, interval_s: float, duty) -> None:
@@ -377,5 +266,4 @@ class Worker:
                 await self._abort(r)
 
     async def _abort(self, run: Running) -> None:
-        for eid in run.engine_ids:
-            await self.engine.abort(eid)
+        await self.generation.abort(run)

@@ -1,0 +1,140 @@
+"""One request on the engine: its rows generated side by side, each token delta written to its
+reply channel as it comes, and the final result assembled from what came back.
+
+A redelivered request continues after the tokens its reply stream already holds (prompt plus
+delivered token ids, the remaining `max_tokens`): what was streamed and the final text then
+agree by construction.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from sluice.broker.consumer import Delivery
+from sluice.broker.replies import Delivered, ReplyWriter
+from sluice.protocol.messages import DeltaEvent, FinalResult, RowOutput, Timings, Usage
+from sluice.protocol.states import State
+from sluice.workers.engines.base import Engine, GenerationRequest
+
+
+@dataclass
+class Running:
+    """A request the engine is working on."""
+
+    delivery: Delivery
+    started: float
+    engine_ids: list[str]  # one per row: what the engine aborts
+    first_token: float | None = None
+    prompt_tokens: int = 0
+    stop_reason: State | None = None  # CANCELLED / EXPIRED once aborted for that reason
+    lost: bool = False  # reclaimed by another worker: finish quietly, commit nothing
+
+    @classmethod
+    def start(cls, delivery: Delivery) -> Running:
+        rid, n_rows = delivery.message.id, len(delivery.message.rows)
+        return cls(delivery, time.time(), [rid] if n_rows == 1 else [f"{rid}:{i}" for i in range(n_rows)])
+
+
+@dataclass
+class RowResult:
+    """One row's output so far: what an earlier attempt delivered, then this attempt's deltas."""
+
+    text: list[str] = field(default_factory=list)
+    tokens: int = 0
+    prompt_tokens: int = 0
+    finish_reason: str | None = None
+
+
+class Generation:
+    def __init__(self, engine: Engine, replies: ReplyWriter):
+        self.engine = engine
+        self.replies = replies
+
+    async def rows(self, run: Running, resume: dict[int, Delivered]) -> list[RowOutput]:
+        """Every row of the request, resumed after what `resume` says was delivered."""
+        n_rows = len(run.delivery.message.rows)
+        return list(await asyncio.gather(*(self._row(run, i, resume.get(i)) for i in range(n_rows))))
+
+    async def _row(self, run: Running, row: int, before: Delivered | None) -> RowOutput:
+        msg = run.delivery.message
+        values = msg.rows[row]
+        s = msg.sampling
+        before = before or Delivered()
+        max_tokens = int(values.get("max_tokens") or s.max_tokens)
+        result = RowResult(text=list(before.text), tokens=len(before.token_ids), finish_reason=before.finish)
+        if result.finish_reason is None and result.tokens >= max_tokens:
+            result.finish_reason = "length"
+        if result.finish_reason is None:
+            await self._stream(run, row, result, GenerationRequest(
+                request_id=run.engine_ids[row],
+                prompt=self.engine.prompt_for(values),
+                max_tokens=max_tokens - result.tokens,
+                temperature=s.temperature,
+                top_p=s.top_p,
+                stop=s.stop,
+                seed=s.seed + row,
+                presence_penalty=s.presence_penalty,
+                frequency_penalty=s.frequency_penalty,
+                resume_token_ids=before.token_ids,
+            ))
+        text = "".join(result.text)
+        extra = self.engine.extra_outputs(values, text, result.tokens)
+        run.prompt_tokens += result.prompt_tokens
+        return RowOutput(text=text, num_output_tokens=result.tokens, finish_reason=result.finish_reason,
+                         fields=extra or None)
+
+    async def _stream(self, run: Running, row: int, result: RowResult, request: GenerationRequest) -> None:
+        async for delta in self.engine.generate(request):
+            if delta.prompt_tokens is not None:
+                result.prompt_tokens = delta.prompt_tokens
+            # An abort is not a finish: the stop reason (cancel, deadline) says why it ended.
+            finish = delta.finish_reason if delta.finish_reason != "abort" else None
+            if delta.token_ids or finish:
+                if run.first_token is None and delta.token_ids:
+                    run.first_token = time.time()
+                self.replies.delta(run.delivery, DeltaEvent(
+                    i=result.tokens, text=delta.text, token_ids=delta.token_ids,
+                    attempt=run.delivery.attempt, row=row, finish=finish,
+                ))
+                result.text.append(delta.text)
+                result.tokens += len(delta.token_ids)
+            if delta.finish_reason is not None:
+                result.finish_reason = delta.finish_reason
+
+    async def abort(self, run: Running) -> None:
+        for eid in run.engine_ids:
+            await self.engine.abort(eid)
+
+
+def final_result(run: Running, outputs: list[RowOutput], error: str | None) -> FinalResult:
+    """The request's one final: its stop reason wins over what the engine returned, since an
+    aborted generation ends like a finished one."""
+    msg = run.delivery.message
+    timings = Timings(enqueued=msg.enqueued_at, started=run.started, first_token=run.first_token,
+                      finished=time.time())
+    usage = Usage(prompt_tokens=run.prompt_tokens, completion_tokens=sum(o.num_output_tokens for o in outputs))
+    if run.stop_reason is not None:
+        status = run.stop_reason
+        error = ("cancelled by the client" if status is State.CANCELLED
+                 else "the request passed its deadline while running")
+    else:
+        status = State.FAILED if error else State.DONE
+    return FinalResult(
+        status=status,
+        output=outputs[0] if len(outputs) == 1 else None,
+        rows=outputs if len(msg.rows) > 1 and outputs else None,
+        error=error, usage=usage, timings=timings, attempt=run.delivery.attempt,
+    )
+
+
+def log_records(delivery: Delivery, final: FinalResult) -> list[dict[str, Any]]:
+    """The request's inference-log records, one per row (the batch fields are added by the caller)."""
+    outputs = final.rows or ([final.output] if final.output else [])
+    return [
+        {"request_id": delivery.message.id, "row": i, "status": final.status.value, "input": row,
+         "output": outputs[i].record() if i < len(outputs) else None, "timings": final.timings.model_dump()}
+        for i, row in enumerate(delivery.message.rows)
+    ]
