@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import time
-import uuid
 
 from redis.exceptions import RedisError
 
@@ -24,7 +24,7 @@ class JobLock:
         self.store = store
         self.batch_id = batch_id
         self.ttl_s = ttl_s
-        self.token = uuid.uuid4().hex  # fences this run's writes, not an id anyone reads
+        self.token = secrets.token_hex(16)  # fences this run's writes: a secret, not an id anyone reads
         self._expires = 0.0  # monotonic time by which the lock lapses unless refreshed
         self._lost = False
         self._finished = False  # the run is over: the keeper stops
