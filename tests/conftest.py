@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import os
+import re
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -17,13 +19,39 @@ from sluice.config.settings import Settings
 os.environ.setdefault("SLUICE_CACHE_DIR", str(Path.home() / ".cache" / "sluice"))
 
 
-@pytest.hookimpl(tryfirst=True)
+# xdist: `-n 3`. The tests of a module whose `pytestmark` names an `xdist_group` run in one
+# process (the real-engine modules share one engine stack that way); every other test is
+# scheduled on its own. xdist's own `--dist loadgroup` does not group under pytest 9 (the
+# group suffix it adds to node ids is lost), hence this scheduler, keyed on the module source.
+_GROUP = re.compile(r"^pytestmark\b.*xdist_group\(\s*(?:name=)?[\"']([\w-]+)[\"']", re.M)
+
+
+@functools.cache
+def _module_group(path: Path) -> str | None:
+    try:
+        found = _GROUP.search(path.read_text())
+    except OSError:
+        return None
+    return found.group(1) if found else None
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ModuleGroups(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _module_group(config.rootpath / nodeid.split("::", 1)[0]) or nodeid
+
+    return ModuleGroups(config, log)
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Under xdist (`-n 2 --dist loadgroup`, the default), every test of the real engine runs in
-    one worker process, so the session's one engine stack is started once."""
-    for item in items:
-        if item.get_closest_marker("engine") and not item.get_closest_marker("xdist_group"):
-            item.add_marker(pytest.mark.xdist_group("engine"))
+    """Grouped tests first (the engine stack is the longest path: it starts at once), and no
+    real-engine test outside a group (it would start an engine stack of its own)."""
+    loose = [i.nodeid for i in items if i.get_closest_marker("engine") and not i.get_closest_marker("xdist_group")]
+    if loose:
+        raise pytest.UsageError(f"engine tests without an xdist_group marker: {loose[:3]}")
+    items.sort(key=lambda i: i.get_closest_marker("xdist_group") is None)
 
 
 @pytest.fixture(scope="session")

@@ -1,15 +1,18 @@
 """A real stack for end-to-end tests: its own redis-server, one vLLM worker, one api.
 
-One engine per test session: the worker starts once and every test shares it.
-The model runs in float32 so that batching cannot change greedy results.
+Two engines per test session, started once and shared by every test: the default
+deployment's (continuous; the batching tests switch it to dynamic or single and back, as a
+user would with `PUT /v1/models/{name}/config`) and the custom runtime's. The model runs in
+float32 so that batching cannot change greedy results.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,8 +26,11 @@ from sluice.workers.model_prep import prepare_default_model
 
 # Shorter than the long generations of the tests: leases must hold them (tests/e2e/test_long_batches.py).
 LEASE_TIMEOUT_S = 3.0
-MODEL = "smollm2"  # continuous batching
-DYNAMIC = "smollm2-dyn"  # reconfigured by the tests between modes
+MODEL = "smollm2"  # continuous batching, unless a test switches it (see `restore_continuous`)
+DYNAMIC = MODEL  # the batching tests reconfigure the one deployment between modes
+CONTINUOUS = {"continuous_batching_config": {"max_concurrent_batch_size": 64}}
+DYNAMIC_CONFIG = {"dynamic_batching_config": {"max_batch_delay_ms": 50, "batch_size_target": 4,
+                                              "batch_size_limit": 8}}
 CUSTOM = "smollm2-custom"  # the example custom runtime
 ENGINE = """
     framework_config:
@@ -40,12 +46,6 @@ models:
     path: builtin:smollm2-135m-instruct{ENGINE}
     continuous_batching_config:
       max_concurrent_batch_size: 64
-  - name: {DYNAMIC}
-    path: builtin:smollm2-135m-instruct{ENGINE}
-    dynamic_batching_config:
-      max_batch_delay_ms: 50
-      batch_size_target: 4
-      batch_size_limit: 8
   - name: {CUSTOM}
     framework: custom
     runtime: sluice.workers.engines.system_prompt:SystemPromptRuntime
@@ -92,7 +92,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory, model_dir: Path, e2e_models_
     env = {"SLUICE_HEARTBEAT_INTERVAL_S": "0.5", "SLUICE_CANCEL_POLL_S": "0.1",
            "SLUICE_LEASE_TIMEOUT_S": str(LEASE_TIMEOUT_S)}
     with LocalStack(tmp_path_factory.mktemp("e2e"), models_file=e2e_models_file, env=env, output="inherit") as local:
-        local.up([MODEL, DYNAMIC, CUSTOM], names=[f"e2e-{m}" for m in (MODEL, DYNAMIC, CUSTOM)])
+        local.up([MODEL, CUSTOM], names=[f"e2e-{m}" for m in (MODEL, CUSTOM)])
         yield Stack(local.url, local.redis_url or "", local.child_env, e2e_models_file, model_dir,
                     list(local.workers.values()), next(iter(local.apis.values())))
 
@@ -141,3 +141,31 @@ async def wait_done(client: httpx.AsyncClient, rid: str, timeout_s: float = 120)
 async def client(stack: Stack):
     async with httpx.AsyncClient(base_url=stack.url, timeout=120) as c:
         yield c
+
+
+async def configure(client: httpx.AsyncClient, model: str, body: dict) -> int:
+    """Apply a batching configuration and wait until the model's worker runs the new version."""
+    r = await client.put(f"/v1/models/{model}/config", json=body)
+    assert r.status_code == 200, r.text
+    version = r.json()["version"]
+    deadline = time.monotonic() + 60
+    while True:
+        workers = (await client.get(f"/v1/models/{model}")).json()["workers"]
+        if workers and all(w["version"] == version for w in workers):
+            return version
+        assert time.monotonic() < deadline, f"workers did not switch to v{version}: {workers}"
+        await asyncio.sleep(0.2)
+
+
+@pytest.fixture
+async def restore_continuous(client: httpx.AsyncClient) -> AsyncIterator[None]:
+    """A test that switches the default deployment's batching mode leaves it continuous again
+    (an unchanged configuration keeps its version: a no-op when nothing was switched)."""
+    yield
+    await configure(client, MODEL, CONTINUOUS)
+
+
+@pytest.fixture
+async def dynamic(client: httpx.AsyncClient, restore_continuous: None) -> None:
+    """The default deployment in dynamic mode for the test."""
+    await configure(client, MODEL, DYNAMIC_CONFIG)

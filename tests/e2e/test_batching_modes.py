@@ -4,7 +4,6 @@ and reconfiguration, on the real engine."""
 from __future__ import annotations
 
 import asyncio
-import time
 from collections import defaultdict
 
 import httpx
@@ -17,27 +16,13 @@ from sluice.config.batching import (
     DYNAMIC_WITH_SINGLE,
     MAX_BATCH_SIZE_EXCEEDED,
 )
-from tests.e2e.conftest import CUSTOM, DYNAMIC, MODEL, submit, wait_done
+from tests.e2e.conftest import CUSTOM, DYNAMIC, MODEL, configure, submit, wait_done
 
-pytestmark = pytest.mark.engine
+pytestmark = [pytest.mark.engine, pytest.mark.xdist_group("engine"), pytest.mark.usefixtures("restore_continuous")]
 
 ARROW = "application/vnd.apache.arrow.stream"
 CAPITALS = [("The capital of France is", " Paris"), ("The capital of Germany is", " Berlin"),
             ("The capital of Italy is", " Rome")]
-
-
-async def configure(client: httpx.AsyncClient, model: str, body: dict) -> int:
-    """Apply a batching configuration and wait until the model's worker runs the new version."""
-    r = await client.put(f"/v1/models/{model}/config", json=body)
-    assert r.status_code == 200, r.text
-    version = r.json()["version"]
-    deadline = time.monotonic() + 60
-    while True:
-        workers = (await client.get(f"/v1/models/{model}")).json()["workers"]
-        if workers and all(w["version"] == version for w in workers):
-            return version
-        assert time.monotonic() < deadline, f"workers did not switch to v{version}: {workers}"
-        await asyncio.sleep(0.2)
 
 
 async def log_records(client: httpx.AsyncClient, model: str, request_ids: list[str]) -> list[dict]:
@@ -121,7 +106,7 @@ async def test_multi_row_to_a_continuous_model_is_refused(client: httpx.AsyncCli
     assert r.status_code == 200 and r.json()[0]["generated_text"].startswith(" Paris")
 
 
-async def test_bad_rows_get_4xx_naming_the_problem(client: httpx.AsyncClient) -> None:
+async def test_bad_rows_get_4xx_naming_the_problem(client: httpx.AsyncClient, dynamic: None) -> None:
     url = f"/v1/models/{DYNAMIC}/infer"
     r = await client.post(url, json=[{"prompt": "hi", "colour": "red"}])
     assert r.status_code == 400 and "colour" in r.json()["error"]["message"]

@@ -11,11 +11,11 @@ import pytest
 import redis as redis_sync
 
 from sluice.broker.keys import GROUP, ModelKeys
-from tests.e2e.conftest import CUSTOM, DYNAMIC, LEASE_TIMEOUT_S, MODEL, Stack, submit, wait_done
+from tests.e2e.conftest import CUSTOM, DYNAMIC, LEASE_TIMEOUT_S, MODEL, Stack, configure, submit, wait_done
 from tests.e2e.sse import sse_events
-from tests.e2e.test_batching_modes import configure, log_records
+from tests.e2e.test_batching_modes import log_records
 
-pytestmark = pytest.mark.engine
+pytestmark = [pytest.mark.engine, pytest.mark.xdist_group("engine"), pytest.mark.usefixtures("restore_continuous")]
 
 LONG = 160  # tokens: several seconds on this CPU, longer than the lease
 COUNTING = "Count from {} onwards, one number per line:"  # greedy decoding keeps going until max_tokens

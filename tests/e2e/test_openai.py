@@ -9,7 +9,7 @@ from transformers import AutoTokenizer
 
 from tests.e2e.conftest import MODEL, Stack, submit, wait_done
 
-pytestmark = pytest.mark.engine
+pytestmark = [pytest.mark.engine, pytest.mark.xdist_group("engine")]
 
 PROMPT = "The capital of France is"
 

@@ -11,7 +11,7 @@ import pytest
 from tests.e2e.conftest import MODEL, Stack, submit, wait_done
 from tests.e2e.sse import sse_events
 
-pytestmark = pytest.mark.engine
+pytestmark = [pytest.mark.engine, pytest.mark.xdist_group("engine")]
 
 GREEDY = {"temperature": 0.0}
 
