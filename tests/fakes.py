@@ -1,25 +1,38 @@
-"""A fake clock and an in-memory source for the batching policies."""
+"""The one set of fakes for the batching policies: a fake clock, an in-memory source, a
+recording handler whose batches run until the test releases them, waiting helpers, and
+starting and stopping a policy over them.
+
+Nothing here reads the wall clock to decide an outcome: time is the FakeClock's, so a test that
+never advances it proves that nothing waited for a poll or a delay. Only `eventually` reads the
+real clock, as a generous limit on waiting for a condition (a failure, not a measurement).
+"""
 
 from __future__ import annotations
 
 import asyncio
-import weakref
+import inspect
+import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+
+from sluice.batching.base import BatchingPolicy
+from sluice.batching.dynamic import DynamicBatcher
+from sluice.config.batching import DynamicBatchingConfig
+
+# Long enough that a loaded machine never trips it; a condition that holds arrives in milliseconds.
+WAIT_S = 10.0
 
 
 class FakeClock:
-    instances: weakref.WeakSet[FakeClock]
-
     def __init__(self) -> None:
-        FakeClock.instances.add(self)
         self.t = 0.0
-        self._sleepers: list[tuple[float, asyncio.Future]] = []
+        self._sleepers: list[tuple[float, asyncio.Future[None]]] = []
 
     def now(self) -> float:
         return self.t
 
     async def sleep(self, seconds: float) -> None:
-        fut = asyncio.get_running_loop().create_future()
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._sleepers.append((self.t + seconds, fut))
         try:
             if seconds <= 0:
@@ -36,12 +49,25 @@ class FakeClock:
         await settle()
 
 
-FakeClock.instances = weakref.WeakSet()
-
-
 async def settle(rounds: int = 50) -> None:
+    """Let every task that can run without time passing run (loop turns, not seconds)."""
     for _ in range(rounds):
         await asyncio.sleep(0)
+
+
+async def eventually(check: Callable[[], object | Awaitable[object]], timeout_s: float = WAIT_S,
+                     what: str = "condition") -> None:
+    """Wait until `check()` is truthy (it may be a coroutine function); fail after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        ok = check()
+        if inspect.isawaitable(ok):
+            ok = await ok
+        if ok:
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+        await asyncio.sleep(0.001)
 
 
 @dataclass(frozen=True)
@@ -64,21 +90,51 @@ def take_items(items: list[Req], count: int, isolated: int) -> tuple[list[Req], 
     return got, items[len(got):]
 
 
-class FakeSource:
-    """Items pushed by the test; fetch returns what is there or waits for the (fake) timeout."""
+@dataclass(frozen=True)
+class Fetch:
+    """One call of FakeSource.fetch, as the policy made it."""
 
-    def __init__(self, clock: FakeClock) -> None:
+    count: int
+    timeout_s: float
+    isolated: int
+    free: int | None  # the policy's free slots at that moment (None: no policy given)
+
+
+class FakeSource:
+    """Items pushed by the test; fetch returns what it may hand out, or waits (as Redis would)
+    until something is pushed, `wake()` is called or the (fake) timeout passes."""
+
+    def __init__(self, clock: FakeClock, *, items: int = 0, policy: BatchingPolicy[Req] | None = None) -> None:
         self.clock = clock
+        self.policy = policy
         self.items: list[Req] = []
-        self.asked: list[int] = []
+        self.calls: list[Fetch] = []
+        self._next = 0
         self._pushed = asyncio.Event()
+        self.add(items)
+
+    @property
+    def asked(self) -> list[int]:
+        return [c.count for c in self.calls]
 
     def push(self, *items: Req) -> None:
         self.items.extend(items)
+        self._next = max([self._next, *(r.n + 1 for r in items)])
+        self._pushed.set()
+
+    def add(self, n: int) -> list[Req]:
+        """Push n fresh single-row requests, numbered after every request pushed so far."""
+        fresh = [Req(self._next + i) for i in range(n)]
+        self.push(*fresh)
+        return fresh
+
+    def wake(self) -> None:
+        """End a waiting fetch early, empty-handed unless something may be handed out."""
         self._pushed.set()
 
     async def fetch(self, count: int, timeout_s: float, isolated: int = 1) -> list[Req]:
-        self.asked.append(count)
+        free = self.policy.capacity - self.policy.in_flight if self.policy is not None else None
+        self.calls.append(Fetch(count, timeout_s, isolated, free))
         if not take_items(self.items, count, isolated)[0]:  # nothing it may hand out: wait, as Redis would
             self._pushed.clear()
             waits = [asyncio.ensure_future(self._pushed.wait()), asyncio.ensure_future(self.clock.sleep(timeout_s))]
@@ -90,30 +146,74 @@ class FakeSource:
 
 
 class RecordingHandler:
-    """Records batches; each batch runs until the test releases it (or at once with auto)."""
+    """Records batches; each runs until the test releases it (or at once with `auto`).
+
+    A running batch is known by its first request's `n` (for the single-row batches of
+    continuous admission, the request's own). A batch whose key is in `fail` raises once released.
+    """
 
     def __init__(self, auto: bool = False) -> None:
         self.batches: list[list[Req]] = []
         self.auto = auto
-        self.running = 0
+        self.running: dict[int, asyncio.Event] = {}
+        self.finished: list[int] = []
+        self.fail: set[int] = set()
         self.max_running = 0
-        self._release = asyncio.Event()
 
     async def __call__(self, batch: list[Req]) -> None:
         self.batches.append(batch)
-        self.running += 1
-        self.max_running = max(self.max_running, self.running)
+        key = batch[0].n
+        gate = asyncio.Event()
+        self.running[key] = gate
+        self.max_running = max(self.max_running, len(self.running))
         try:
             if not self.auto:
-                self._release.clear()
-                await self._release.wait()
+                await gate.wait()
+            if key in self.fail:
+                raise RuntimeError(f"batch {key} failed")
         finally:
-            self.running -= 1
+            del self.running[key]
+            self.finished.append(key)
 
-    async def release(self) -> None:
-        self._release.set()
+    def release(self, n: int | None = None) -> int:
+        """Let one running batch finish (the lowest key unless named); returns its key."""
+        n = min(self.running) if n is None else n
+        self.running[n].set()
+        return n
+
+    async def release_all(self) -> None:
+        """Let every batch running now finish, then let the policy react (new batches wait again)."""
+        for gate in self.running.values():
+            gate.set()
         await settle()
 
     @property
     def sizes(self) -> list[list[int]]:
         return [[r.n for r in b] for b in self.batches]
+
+
+def dynamic_batcher(clock: FakeClock, delay_ms: int = 100, target: int = 4,
+                    limit: int | None = None) -> DynamicBatcher[Req]:
+    cfg = DynamicBatchingConfig(max_batch_delay_ms=delay_ms, batch_size_target=target, batch_size_limit=limit)
+    # A 10 s poll on the fake clock: a fetch ends early only because something arrived.
+    return DynamicBatcher(cfg, clock=clock, poll_s=10.0)
+
+
+async def start(policy: BatchingPolicy[Req], source: FakeSource,
+                handler: RecordingHandler) -> tuple[asyncio.Event, asyncio.Task[None]]:
+    stopping = asyncio.Event()
+    task = asyncio.create_task(policy.run(source, handler, stopping))
+    await settle()
+    return stopping, task
+
+
+async def stop(policy: BatchingPolicy[Req], source: FakeSource, stopping: asyncio.Event,
+               task: asyncio.Task[None], handler: RecordingHandler) -> None:
+    """Stop the policy, then let everything it holds finish: run() returns and nothing is left
+    running (what it had fetched runs too, batch after batch)."""
+    stopping.set()
+    handler.auto = True  # batches started by the stop itself run through
+    await handler.release_all()
+    source.wake()  # a fetch waiting on the clock ends, as its poll would
+    await asyncio.wait_for(task, WAIT_S)
+    assert await policy.drain(WAIT_S) == 0

@@ -9,8 +9,7 @@ import pytest
 
 from sluice.batching.continuous import ContinuousAdmission
 from sluice.config.batching import ContinuousBatchingConfig
-from tests.batching.test_dynamic import dyn, start, stop
-from tests.fakes import FakeClock, FakeSource, RecordingHandler, Req, settle
+from tests.fakes import WAIT_S, FakeClock, FakeSource, RecordingHandler, Req, dynamic_batcher, settle, start, stop
 
 
 @pytest.fixture
@@ -20,31 +19,33 @@ def clock() -> FakeClock:
 
 async def test_an_isolated_request_is_a_dynamic_batch_of_its_own(clock: FakeClock) -> None:
     source, handler = FakeSource(clock), RecordingHandler()
-    stopping, task = await start(dyn(clock, delay_ms=100, target=4, limit=8), source, handler)
+    policy = dynamic_batcher(clock, delay_ms=100, target=4, limit=8)
+    stopping, task = await start(policy, source, handler)
     source.push(Req(0), Req(1), Req(2, isolated=True), Req(3))
     await settle()
     # the prefix before the isolated request goes at once: nothing can join it
     assert handler.sizes == [[0, 1]]
-    await handler.release()
+    await handler.release_all()
     assert handler.sizes == [[0, 1], [2]]  # alone, at once
-    await handler.release()
+    await handler.release_all()
     assert handler.sizes == [[0, 1], [2]]  # what follows is an ordinary batch again: it waits
     await clock.advance(0.1)
     assert handler.sizes == [[0, 1], [2], [3]]
-    await stop(stopping, task, handler)
+    await stop(policy, source, stopping, task, handler)
 
 
 async def test_isolated_requests_in_a_row_run_one_by_one(clock: FakeClock) -> None:
     source, handler = FakeSource(clock), RecordingHandler()
-    stopping, task = await start(dyn(clock, delay_ms=10_000, target=2, limit=8), source, handler)
+    policy = dynamic_batcher(clock, delay_ms=10_000, target=2, limit=8)
+    stopping, task = await start(policy, source, handler)
     source.push(Req(0, isolated=True), Req(1, isolated=True), Req(2), Req(3))
     await settle()
     assert handler.sizes == [[0]]
-    await handler.release()
+    await handler.release_all()
     assert handler.sizes == [[0], [1]]
-    await handler.release()
+    await handler.release_all()
     assert handler.sizes == [[0], [1], [2, 3]]
-    await stop(stopping, task, handler)
+    await stop(policy, source, stopping, task, handler)
 
 
 async def test_continuous_admission_runs_one_isolated_request_beside_fresh_ones() -> None:
@@ -57,11 +58,12 @@ async def test_continuous_admission_runs_one_isolated_request_beside_fresh_ones(
     await settle()
     assert [b[0].n for b in handler.batches] == [0, 1]  # the quarantine slot is taken: 2 waits
     assert handler.max_running == 2
-    await handler.release()  # both finish; the quarantine slot is free again
+    await handler.release_all()  # both finish; the quarantine slot is free again
     await clock.advance(10.0)  # the fetch made while it was taken ends empty-handed
     assert [b[0].n for b in handler.batches] == [0, 1, 2, 3]
     stopping.set()
     handler.auto = True
-    await handler.release()
-    await clock.advance(10.0)
-    await asyncio.wait_for(task, 5)
+    await handler.release_all()
+    await clock.advance(10.0)  # the poll of the fetch still waiting ends
+    await asyncio.wait_for(task, WAIT_S)
+    assert await policy.drain(WAIT_S) == 0

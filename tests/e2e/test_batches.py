@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import asyncio
 import io
 import json
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -18,7 +17,7 @@ import pytest
 import redis as redis_sync
 
 from sluice.broker.keys import ModelKeys
-from tests.e2e.conftest import NullStack, null_stack, wait_done
+from tests.e2e.conftest import NullStack, null_stack
 
 MODEL = "bat"
 MODELS = f"models:\n  - name: {MODEL}\n    continuous_batching_config: {{max_concurrent_batch_size: 16}}\n"
@@ -120,23 +119,56 @@ def test_the_job_survives_a_killed_celery_worker(stack: NullStack, sdk: openai.O
     assert len(ran) == 120 and len(set(ran)) == 120  # every row ran, none twice
 
 
-async def test_interactive_requests_overtake_a_bulk_job(stack: NullStack, sdk: openai.OpenAI) -> None:
-    f = sdk.files.create(file=("in.jsonl", io.BytesIO(batch_file(500, max_tokens=10))), purpose="batch")
-    batch = sdk.batches.create(input_file_id=f.id, endpoint="/v1/completions", completion_window="24h")
+def test_interactive_requests_overtake_bulk_rows_queued_before_them(stack: NullStack, sdk: openai.OpenAI) -> None:
+    """DESIGN: workers read the interactive lane first, so a bulk job never delays interactive
+    traffic. With the worker paused, a job queues its rows and then interactive requests arrive:
+    18 entries for 16 slots, so two must wait when it resumes, and they must be bulk rows,
+    though those were queued first. (Comparing finishing times proves nothing: a large job
+    ends after a few requests whatever the order the worker reads the lanes in.)"""
+    keys = ModelKeys(MODEL)
     r = redis_sync.Redis.from_url(stack.redis.url, decode_responses=True)
-    deadline = time.monotonic() + 30
-    while r.xlen(ModelKeys(MODEL).bulk) < 8:  # the job has filled its share of the bulk stream
-        assert time.monotonic() < deadline
-        await asyncio.sleep(0.05)
-    async with httpx.AsyncClient(base_url=stack.url, timeout=60) as client:
-        rids = [(await client.post("/v1/requests", json={"model": MODEL, "prompt": f"now {i}", "max_tokens": 10}))
-                .json()["id"] for i in range(10)]
-        results = await asyncio.gather(*(wait_done(client, rid) for rid in rids))
-    finished = max(x["timings"]["finished"] for x in results)
-    assert all(x["status"] == "done" for x in results)
-    done = await asyncio.to_thread(wait_batch, sdk, batch.id, {"completed"}, 300)
-    assert done.completed_at >= int(finished)
-    assert done.request_counts.completed == 500
+    wait_until(lambda: r.xlen(keys.requests) + r.xlen(keys.bulk) == 0, "earlier tests' entries drained")
+    worker = stack.procs["worker"]
+    worker.send_signal(signal.SIGSTOP)
+    try:
+        # 300 tokens at 10 ms: the first wave holds all 16 slots for 3 s, far longer than the
+        # look below takes, so the ones left waiting are still waiting when it looks.
+        f = sdk.files.create(file=("in.jsonl", io.BytesIO(batch_file(8, max_tokens=300))), purpose="batch")
+        batch = sdk.batches.create(input_file_id=f.id, endpoint="/v1/completions", completion_window="24h")
+        rids_key = f"sluice:batch:{batch.id}:rids"
+        # SLUICE_BULK_OUTSTANDING=8: the whole job is on the bulk stream before anything interactive
+        wait_until(lambda: len(r.hgetall(rids_key)) == 8
+                   and set(r.hgetall(rids_key).values()) <= {e["id"] for _, e in r.xrange(keys.bulk)},
+                   "the job's 8 rows on the bulk stream")
+        bulk = list(r.hgetall(rids_key).values())
+        interactive = []
+        with httpx.Client(base_url=stack.url, timeout=30) as client:
+            for i in range(10):
+                answer = client.post("/v1/requests", json={"model": MODEL, "prompt": f"now {i}", "max_tokens": 300})
+                assert answer.status_code == 202, answer.text
+                interactive.append(answer.json()["id"])
+    finally:
+        worker.send_signal(signal.SIGCONT)
+
+    def states(rids: list[str]) -> list[str]:
+        with r.pipeline(transaction=False) as pipe:
+            for rid in rids:
+                pipe.hget(keys.status(rid), "state")
+            return pipe.execute()
+
+    wait_until(lambda: set(states(interactive)) <= {"running", "done"}, "every interactive request started")
+    waiting = [rid for rid, state in zip(bulk, states(bulk)) if state == "queued"]
+    assert len(waiting) >= 18 - 16, f"bulk rows queued before the interactive requests took their slots: {waiting}"
+    done = wait_batch(sdk, batch.id, {"completed", "failed"})
+    assert done.status == "completed" and done.request_counts.completed == 8
+    assert states(interactive) == ["done"] * 10
+
+
+def wait_until(check: Callable[[], bool], what: str, timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, f"timed out after {timeout_s}s waiting for {what}"
+        time.sleep(0.02)
 
 
 @pytest.mark.parametrize("suffix", [".parquet", ".arrow", ".jsonl"])

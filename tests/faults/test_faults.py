@@ -8,10 +8,13 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+import redis as redis_sync
 
+from sluice.broker.keys import WORKERS
 from tests.faults.conftest import KEYS, MODEL, Cluster, audit, crash_until_final, record, wait_final
 
 
@@ -28,6 +31,20 @@ def submit(c: Cluster, n: int, *, max_tokens: int = 20, prompt: str = "hello", *
                 assert r.status_code == 202, r.text
                 rids.append(r.json()["id"])
     return rids, refused
+
+
+def wait_until(check: Callable[[], object], what: str, timeout_s: float = 30) -> None:
+    """Wait for a condition, with a generous limit (a failure, never a measurement)."""
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, f"timed out after {timeout_s}s waiting for {what}"
+        time.sleep(0.02)
+
+
+def _heartbeat_since(r: redis_sync.Redis, name: str, since: float, *, in_flight: int) -> bool:
+    raw = r.hget(WORKERS, name)
+    info = json.loads(raw) if raw else None
+    return info is not None and info["heartbeat_at"] > since and info["in_flight"] == in_flight
 
 
 def stream_text(url: str, rid: str, out: dict[str, str]) -> None:
@@ -55,12 +72,17 @@ def test_sigkill_a_worker_mid_generation(cluster: Cluster) -> None:
     readers = [threading.Thread(target=stream_text, args=(cluster.url, rid, streamed)) for rid in rids]
     for t in readers:
         t.start()
-    time.sleep(0.4)
     r = cluster.sync()
-    owned_by_a = [rid for rid in rids if r.hget(KEYS.status(rid), "worker") == "a"]
-    assert owned_by_a, "worker a ran nothing: the test proves nothing"
+    # Kill as soon as worker a is generating (not after a fixed pause a slow machine could outlast).
+    wait_until(lambda: any(r.hget(KEYS.status(rid), "worker") == "a" and r.exists(KEYS.reply(rid)) for rid in rids),
+               "worker a generating")
     killed_at = time.monotonic()
     cluster.signal("a", signal.SIGKILL)
+    # What a held at the kill: a dead worker writes nothing more, and nobody reclaims it before
+    # its lease expires, so this snapshot is exact. (What a finished earlier stays attempt 1.)
+    owned_by_a = [rid for rid in rids if r.hget(KEYS.status(rid), "worker") == "a"
+                  and r.hget(KEYS.status(rid), "state") == "running"]
+    assert owned_by_a, "worker a held nothing at the kill: the test proves nothing"
     wait_final(cluster, rids)
     recovery = time.monotonic() - killed_at
     for t in readers:
@@ -92,8 +114,12 @@ def test_sigstop_past_the_lease_is_fenced_out(cluster: Cluster) -> None:
     recovery = time.monotonic() - stopped_at
     result = json.loads(r.hget(KEYS.status(rid), "result"))
     assert result["status"] == "done" and result["attempt"] == 2
+    resumed_at = time.time()
     cluster.signal("a", signal.SIGCONT)  # the stale worker wakes up holding a request it lost
-    time.sleep(4)  # long enough for it to notice (lease) or to try its commit
+    # Until it lets go of the request (its lease refresh finds it fenced, or its commit is
+    # refused), its heartbeats count it in flight: wait for one that does not.
+    wait_until(lambda: _heartbeat_since(r, "a", resumed_at, in_flight=0), "worker a letting go of the lost request",
+               timeout_s=60)
     finals = [f for _, f in r.xrange(KEYS.reply(rid)) if f.get("kind") == "final"]
     assert len(finals) == 1
     assert json.loads(r.hget(KEYS.status(rid), "result")) == result
@@ -215,7 +241,9 @@ def test_sigterm_during_load_loses_nothing(cluster: Cluster) -> None:
     cluster.start_worker("b")
     cluster.wait_workers(2)
     rids, _ = submit(cluster, 60, max_tokens=30)
-    time.sleep(0.3)
+    r = cluster.sync()
+    # Stop a while it is running work (the check below wants both workers to have run some).
+    wait_until(lambda: any(r.hget(KEYS.status(rid), "worker") == "a" for rid in rids), "worker a running work")
     stopped_at = time.monotonic()
     cluster.signal("a", signal.SIGTERM)
     assert cluster.workers["a"].wait(60) == 0
@@ -223,7 +251,6 @@ def test_sigterm_during_load_loses_nothing(cluster: Cluster) -> None:
     figures = audit(cluster, rids)
     record("SIGTERM a worker during load", 60, 60, figures, time.monotonic() - stopped_at)
     assert figures == {"completed": 60, "duplicated": 0, "lost": 0}
-    r = cluster.sync()
     assert {r.hget(KEYS.status(rid), "worker") for rid in rids} == {"a", "b"}
 
 

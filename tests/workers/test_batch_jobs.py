@@ -111,7 +111,8 @@ async def test_a_runner_whose_lock_is_stolen_stops_and_writes_nothing(redis: Red
         await redis.set(lock_key(batch_id), "another-runner", px=60_000)
         at_steal = await recorded(redis, batch_id)
         await asyncio.wait_for(running, timeout=3 * job_settings.job_lock_ttl_s)  # it stopped
-        await asyncio.sleep(0.2)  # what it had submitted finishes meanwhile
+        # What it had submitted finishes meanwhile (a condition, not a pause a slow machine could outlast).
+        await until(lambda: _drained(redis))
         assert await recorded(redis, batch_id) == at_steal  # no record after the steal
         assert (await BatchStore(redis).get(batch_id))["status"] == "in_progress"
         assert len(files_in(job_settings)) == 1  # the input file only
@@ -156,6 +157,11 @@ async def assert_completed_once(redis: Redis, settings: Settings, batch_id: str,
 
 async def _at_least(count: Awaitable[int], n: int) -> bool:
     return await count >= n
+
+
+async def _drained(redis: Redis) -> bool:
+    """Every row on the bulk stream taken and finished by the null worker (it deletes each one)."""
+    return await redis.xlen(STREAM) == 0
 
 
 async def test_a_restart_redispatches_only_jobs_whose_runner_is_gone(redis: Redis, settings: Settings) -> None:

@@ -1,0 +1,190 @@
+"""The import rules of DESIGN.md's "Packages" table, read from every source module's syntax tree,
+and the size budget of a module.
+
+Every import counts wherever it is written (inside functions, under `if TYPE_CHECKING`): the
+table is about what a package depends on, and a deferred import is still a dependency. The
+source folders and their packages come from pyproject.toml, so a package added there without
+a rule here fails instead of being left unchecked.
+"""
+
+from __future__ import annotations
+
+import ast
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+TOP = "sluice"
+ALL = frozenset({"config", "protocol", "broker", "batching", "workers", "api", "bench", "cli"})
+
+# package -> the packages of ours it may import (itself always allowed)
+MAY_IMPORT: dict[str, frozenset[str]] = {
+    "config": frozenset(),
+    "protocol": frozenset({"config"}),
+    "broker": frozenset({"config", "protocol"}),
+    "batching": frozenset({"config"}),
+    "workers": frozenset({"config", "protocol", "broker", "batching"}),
+    "api": frozenset({"config", "protocol", "broker"}),
+    "bench": ALL - {"cli"},
+    "cli": ALL,
+}
+# Modules a package may import beyond its table row: the benchmarks start a local stack of
+# real processes with the same helpers as `sluice up`, and those live in cli (DESIGN: one LocalStack).
+EXTRA_MODULES: dict[str, frozenset[str]] = {
+    "bench": frozenset({"sluice.cli.stack", "sluice.cli.processes"}),
+}
+# DESIGN calls ~400 lines a sign of two jobs in one module; the renovation aims lower.
+MAX_LINES = 300
+
+
+@dataclass(frozen=True)
+class Module:
+    name: str  # e.g. sluice.workers.engines.null
+    path: Path
+    is_package: bool  # an __init__.py: relative imports resolve against itself
+
+    @property
+    def package(self) -> str:
+        """The top-level package of ours it belongs to (`workers` for sluice.workers.engines.x)."""
+        return self.name.split(".")[1]
+
+
+@dataclass(frozen=True)
+class Import:
+    module: Module
+    line: int
+    target: str  # the dotted name imported, e.g. sluice.cli.stack
+
+    @property
+    def package(self) -> str | None:
+        parts = self.target.split(".")
+        return parts[1] if parts[0] == TOP and len(parts) > 1 else None
+
+    def __str__(self) -> str:
+        return f"{self.module.path.relative_to(ROOT)}:{self.line} ({self.module.name}) imports {self.target}"
+
+
+def package_dirs() -> dict[str, Path]:
+    """sluice.<x>[.<y>] -> its folder, as pyproject.toml maps them (the installed layout)."""
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    mapping: dict[str, str] = pyproject["tool"]["setuptools"]["package-dir"]
+    return {name: ROOT / folder for name, folder in mapping.items()}
+
+
+def source_modules() -> list[Module]:
+    modules = []
+    for package, folder in package_dirs().items():
+        for path in sorted(folder.glob("*.py")):  # subpackages have their own entry in the mapping
+            is_package = path.name == "__init__.py"
+            name = package if is_package else f"{package}.{path.stem}"
+            modules.append(Module(name, path, is_package))
+    return modules
+
+
+MODULES = source_modules()
+KNOWN = {m.name for m in MODULES}
+
+
+def _resolve(module: Module, level: int, name: str | None) -> str:
+    """The absolute name of a relative import (`from ..broker import keys` in sluice.api.x)."""
+    base = module.name.split(".")
+    if not module.is_package:
+        base = base[:-1]
+    if level > 1:
+        base = base[: len(base) - (level - 1)]
+    return ".".join([*base, name] if name else base)
+
+
+def imports_of(module: Module) -> list[Import]:
+    tree = ast.parse(module.path.read_text(), filename=str(module.path))
+    found: list[Import] = []
+    for node in ast.walk(tree):  # every node: imports inside functions and TYPE_CHECKING blocks too
+        if isinstance(node, ast.Import):
+            found.extend(Import(module, node.lineno, alias.name) for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = _resolve(module, node.level, node.module) if node.level else (node.module or "")
+            for alias in node.names:
+                # `from sluice.cli import stack` imports the module sluice.cli.stack: name it so,
+                # or the per-module exceptions could not tell it from the rest of sluice.cli.
+                sub = f"{base}.{alias.name}"
+                found.append(Import(module, node.lineno, sub if sub in KNOWN else base))
+        elif isinstance(node, ast.Call) and _is_dynamic_import(node.func):
+            # importlib.import_module("sluice.x") / __import__("sluice.x"): a literal name is an import too
+            if node.args and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str):
+                found.append(Import(module, node.lineno, node.args[0].value))
+    unique = dict.fromkeys(found)  # `from x import a, b` is one import of x, reported once
+    return [i for i in unique if i.package is not None]
+
+
+def _is_dynamic_import(func: ast.expr) -> bool:
+    if isinstance(func, ast.Name):
+        return func.id in ("__import__", "import_module")
+    return isinstance(func, ast.Attribute) and func.attr == "import_module"
+
+
+def allowed(imp: Import) -> bool:
+    own, target = imp.module.package, imp.package
+    assert target is not None
+    if target == own or target in MAY_IMPORT[own]:
+        return True
+    extras = EXTRA_MODULES.get(own, frozenset())
+    return any(imp.target == m or imp.target.startswith(m + ".") for m in extras)
+
+
+def report(title: str, offenders: list[str]) -> str:
+    return f"{title} ({len(offenders)}):\n  " + "\n  ".join(offenders)
+
+
+def test_every_package_has_a_rule() -> None:
+    packages = {m.package for m in MODULES}
+    assert packages, "no source modules found: the pyproject.toml mapping moved?"
+    assert packages <= set(MAY_IMPORT), f"packages without an import rule: {sorted(packages - set(MAY_IMPORT))}"
+    # the walk found every folder of the table (a renamed folder must not silently leave the check)
+    assert set(MAY_IMPORT) <= packages, f"rules for packages with no modules: {sorted(set(MAY_IMPORT) - packages)}"
+
+
+def test_the_checker_sees_every_kind_of_import(tmp_path: Path) -> None:
+    """The parser itself: absolute, from, relative, nested in a function, dynamic."""
+    path = tmp_path / "mod.py"
+    path.write_text(
+        "import sluice.broker.keys\n"
+        "from sluice.cli import stack\n"
+        "from ..workers import worker\n"
+        "def f():\n"
+        "    from sluice.api.app import create_app\n"
+        "    import importlib\n"
+        "    importlib.import_module('sluice.bench.loadgen')\n"
+    )
+    fake = Module("sluice.protocol.mod", path, is_package=False)
+    targets = [i.target for i in imports_of(fake)]
+    assert targets == ["sluice.broker.keys", "sluice.cli.stack", "sluice.workers.worker", "sluice.api.app",
+                       "sluice.bench.loadgen"], targets
+    assert [allowed(i) for i in imports_of(fake)] == [False] * 5  # protocol may import config only
+
+
+@pytest.mark.parametrize("package", sorted(MAY_IMPORT))
+def test_imports_follow_the_design_table(package: str) -> None:
+    offenders = [
+        f"{imp}  [{package} may import: {', '.join(sorted(MAY_IMPORT[package])) or 'nothing of ours'}]"
+        for module in MODULES if module.package == package
+        for imp in imports_of(module) if not allowed(imp)
+    ]
+    assert not offenders, report(f"imports that break the rule for {package}/", offenders)
+
+
+@pytest.mark.parametrize(("importer", "imported"), [("api", "workers"), ("workers", "api")])
+def test_api_and_workers_meet_only_on_redis(importer: str, imported: str) -> None:
+    # Stated on its own in DESIGN ("api/ never imports workers/"): it must hold even if the table changes.
+    offenders = [str(imp) for module in MODULES if module.package == importer
+                 for imp in imports_of(module) if imp.package == imported]
+    assert not offenders, report(f"{importer}/ imports {imported}/", offenders)
+
+
+def test_no_source_module_is_over_the_line_budget() -> None:
+    sizes = {m.path: len(m.path.read_text().splitlines()) for m in MODULES}
+    offenders = [f"{path.relative_to(ROOT)}: {n} lines" for path, n in sorted(sizes.items(), key=lambda kv: -kv[1])
+                 if n > MAX_LINES]
+    assert not offenders, report(f"modules over {MAX_LINES} lines (split them by job)", offenders)
