@@ -10,13 +10,11 @@ import yaml
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from sluice.config.batching import (
-    CONTINUOUS_MULTI_ROW,
     CONTINUOUS_WITH_SINGLE,
     DYNAMIC_WITH_SINGLE,
-    MAX_BATCH_SIZE_EXCEEDED,
-    SINGLE_MULTI_ROW,
     ContinuousBatchingConfig,
     DynamicBatchingConfig,
+    SingleBatchConfig,
 )
 from sluice.config.engine import VLLMConfig
 from sluice.config.schema import DEFAULT_INPUT_SCHEMA, DEFAULT_OUTPUT_SCHEMA, ArrowField
@@ -91,16 +89,16 @@ class ModelConfig(BaseModel):
     def continuous(self) -> ContinuousBatchingConfig:
         return self.continuous_batching_config or ContinuousBatchingConfig()
 
+    @property
+    def batching(self) -> ContinuousBatchingConfig | DynamicBatchingConfig | SingleBatchConfig:
+        """The options of this deployment's batching mode (each carries the mode's row rule)."""
+        if self.mode is BatchMode.SINGLE:
+            return SingleBatchConfig()
+        return self.dynamic_batching_config or self.continuous
+
     def rows_error(self, rows: int) -> str | None:
         """Why a request of this many rows is refused by this deployment's batching mode, if it is."""
-        if rows > 1 and self.mode is BatchMode.CONTINUOUS:
-            return CONTINUOUS_MULTI_ROW
-        if rows > 1 and self.mode is BatchMode.SINGLE:
-            return SINGLE_MULTI_ROW
-        limit = self.dynamic_batching_config.batch_size_limit if self.dynamic_batching_config else None
-        if limit is not None and rows > limit:
-            return MAX_BATCH_SIZE_EXCEEDED
-        return None
+        return self.batching.rows_error(rows)
 
     def deployment_key(self) -> dict[str, Any]:
         """What makes two deployments the same (everything but the version)."""
