@@ -23,7 +23,7 @@ async def readyz(s: ApiState = Depends(state)) -> JSONResponse:
     """Ready when Redis answers and every deployed model has a live worker."""
     try:
         await s.redis.ping()
-        models = await s.models.all()
+        models = list((await s.deployments.all(fresh=True)).values())
         live = await s.workers.live(s.settings.worker_ttl_s)
     except Exception as err:
         return JSONResponse({"status": "unavailable", "redis": f"{type(err).__name__}: {err}"}, 503)
@@ -47,7 +47,7 @@ async def workers(s: ApiState = Depends(state)) -> dict:
 @router.get("/metrics", include_in_schema=False)
 async def metrics(s: ApiState = Depends(state)) -> Response:
     """Prometheus text format; the queue gauges are read from Redis at each scrape."""
-    for m in await s.models.all():
+    for m in (await s.deployments.all(fresh=True)).values():
         for lane, (depth, age) in (await s.admission.queue_stats(m.name)).items():
             QUEUE_DEPTH.labels(m.name, lane).set(depth)
             OLDEST_AGE.labels(m.name, lane).set(age)

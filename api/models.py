@@ -11,6 +11,7 @@ from pydantic import BaseModel, ConfigDict, model_validator
 from sluice.api.arrow import ARROW_STREAM, RowLimits, encode_rows, encode_table, parse_rows, wants_arrow
 from sluice.api.auth import Caller, require_admin, require_key
 from sluice.api.errors import ApiError
+from sluice.api.intake import Sampling
 from sluice.api.state import ApiState, state
 from sluice.config.batching import ContinuousBatchingConfig, DynamicBatchingConfig
 from sluice.config.model import ConfigError, ModelConfig, parse_model
@@ -31,12 +32,12 @@ def describe(m: ModelConfig) -> dict[str, Any]:
 
 @router.get("")
 async def list_models(s: ApiState = Depends(state)) -> dict:
-    return {"object": "list", "data": [describe(m) for m in await s.models.all()]}
+    return {"object": "list", "data": [describe(m) for m in (await s.deployments.all(fresh=True)).values()]}
 
 
 @router.get("/{model}")
 async def get_model(model: str, s: ApiState = Depends(state), caller: Caller = Depends(require_key)) -> dict:
-    m = await s.model(model)
+    m = await s.deployments.get(model)
     depth, bulk_depth = await s.admission.depth(m.name)
     live = [w for w in await s.workers.live(s.settings.worker_ttl_s) if w.model == m.name]
     return {
@@ -73,7 +74,7 @@ class ConfigureRequest(BaseModel):
 
 @router.put("/{model}/config", dependencies=[Depends(require_admin)])
 async def configure(model: str, body: ConfigureRequest, s: ApiState = Depends(state)) -> dict:
-    current = await s.model(model)
+    current = await s.deployments.get(model)
     given = body.model_dump(exclude_none=True)
     if not given:
         raise ApiError(400, "set one of continuous_batching_config, dynamic_batching_config, "
@@ -85,9 +86,7 @@ async def configure(model: str, body: ConfigureRequest, s: ApiState = Depends(st
         updated = parse_model(data)
     except ConfigError as err:
         raise ApiError(400, str(err)) from None
-    deployed = await s.models.deploy(updated)
-    await s.deployed(fresh=True)
-    return describe(deployed)
+    return describe(await s.deployments.deploy(updated))
 
 
 # The route reads its body itself (JSON records or Arrow), so the OpenAPI document is told
@@ -117,14 +116,14 @@ async def infer(
     caller: Caller = Depends(require_key),
 ) -> Response:
     """Rows in (JSON records or Arrow), one output row per input row, in order, out."""
-    m = await s.model(model)
+    m = await s.deployments.get(model)
     content_type = request.headers.get("content-type")
     body = await request.body()  # bounded by the BodySizeLimit middleware
     rows = parse_rows(body, content_type, to_arrow(m.input_schema), RowLimits.of(s.settings))
-    message = await s.enqueue(m, rows, temperature=temperature, top_p=top_p, seed=seed, timeout_s=timeout_s,
-                              owner=caller.digest)
-    status = await s.wait_final(m.name, message.id,
-                                min(message.deadline - message.enqueued_at, s.settings.max_wait_s))
+    message = await s.intake.enqueue(m, rows, Sampling(temperature=temperature, top_p=top_p, seed=seed,
+                                                       timeout_s=timeout_s), owner=caller.digest)
+    status = await s.lookup.wait_final(m.name, message.id,
+                                       min(message.deadline - message.enqueued_at, s.settings.max_wait_s))
     result = status.result
     if status.state is not State.DONE or result is None:
         code = {State.EXPIRED: 504, State.CANCELLED: 409}.get(status.state, 502)
@@ -150,7 +149,7 @@ async def logs(
 ) -> Response:
     """The newest `limit` inference-log records, oldest first (Arrow with Accept: arrow stream).
     Admin only: the log holds every caller's prompts and outputs."""
-    m = await s.model(model)
+    m = await s.deployments.get(model)
     records = await s.admission.inference_log(m.name, limit)
     if ARROW_STREAM in request.headers.get("accept", ""):
         return Response(encode_table(records), media_type=ARROW_STREAM)

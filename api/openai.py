@@ -19,6 +19,7 @@ from sse_starlette.sse import EventSourceResponse
 
 from sluice.api.auth import Caller, require_key
 from sluice.api.errors import ApiError
+from sluice.api.intake import Sampling
 from sluice.api.schemas import MAX_TOKENS, require_unicode
 from sluice.api.state import ApiState, state
 from sluice.broker.replies import read_replies
@@ -49,15 +50,13 @@ async def _enqueue_choices(s: ApiState, model: ModelConfig, body: SamplingBody,
         raise ApiError(422, f"max_tokens: at most {MAX_TOKENS}", param="max_tokens")
     seed = body.seed if body.seed is not None else secrets.randbits(31)
     # All choices admitted at once, or none (one admission against the queue bound).
-    messages = await s.enqueue_many(
-        model, [[row] for row in rows], temperature=body.temperature, top_p=body.top_p, stop=body.stop,
-        seed=seed, presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty, owner=owner,
-    )
-    return messages
+    sampling = Sampling(temperature=body.temperature, top_p=body.top_p, stop=list(body.stop or []), seed=seed,
+                        presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty)
+    return await s.intake.enqueue_many(model, [[row] for row in rows], sampling, owner=owner)
 
 
 async def _finals(s: ApiState, model: str, messages: list[RequestMessage]) -> list[FinalResult]:
-    statuses = await asyncio.gather(*(s.wait_final(model, m.id, s.settings.max_wait_s) for m in messages))
+    statuses = await asyncio.gather(*(s.lookup.wait_final(model, m.id, s.settings.max_wait_s) for m in messages))
     finals = []
     for m, status in zip(messages, statuses):
         final = status.result
@@ -120,7 +119,7 @@ def _stream(s: ApiState, model: str, messages: list[RequestMessage], chunk, incl
             # shutdown timeout: see `sluice api`.)
             if len(finished) < len(messages):
                 for m in messages:
-                    s.cancel_soon(model, m.id)
+                    s.cancels.soon(model, m.id)
 
     return EventSourceResponse(events(), ping=15, shutdown_grace_period=s.settings.shutdown_timeout_s)
 
@@ -128,7 +127,7 @@ def _stream(s: ApiState, model: str, messages: list[RequestMessage], chunk, incl
 @router.post("/completions")
 async def completions(body: CompletionRequest, s: ApiState = Depends(state),
                       caller: Caller = Depends(require_key)):
-    model = await s.model(body.model)
+    model = await s.deployments.get(body.model)
     rows = [{"prompt": p, "max_tokens": body.max_tokens} for p in body.prompt for _ in range(body.n)]
     messages = await _enqueue_choices(s, model, body, rows, caller.digest)
     cid, created = completion_id(messages[0].id, chat=False), int(time.time())
@@ -146,7 +145,7 @@ async def completions(body: CompletionRequest, s: ApiState = Depends(state),
 @router.post("/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, s: ApiState = Depends(state),
                            caller: Caller = Depends(require_key)):
-    model = await s.model(body.model)
+    model = await s.deployments.get(body.model)
     messages_in = [m.plain() for m in body.messages]
     rows = [{"messages": messages_in, "max_tokens": body.max_tokens} for _ in range(body.n)]
     messages = await _enqueue_choices(s, model, body, rows, caller.digest)

@@ -10,10 +10,12 @@ from sse_starlette.sse import EventSourceResponse
 
 from sluice.api.auth import Caller, require_key
 from sluice.api.errors import ApiError
+from sluice.api.intake import Sampling
 from sluice.api.schemas import RequestView, SubmitRequest, Submitted
-from sluice.api.state import ApiState, new_request_id, state
+from sluice.api.state import ApiState, state
 from sluice.broker.replies import read_replies, resume_index
 from sluice.broker.status import RequestStatus
+from sluice.protocol.ids import new_request_id
 from sluice.protocol.states import State
 
 router = APIRouter(prefix="/v1/requests", tags=["requests"])
@@ -30,7 +32,7 @@ async def submit(
     The key binds to a request id before anything is enqueued; a repeat whose first attempt
     left no trace (Redis failed in between) admits again under that same id, which
     admission treats as one request, so a retried call never makes two."""
-    model = await s.model(body.model)
+    model = await s.deployments.get(body.model)
     rid = new_request_id()
     # Without API keys every caller is one anonymous caller, and shares idempotency keys.
     key = f"{caller.digest or 'anonymous'}:{idempotency_key}" if idempotency_key else None
@@ -41,13 +43,12 @@ async def submit(
             status = await s.admission.status(first_model, first_id)
             if status:
                 return Submitted(id=first_id, status=status.state.value, model=first_model)
-            model, rid = await s.model(first_model), first_id
+            model, rid = await s.deployments.get(first_model), first_id
     try:
-        message = await s.enqueue(
-            model, [{"prompt": body.prompt, "max_tokens": body.max_tokens}], temperature=body.temperature,
-            top_p=body.top_p, stop=body.stop, seed=body.seed, timeout_s=body.timeout_s, rid=rid,
-            owner=caller.digest,
-        )
+        sampling = Sampling(temperature=body.temperature, top_p=body.top_p, stop=list(body.stop or []),
+                            seed=body.seed, timeout_s=body.timeout_s)
+        message = await s.intake.enqueue(model, [{"prompt": body.prompt, "max_tokens": body.max_tokens}],
+                                         sampling, rid=rid, owner=caller.digest)
     except ApiError as err:
         if key and (err.status != 503 or err.code == "overloaded"):  # refused: nothing was enqueued
             await s.admission.release_idempotency(key)
@@ -66,7 +67,7 @@ def view(status: RequestStatus) -> RequestView:
 async def _visible(s: ApiState, caller: Caller, rid: str) -> str:
     """The request's model, if the caller may see it: another key's request is as missing as
     an unknown id (404, not 403), so ids cannot be probed."""
-    model = await s.model_of(rid)
+    model = await s.lookup.model_of(rid)
     status = await s.admission.status(model, rid)
     if not caller.admin and not caller.owns(status.owner if status else None):
         raise ApiError(404, f"request {rid!r} not found", code="not_found")
@@ -81,7 +82,7 @@ async def get_request(
     caller: Caller = Depends(require_key),
 ) -> RequestView:
     model = await _visible(s, caller, rid)
-    return view(await s.wait_final(model, rid, min(wait, s.settings.max_wait_s)))
+    return view(await s.lookup.wait_final(model, rid, min(wait, s.settings.max_wait_s)))
 
 
 @router.delete("/{rid}", status_code=202)

@@ -15,6 +15,7 @@ from redis.asyncio import Redis
 
 from sluice.api.app import create_app
 from sluice.api.errors import ApiError
+from sluice.api.intake import Sampling
 from sluice.config.settings import Settings
 from sluice.protocol.ids import new_request_id, request_created_at
 from tests.broker.helpers import KEYS, MODEL
@@ -63,12 +64,13 @@ async def test_an_expired_result_is_gone_and_an_unknown_id_is_not_found(api: htt
 
 async def test_a_multi_request_admission_is_whole(app, redis: Redis) -> None:
     s = app.state.sluice
-    model = await s.model(MODEL)
+    model = await s.deployments.get(MODEL)
     with pytest.raises(ApiError) as refused:
-        await s.enqueue_many(model, [[{"prompt": f"p{i}", "max_tokens": 2}] for i in range(5)])
+        await s.intake.enqueue_many(model, [[{"prompt": f"p{i}", "max_tokens": 2}] for i in range(5)])
     assert refused.value.status == 503
     assert await redis.xlen(KEYS.requests) == 0
-    messages = await s.enqueue_many(model, [[{"prompt": f"p{i}", "max_tokens": 2}] for i in range(4)], seed=10)
+    messages = await s.intake.enqueue_many(model, [[{"prompt": f"p{i}", "max_tokens": 2}] for i in range(4)],
+                                           Sampling(seed=10))
     assert [m.sampling.seed for m in messages] == [10, 11, 12, 13]
     assert await redis.xlen(KEYS.requests) == 4
 

@@ -1,0 +1,100 @@
+"""Admitting requests: rows checked, messages built (seed, deadline, owner), one admission."""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from sluice.api.errors import ApiError
+from sluice.api.metrics import ADMITTED, REJECTED
+from sluice.api.rows import RowsRefused, checked_rows, prompt_text, where
+from sluice.api.tokens import PromptLimits
+from sluice.broker.admission import Admission, NotDurable, QueueFull
+from sluice.config.model import ModelConfig
+from sluice.config.settings import Settings
+from sluice.protocol.ids import new_request_id
+from sluice.protocol.messages import RequestMessage, SamplingSpec
+
+Rows = Sequence[Mapping[str, Any]]
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """What a caller chose about sampling and time; the rest comes from the deployment."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    stop: list[str] = field(default_factory=list)
+    seed: int | None = None  # None: a fresh one, so that every request has a seed to retry with
+    timeout_s: float | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+
+
+class Intake:
+    def __init__(self, settings: Settings, admission: Admission, prompt_limits: PromptLimits) -> None:
+        self.settings = settings
+        self.admission = admission
+        self.prompt_limits = prompt_limits
+
+    async def enqueue(self, model: ModelConfig, rows: Rows, sampling: Sampling = Sampling(), *,
+                      rid: str | None = None, owner: str | None = None) -> RequestMessage:
+        """Admit one request of `rows` for `model` (503 with Retry-After when its queue is full).
+        `owner`: the digest of the api key that made it (recorded in its status hash)."""
+        (message,) = await self.enqueue_many(model, [rows], sampling, rids=[rid] if rid else None, owner=owner)
+        return message
+
+    async def enqueue_many(self, model: ModelConfig, requests: Sequence[Rows], sampling: Sampling = Sampling(), *,
+                           rids: list[str] | None = None, owner: str | None = None) -> list[RequestMessage]:
+        """Admit several requests (each a list of rows; the choices of one completion call)
+        all at once or none of them: one admission against the queue bound, so a call is never
+        left half-admitted and never counted one by one. Request i gets seed + i."""
+        checked = [await self._checked(model, rows) for rows in requests]
+        now = time.time()
+        seed = sampling.seed if sampling.seed is not None else secrets.randbits(31)
+        timeout_s = sampling.timeout_s or model.request_timeout_s or self.settings.request_timeout_s
+        messages = [RequestMessage(
+            id=rids[i] if rids else new_request_id(),
+            model=model.name,
+            rows=rows,
+            sampling=SamplingSpec(
+                max_tokens=rows[0]["max_tokens"], temperature=sampling.temperature, top_p=sampling.top_p,
+                stop=sampling.stop, seed=seed + i, presence_penalty=sampling.presence_penalty,
+                frequency_penalty=sampling.frequency_penalty,
+            ),
+            enqueued_at=now,
+            deadline=now + timeout_s,
+            owner=owner,
+        ) for i, rows in enumerate(checked)]
+        bound = {"max_queued": model.max_queued or self.settings.max_queued,
+                 "result_ttl_s": model.result_ttl_s or self.settings.result_ttl_s}
+        try:
+            if len(messages) == 1:
+                await self.admission.submit(messages[0], **bound)
+            else:
+                await self.admission.submit_many(messages, **bound)
+        except QueueFull:
+            REJECTED.labels(model.name, "queue_full").inc(len(messages))
+            raise ApiError(503, f"model {model.name!r} is saturated: its queue is full, retry later",
+                           code="overloaded", headers={"Retry-After": "1"}) from None
+        except NotDurable as err:  # strict durability: not known to be on disk, so not accepted
+            raise ApiError(503, f"{err}; retry with the same Idempotency-Key", code="not_durable",
+                           headers={"Retry-After": "1"}) from None
+        ADMITTED.labels(model.name, messages[0].lane).inc(len(messages))
+        return messages
+
+    async def _checked(self, model: ModelConfig, rows: Rows) -> list[dict[str, Any]]:
+        try:
+            checked = checked_rows(model, rows, max_prompt_chars=self.settings.max_prompt_chars)
+        except RowsRefused as refused:
+            REJECTED.labels(model.name, refused.reason).inc()
+            raise
+        for i, row in enumerate(checked):
+            too_long = await self.prompt_limits.check(model, prompt_text(row), row["max_tokens"])
+            if too_long:
+                REJECTED.labels(model.name, "context").inc()
+                raise ApiError(400, where(too_long, i, len(checked)), param="prompt")
+        return checked

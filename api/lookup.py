@@ -1,0 +1,50 @@
+"""Finding a request again: which model holds it, and its status once final."""
+
+from __future__ import annotations
+
+import time
+
+from sluice.api.deployments import Deployments
+from sluice.api.errors import ApiError
+from sluice.broker.admission import Admission
+from sluice.broker.notifications import DoneListener
+from sluice.broker.status import RequestStatus
+from sluice.protocol.ids import request_created_at
+
+
+class RequestLookup:
+    def __init__(self, admission: Admission, done: DoneListener, deployments: Deployments,
+                 default_result_ttl_s: int) -> None:
+        self.admission = admission
+        self.done = done
+        self.deployments = deployments
+        self.default_result_ttl_s = default_result_ttl_s
+
+    async def wait_final(self, model: str, rid: str, wait_s: float) -> RequestStatus:
+        """The status once the request is final, or as it is after `wait_s`."""
+        deadline = time.monotonic() + wait_s
+        with self.done.watch(rid) as done:
+            while True:
+                status = await self.admission.status(model, rid)
+                if not status:
+                    raise ApiError(404, f"request {rid!r} not found", code="not_found")
+                remaining = deadline - time.monotonic()
+                if status.final or remaining <= 0:
+                    return status
+                await self.done.wait(done, remaining)
+
+    async def model_of(self, rid: str) -> str:
+        """The model of a request that Redis still holds; 410 for one whose result expired (its id
+        is older than the retention, which is as much as can be known once its keys are gone),
+        404 for an id that is young, of another form, or unknown."""
+        deployed = await self.deployments.all()
+        model = await self.admission.find_model(rid, list(deployed))
+        if model is not None:
+            return model
+        created = request_created_at(rid)
+        retention = min((m.result_ttl_s or self.default_result_ttl_s for m in deployed.values()),
+                        default=self.default_result_ttl_s)
+        if created is not None and time.time() - created > retention:
+            raise ApiError(410, f"request {rid!r} expired: a result is kept for {retention} s after the "
+                                f"request finishes, and this one is gone", code="expired")
+        raise ApiError(404, f"request {rid!r} not found", code="not_found")
