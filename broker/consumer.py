@@ -147,7 +147,7 @@ class StreamConsumer:
         return deliveries
 
     def release(self, d: Delivery) -> None:
-        """The entry is committed, skipped or lost: no longer this worker's to lease."""
+        """The entry is committed, skipped or fenced: no longer this worker's to lease."""
         self.held.pop(d.key, None)
 
     async def _redelivered(self, count: int) -> list[Delivery]:
@@ -247,19 +247,19 @@ class StreamConsumer:
         )
 
     async def lease_held(self) -> list[Delivery]:
-        """Refresh the lease of every held entry, waiting or running; returns the held entries
-        this consumer has lost (they are released)."""
+        """Refresh the lease of every held entry, waiting or running; returns those this
+        consumer is fenced from (another took them over; they are released)."""
         by_stream: dict[str, list[str]] = {}
         for stream, entry_id in list(self.held):
             by_stream.setdefault(stream, []).append(entry_id)
-        lost: list[Delivery] = []
+        fenced: list[Delivery] = []
         for stream, ids in by_stream.items():
             for i in range(0, len(ids), 500):
                 for entry_id in await self.scripts.lease(keys=[stream], args=[GROUP, self.consumer, *ids[i:i + 500]]):
                     d = self.held.pop((stream, entry_id), None)
                     if d is not None:
-                        lost.append(d)
-        return lost
+                        fenced.append(d)
+        return fenced
 
     async def commit(self, d: Delivery, result: FinalResult) -> bool:
         """Final event + status + XACK + XDEL at once; False if fenced out (nothing written)."""

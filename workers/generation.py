@@ -30,7 +30,7 @@ class Running:
     first_token: float | None = None
     prompt_tokens: int = 0
     stop_reason: State | None = None  # CANCELLED / EXPIRED once aborted for that reason
-    lost: bool = False  # reclaimed by another worker: finish quietly, commit nothing
+    fenced: bool = False  # its lease lapsed and another worker may reclaim it: finish quietly, commit nothing
 
     @classmethod
     def start(cls, delivery: Delivery) -> Running:

@@ -129,7 +129,7 @@ class Worker:
             log.warning("%d request(s) still running after %.0fs: left to be reclaimed",
                         len(self.running), self.settings.shutdown_timeout_s)
             for r in list(self.running.values()):
-                r.lost = True
+                r.fenced = True
                 await self._abort(r)
             await self.policy.drain(5.0)
 
@@ -158,7 +158,7 @@ class Worker:
     async def _run_request(self, d: Delivery) -> list[dict]:
         """Run one request to its commit; returns its inference-log records (one per row).
 
-        Whatever happens, the entry is released: committed, skipped, lost, or left (Redis
+        Whatever happens, the entry is released: committed, skipped, fenced, or left (Redis
         away) for its lease to lapse and a live worker to reclaim it."""
         try:
             return await self._start_and_run(d)
@@ -186,7 +186,7 @@ class Worker:
             error = f"{type(err).__name__}: {err}"
         finally:
             del self.running[rid]
-        if run.lost:
+        if run.fenced:
             return []
         final = final_result(run, outputs, error)
         await self.replies.flush()
@@ -245,15 +245,15 @@ class Worker:
         """Keep every held entry this worker's, waiting in a batch or running."""
         for d in await self.consumer.lease_held():
             r = self.running.get(d.message.id)
-            if r is not None and r.delivery.key == d.key and not r.lost:
+            if r is not None and r.delivery.key == d.key and not r.fenced:
                 log.warning("request %s was reclaimed by another worker: aborting here", d.message.id)
-                r.lost = True
+                r.fenced = True
                 await self._abort(r)
             else:
                 log.warning("request %s was reclaimed by another worker before it started here", d.message.id)
 
     async def _watch(self) -> None:
-        runs = {rid: r for rid, r in self.running.items() if r.stop_reason is None and not r.lost}
+        runs = {rid: r for rid, r in self.running.items() if r.stop_reason is None and not r.fenced}
         if not runs:
             return
         now = time.time()
