@@ -1,0 +1,162 @@
+"""The request path in-process, with a null-engine worker: submit, poll, long-poll (`?wait=`),
+server-sent events, cancel, and another key's request answered as missing (404)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+
+import httpx
+from fastapi import FastAPI
+
+from sluice.workers.worker import Worker
+from tests.api.conftest import StartApi, http_client
+from tests.broker.helpers import MODEL
+from tests.e2e.sse import sse_events
+
+WAIT_S = 30  # a long-poll's bound: far above what a null-engine request takes
+
+
+async def eventually(check: Callable[[], Awaitable[bool]], timeout_s: float = 30.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout_s
+    while not await check():
+        assert time.monotonic() < deadline, f"timed out after {timeout_s}s waiting for {what}"
+        await asyncio.sleep(0.02)
+
+
+async def submit(api: httpx.AsyncClient, **body: object) -> str:
+    r = await api.post("/v1/requests", json={"prompt": "say something", "max_tokens": 3, **body})
+    assert r.status_code == 202, r.text
+    assert r.json()["status"] == "queued" and r.json()["model"] == MODEL
+    return r.json()["id"]
+
+
+async def test_a_submitted_request_completes_and_a_long_poll_returns_it_final(
+        api: httpx.AsyncClient, null_worker: Worker) -> None:
+    rid = await submit(api)
+    done = (await api.get(f"/v1/requests/{rid}", params={"wait": WAIT_S})).json()
+    assert done["status"] == "done", done
+    assert done["output"]["text"] == " t0 t1 t2" and done["output"]["num_output_tokens"] == 3
+    assert done["usage"]["completion_tokens"] == 3
+    assert (await api.get(f"/v1/requests/{rid}")).json() == done  # a plain poll reads the same final
+
+
+async def test_a_poll_of_an_unserved_request_answers_as_it_is(api: httpx.AsyncClient) -> None:
+    rid = await submit(api)
+    now = (await api.get(f"/v1/requests/{rid}")).json()
+    assert now["status"] == "queued" and "enqueued" in now["timings"]
+    # A long-poll that runs out answers the request as it is then, not an error.
+    waited = await api.get(f"/v1/requests/{rid}", params={"wait": 0.1})
+    assert waited.status_code == 200 and waited.json()["status"] == "queued"
+
+
+async def test_wait_is_bounded_and_checked(api: httpx.AsyncClient) -> None:
+    rid = await submit(api)
+    r = await api.get(f"/v1/requests/{rid}", params={"wait": -1})
+    assert r.status_code == 422 and r.json()["error"]["param"] == "wait", r.text
+    r = await api.get(f"/v1/requests/{rid}", params={"wait": "soon"})
+    assert r.status_code == 422 and r.json()["error"]["param"] == "wait", r.text
+
+
+async def test_events_stream_every_delta_then_done(api: httpx.AsyncClient, null_worker: Worker) -> None:
+    rid = await submit(api, max_tokens=4)
+    async with api.stream("GET", f"/v1/requests/{rid}/events") as response:
+        assert response.status_code == 200
+        events = [e async for e in sse_events(response)]
+    assert [e.event for e in events] == ["delta"] * 4 + ["done"]
+    assert [e.json()["index"] for e in events[:-1]] == [0, 1, 2, 3]
+    final = events[-1].json()
+    assert "".join(e.json()["text"] for e in events[:-1]) == final["output"]["text"] == " t0 t1 t2 t3"
+    assert len({e.id for e in events}) == len(events)  # each resumable by its own id
+
+
+async def test_events_resume_after_last_event_id(api: httpx.AsyncClient, null_worker: Worker) -> None:
+    rid = await submit(api, max_tokens=3)
+    await api.get(f"/v1/requests/{rid}", params={"wait": WAIT_S})
+    first = [e async for e in sse_events(await api.get(f"/v1/requests/{rid}/events"))]
+    rest = [e async for e in sse_events(await api.get(f"/v1/requests/{rid}/events",
+                                                      headers={"Last-Event-ID": first[0].id or ""}))]
+    assert [e.id for e in rest] == [e.id for e in first[1:]]
+
+
+async def test_cancel_stops_a_running_request(api: httpx.AsyncClient, null_worker: Worker) -> None:
+    rid = await submit(api, max_tokens=8000)  # about 80 s if left alone
+
+    async def running() -> bool:
+        return (await api.get(f"/v1/requests/{rid}")).json()["status"] == "running"
+
+    await eventually(running, what="the request to start")
+    r = await api.delete(f"/v1/requests/{rid}")
+    assert r.status_code == 202, r.text
+    assert r.json()["id"] == rid and r.json()["model"] == MODEL
+    final = (await api.get(f"/v1/requests/{rid}", params={"wait": WAIT_S})).json()
+    assert final["status"] == "cancelled", final
+    again = await api.delete(f"/v1/requests/{rid}")  # cancelling a final request changes nothing
+    assert again.status_code == 202 and again.json()["status"] != "cancelling"
+    assert (await api.get(f"/v1/requests/{rid}")).json()["status"] == "cancelled"
+
+
+async def test_a_cancelled_queued_request_never_runs(api: httpx.AsyncClient) -> None:
+    rid = await submit(api)
+    assert (await api.delete(f"/v1/requests/{rid}")).status_code == 202
+    assert (await api.get(f"/v1/requests/{rid}")).json()["status"] == "cancelled"
+
+
+async def test_an_unknown_request_is_a_404_on_every_route(api: httpx.AsyncClient) -> None:
+    rid = "req-0123456789abcdef0123456789abcdef"
+    for method, url in (("GET", f"/v1/requests/{rid}"), ("GET", f"/v1/requests/{rid}/events"),
+                        ("DELETE", f"/v1/requests/{rid}")):
+        r = await api.request(method, url)
+        assert r.status_code == 404, (url, r.text)
+        assert r.json()["error"] == {"message": f"request {rid!r} not found", "type": "not_found",
+                                     "param": None, "code": "not_found"}
+
+
+async def test_another_keys_request_is_a_404_exactly_like_an_unknown_one(start_api: StartApi) -> None:
+    async with start_api(api_keys=["alice-key", "bob-key"]) as app:
+        alice, bob = http_client(app, "alice-key"), http_client(app, "bob-key")
+        async with alice, bob:
+            rid = await submit(alice)
+            unknown = "req-0123456789abcdef0123456789abcdef"
+            for method, path in (("GET", ""), ("GET", "/events"), ("DELETE", "")):
+                theirs = await bob.request(method, f"/v1/requests/{rid}{path}")
+                missing = await bob.request(method, f"/v1/requests/{unknown}{path}")
+                assert theirs.status_code == missing.status_code == 404, theirs.text
+                assert theirs.json()["error"]["message"] == f"request {rid!r} not found"
+                assert theirs.json()["error"]["type"] == missing.json()["error"]["type"]
+            assert (await alice.get(f"/v1/requests/{rid}")).json()["status"] == "queued"  # bob changed nothing
+            assert (await http_client(app).get(f"/v1/requests/{rid}")).status_code == 401
+
+
+async def test_bad_submissions_are_4xx_naming_the_field(api: httpx.AsyncClient) -> None:
+    for body, param in (({"prompt": "", "max_tokens": 2}, "prompt"), ({"prompt": "p", "max_tokens": 0}, "max_tokens"),
+                        ({"prompt": "p", "temperature": 9}, "temperature"), ({"prompt": "p", "nope": 1}, "nope"),
+                        ({"prompt": "p", "model": "absent"}, "model")):
+        r = await api.post("/v1/requests", json=body)
+        assert 400 <= r.status_code < 500, (body, r.text)
+        assert r.json()["error"]["param"] == param, (body, r.text)
+
+
+async def test_an_openai_completion_runs_through_the_queue(api: httpx.AsyncClient, null_worker: Worker) -> None:
+    r = await api.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2, "n": 2})
+    assert r.status_code == 200, r.text
+    assert [c["text"] for c in r.json()["choices"]] == [" t0 t1", " t0 t1"]
+
+
+async def test_a_model_missing_from_redis_comes_back_without_a_read_deploying_it(
+        app: FastAPI, api: httpx.AsyncClient, redis) -> None:
+    """Redis lost the deployments (restarted without its data): a request gets a 503 to retry,
+    never a 404, and the models file's sync task (not the read) registers the model again."""
+    await redis.flushdb()
+    s = app.state.sluice
+    await s.deployments.all(fresh=True)
+    r = await api.post("/v1/requests", json={"prompt": "p", "max_tokens": 2})
+    assert r.status_code in (202, 503), r.text
+    if r.status_code == 503:
+        assert r.headers["Retry-After"] and "retry" in r.json()["error"]["message"]
+
+    async def back() -> bool:
+        return (await api.post("/v1/requests", json={"prompt": "p", "max_tokens": 2})).status_code == 202
+
+    await eventually(back, what="the model to be registered again")
