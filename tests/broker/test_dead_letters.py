@@ -1,0 +1,75 @@
+"""DeadLetters on a private Redis: list what failed, retry it onto its own lane within the bound
+(status queued again, old replies cleared), leave an unreadable letter for drop, and drop."""
+
+from __future__ import annotations
+
+import json
+import time
+
+from redis.asyncio import Redis
+
+from sluice.broker.dead_letters import DeadLetters
+from sluice.protocol.messages import RequestMessage
+from tests.broker.helpers import KEYS, MODEL, message
+
+
+async def bury(redis: Redis, m: RequestMessage | None, *, stream: str = KEYS.requests, rid: str = "",
+               data: str | None = None) -> str:
+    """A dead letter as the consumer writes one (broker/lua/dead_letter.lua)."""
+    fields = {"id": m.id if m else rid, "data": data if data is not None else m.model_dump_json(),  # type: ignore[union-attr]
+              "error": "engine died", "attempts": 3, "failed_at": time.time(), "stream": stream}
+    return await redis.xadd(KEYS.dead_letters, fields)
+
+
+async def test_list_reads_each_letter_and_keeps_an_unreadable_one_raw(redis: Redis) -> None:
+    m = message()
+    await bury(redis, m)
+    await bury(redis, None, rid="req-garbled", data="{not json")
+    good, bad = await DeadLetters(redis, MODEL).list()
+    assert (good.request_id, good.error, good.attempts, good.stream) == (m.id, "engine died", 3, KEYS.requests)
+    assert good.message is not None and good.message.id == m.id
+    assert bad.message is None and bad.data == "{not json" and bad.request_id == "req-garbled"
+
+
+async def test_retry_requeues_on_its_lane_with_a_fresh_deadline_and_clears_its_replies(redis: Redis) -> None:
+    interactive, bulk = message(deadline_in=60), message(lane="bulk")
+    await bury(redis, interactive)
+    await bury(redis, bulk, stream=KEYS.bulk)
+    await redis.xadd(KEYS.reply(interactive.id), {"kind": "delta", "data": "{}"})
+    await redis.hset(KEYS.status(interactive.id), mapping={"state": "failed", "result": "{}", "attempt": 3})
+    before = time.time()
+    retried = await DeadLetters(redis, MODEL).retry(None, max_queued=10)
+    assert sorted(retried) == sorted([interactive.id, bulk.id])
+    assert await redis.xlen(KEYS.dead_letters) == 0
+    assert await redis.xlen(KEYS.requests) == 1 and await redis.xlen(KEYS.bulk) == 1
+    ((_, fields),) = await redis.xrange(KEYS.requests)
+    again = RequestMessage.model_validate_json(fields["data"])
+    assert again.enqueued_at >= before and abs((again.deadline - again.enqueued_at) - 60) < 1e-6
+    status = await redis.hgetall(KEYS.status(interactive.id))
+    assert status["state"] == "queued" and "result" not in status and "attempt" not in status
+    assert await redis.exists(KEYS.reply(interactive.id)) == 0
+    assert await redis.ttl(KEYS.status(interactive.id)) > 0
+
+
+async def test_retry_stays_within_the_bound_and_leaves_the_rest_buried(redis: Redis) -> None:
+    letters = [message() for _ in range(3)]
+    for m in letters:
+        await bury(redis, m)
+    retried = await DeadLetters(redis, MODEL).retry(None, max_queued=2)
+    assert retried == [letters[0].id, letters[1].id]
+    assert [d.request_id for d in await DeadLetters(redis, MODEL).list()] == [letters[2].id]
+
+
+async def test_retry_and_drop_take_only_the_named_requests(redis: Redis) -> None:
+    a, b = message(), message()
+    await bury(redis, a)
+    await bury(redis, b)
+    await bury(redis, None, rid="req-garbled", data=json.dumps({"id": "req-garbled"}))
+    letters = DeadLetters(redis, MODEL)
+    assert await letters.retry([b.id, "req-garbled", "req-unknown"], max_queued=10) == [b.id]
+    assert sorted(d.request_id for d in await letters.list()) == sorted([a.id, "req-garbled"])
+    assert await letters.drop(["req-garbled"]) == ["req-garbled"]
+    assert await letters.drop(["req-unknown"]) == []
+    assert [d.request_id for d in await letters.list()] == [a.id]
+    assert await letters.drop(None) == [a.id]
+    assert await redis.xlen(KEYS.dead_letters) == 0

@@ -1,0 +1,97 @@
+"""FileStore on a private Redis and a temporary folder: uploads whole or absent, limits with a 4xx
+naming the problem, metadata with a TTL, and the sweep of content whose metadata expired."""
+
+from __future__ import annotations
+
+import io
+import os
+import time
+from pathlib import Path
+
+import pytest
+from redis.asyncio import Redis
+
+from sluice.broker.files import FileError, FileStore, _key
+
+
+@pytest.fixture
+def store(redis: Redis, tmp_path: Path) -> FileStore:
+    return FileStore(redis, tmp_path / "files", max_bytes=1024, ttl_s=3600)
+
+
+async def test_a_file_round_trips_and_its_metadata_expires(store: FileStore, redis: Redis) -> None:
+    meta = await store.create("in.jsonl", "batch", b'{"a": 1}\n', owner="alice")
+    assert meta["bytes"] == 9 and meta["purpose"] == "batch" and meta["owner"] == "alice"
+    assert meta["expires_at"] == meta["created_at"] + 3600
+    assert await store.get(meta["id"]) == meta
+    assert await store.content(meta["id"]) == b'{"a": 1}\n'
+    assert 0 < await redis.ttl(_key(meta["id"])) <= 3600
+    short = await store.create("in.jsonl", "batch", b"{}\n", expires_after_s=60)
+    assert 0 < await redis.ttl(_key(short["id"])) <= 60
+
+
+async def test_list_by_purpose_oldest_first_and_delete(store: FileStore) -> None:
+    first = await store.create("a.jsonl", "batch", b"{}\n")
+    second = await store.create("b.jsonl", "batch_output", b"")
+    assert [m["id"] for m in await store.list()] in ([first["id"], second["id"]], [second["id"], first["id"]])
+    assert [m["id"] for m in await store.list("batch_output")] == [second["id"]]
+    await store.delete(first["id"])
+    assert not store.path(first["id"]).exists()
+    with pytest.raises(FileError) as gone:
+        await store.get(first["id"])
+    assert gone.value.status == 404 and first["id"] in str(gone.value)
+
+
+@pytest.mark.parametrize(("purpose", "data", "status", "naming"), [
+    ("fine-tune", b"{}\n", 400, "purpose"),
+    ("batch", b"", 400, "empty"),
+    ("batch", b" \n\t\n", 400, "empty"),
+    ("batch", b"x" * 1025, 413, "1024 bytes"),
+])
+async def test_bad_uploads_are_4xx_and_leave_nothing(store: FileStore, redis: Redis, purpose: str, data: bytes,
+                                                      status: int, naming: str) -> None:
+    with pytest.raises(FileError) as refused:
+        await store.create("x.jsonl", purpose, data)
+    assert refused.value.status == status and naming in str(refused.value)
+    assert not store.root.exists() or list(store.root.iterdir()) == []
+    assert [k async for k in redis.scan_iter("*")] == []
+
+
+async def test_an_upload_is_read_in_chunks_and_a_big_one_stops_at_the_limit(redis: Redis, tmp_path: Path) -> None:
+    class Counting(io.BytesIO):
+        reads = 0
+
+        def read(self, size: int | None = -1) -> bytes:
+            Counting.reads += 1
+            return super().read(size)
+
+    store = FileStore(redis, tmp_path / "files", max_bytes=3 * 1024 * 1024)
+    meta = await store.create_from("big.jsonl", "batch", Counting(b"{}\n" * 1024 * 1024))
+    assert meta["bytes"] == 3 * 1024 * 1024 and Counting.reads > 2
+    with pytest.raises(FileError):
+        await store.create_from("huge.jsonl", "batch", Counting(b"x" * (3 * 1024 * 1024 + 1)))
+
+
+async def test_content_without_metadata_or_metadata_without_content_is_not_found(
+        store: FileStore, redis: Redis) -> None:
+    meta = await store.create("in.jsonl", "batch", b"{}\n")
+    store.path(meta["id"]).unlink()
+    with pytest.raises(FileError, match="not found"):
+        await store.content(meta["id"])
+    with pytest.raises(FileError, match="not found"):
+        await store.delete("file-absent")
+
+
+async def test_the_sweep_takes_only_idle_content_whose_metadata_is_gone(store: FileStore, redis: Redis) -> None:
+    kept = await store.create("kept.jsonl", "batch", b"{}\n")
+    expired = await store.create("expired.jsonl", "batch", b"{}\n")
+    fresh = await store.create("fresh.jsonl", "batch", b"{}\n")
+    await redis.delete(_key(expired["id"]), _key(fresh["id"]))  # what their TTL does
+    part = store.root / "file-upload.part"
+    part.write_bytes(b"half")
+    old = time.time() - 3600
+    for path in (store.path(kept["id"]), store.path(expired["id"]), part):
+        os.utime(path, (old, old))
+    assert sorted(await store.sweep()) == sorted([expired["id"], part.name])
+    assert store.path(kept["id"]).exists()
+    assert store.path(fresh["id"]).exists()  # just written: its metadata may be on its way
