@@ -10,11 +10,9 @@ from typing import Any
 import httpx
 from fastapi import FastAPI
 
-from sluice.api.app import create_app
 from sluice.config.settings import Settings
-from tests.broker.helpers import MODEL
+from tests.api.conftest import MODELS_YAML, running_app
 
-MODELS_YAML = f"models:\n  - name: {MODEL}\n    continuous_batching_config: {{max_concurrent_batch_size: 4}}\n"
 ADMIN, ALICE, BOB = "admin-key", "alice-key", "bob-key"
 KEYS = [f"admin:{ADMIN}", f"user:{ALICE}", BOB]  # a bare entry is a user key
 
@@ -23,9 +21,8 @@ KEYS = [f"admin:{ADMIN}", f"user:{ALICE}", BOB]  # a bare entry is a user key
 async def keyed_app(settings: Settings, tmp_path: Path, keys: list[str] | None = None,
                     **updates: Any) -> AsyncIterator[FastAPI]:
     (tmp_path / "models.yaml").write_text(MODELS_YAML)
-    app = create_app(settings.model_copy(update={
-        "models_file": tmp_path / "models.yaml", "api_keys": KEYS if keys is None else keys, **updates}))
-    async with app.router.lifespan_context(app):
+    async with running_app(settings.model_copy(update={
+            "models_file": tmp_path / "models.yaml", "api_keys": KEYS if keys is None else keys, **updates})) as app:
         yield app
 
 

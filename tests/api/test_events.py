@@ -8,31 +8,25 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from pathlib import Path
 
 import httpx
 import pytest
 from redis.asyncio import Redis
 
-from sluice.api.app import create_app
 from sluice.config.settings import Settings
 from sluice.protocol.messages import DeltaEvent
-from tests.broker.helpers import KEYS, MODEL, done_result, running_request
+from tests.api.conftest import StartApi, http_client
+from tests.broker.helpers import KEYS, done_result, running_request
 from tests.e2e.sse import SseEvent, sse_events
 
-MODELS_YAML = f"models:\n  - name: {MODEL}\n    continuous_batching_config: {{max_concurrent_batch_size: 4}}\n"
 IDLE_S = 1.0
 READ_LIMIT_S = 15.0  # far above IDLE_S: reaching it means the stream did not end
 
 
 @pytest.fixture
-async def api(redis: Redis, settings: Settings, tmp_path: Path) -> AsyncIterator[httpx.AsyncClient]:
-    (tmp_path / "models.yaml").write_text(MODELS_YAML)
-    app = create_app(settings.model_copy(update={"models_file": tmp_path / "models.yaml",
-                                                 "sse_idle_timeout_s": IDLE_S}))
-    async with app.router.lifespan_context(app):
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://sluice") as client:
-            yield client
+async def api(start_api: StartApi) -> AsyncIterator[httpx.AsyncClient]:
+    async with start_api(sse_idle_timeout_s=IDLE_S) as app, http_client(app) as client:
+        yield client
 
 
 async def read(api: httpx.AsyncClient, rid: str, last_event_id: str | None = None) -> httpx.Response:

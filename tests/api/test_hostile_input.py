@@ -7,16 +7,13 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import AsyncIterator
-from pathlib import Path
 
 import httpx
 import pyarrow as pa
 import pytest
-from redis.asyncio import Redis
 
-from sluice.api.app import create_app
-from sluice.config.settings import Settings
 from tests.api.arrow_bodies import ARROW, bomb, ipc
+from tests.api.conftest import StartApi, http_client
 
 # `ctx` has a context limit; `hub` has neither a limit nor a tokenizer the api can read, so only the
 # api's own bound stands between a huge max_tokens and the queue.
@@ -31,19 +28,16 @@ models:
 """
 
 
+async def _boom() -> None:
+    raise RuntimeError("a bug")
+
+
 @pytest.fixture
-async def api(redis: Redis, settings: Settings, tmp_path: Path) -> AsyncIterator[httpx.AsyncClient]:
-    (tmp_path / "models.yaml").write_text(MODELS_YAML)
+async def api(start_api: StartApi) -> AsyncIterator[httpx.AsyncClient]:
     # No worker runs: a body that wrongly passes waits `max_wait_s` and gets a 504, not a 4xx.
-    app = create_app(settings.model_copy(update={"models_file": tmp_path / "models.yaml", "max_wait_s": 0.5}))
-
-    @app.get("/boom")
-    async def boom() -> None:
-        raise RuntimeError("a bug")
-
-    async with app.router.lifespan_context(app):
-        transport = httpx.ASGITransport(app, raise_app_exceptions=False)
-        async with httpx.AsyncClient(transport=transport, base_url="http://sluice") as client:
+    async with start_api(MODELS_YAML, max_wait_s=0.5) as app:
+        app.add_api_route("/boom", _boom)
+        async with http_client(app) as client:
             yield client
 
 

@@ -7,17 +7,16 @@ import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
-from pathlib import Path
 
 import httpx
 import pytest
+from fastapi import FastAPI
 from redis.asyncio import Redis
 
-from sluice.api.app import create_app
 from sluice.api.errors import ApiError
 from sluice.api.intake import Sampling
-from sluice.config.settings import Settings
 from sluice.protocol.ids import new_request_id, request_created_at
+from tests.api.conftest import StartApi
 from tests.broker.helpers import KEYS, MODEL
 
 MODELS_YAML = (f"models:\n  - name: {MODEL}\n    max_queued: 4\n    result_ttl_s: 1\n"
@@ -25,19 +24,9 @@ MODELS_YAML = (f"models:\n  - name: {MODEL}\n    max_queued: 4\n    result_ttl_s
 
 
 @pytest.fixture
-async def app(redis: Redis, settings: Settings, tmp_path: Path):
-    models = tmp_path / "retention.yaml"
-    models.write_text(MODELS_YAML)
-    built = create_app(settings.model_copy(update={"models_file": models, "max_queued": 4}))
-    async with built.router.lifespan_context(built):
+async def app(start_api: StartApi) -> AsyncIterator[FastAPI]:
+    async with start_api(MODELS_YAML, max_queued=4) as built:
         yield built
-
-
-@pytest.fixture
-async def api(app) -> AsyncIterator[httpx.AsyncClient]:
-    async with httpx.AsyncClient(base_url="http://sluice",
-                                 transport=httpx.ASGITransport(app, raise_app_exceptions=False)) as client:
-        yield client
 
 
 def test_request_ids_carry_their_creation_time() -> None:

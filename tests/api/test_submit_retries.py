@@ -3,36 +3,17 @@ failed in between (the api itself answered no, Redis went away after or before a
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from pathlib import Path
-
 import httpx
 import pytest
 from redis.asyncio import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from sluice.api.app import create_app
 from sluice.broker.keys import idempotency
 from sluice.config.settings import Settings
+from tests.api.conftest import MODELS_YAML, StartApi, http_client
 from tests.broker.helpers import KEYS, MODEL
 
-MODELS_YAML = f"models:\n  - name: {MODEL}\n    continuous_batching_config: {{max_concurrent_batch_size: 4}}\n"
 BODY = {"prompt": "hello", "max_tokens": 3}
-
-
-@pytest.fixture
-async def app(redis: Redis, settings: Settings, tmp_path: Path):
-    (tmp_path / "models.yaml").write_text(MODELS_YAML)
-    app = create_app(settings.model_copy(update={"models_file": tmp_path / "models.yaml"}))
-    async with app.router.lifespan_context(app):
-        yield app
-
-
-@pytest.fixture
-async def api(app) -> AsyncIterator[httpx.AsyncClient]:
-    transport = httpx.ASGITransport(app, raise_app_exceptions=False)
-    async with httpx.AsyncClient(transport=transport, base_url="http://sluice") as client:
-        yield client
 
 
 def fail_admission(app, *, after: bool) -> list[str]:
@@ -81,11 +62,9 @@ async def test_a_refused_submit_frees_its_key(
 
 
 async def test_a_multi_prompt_completion_is_admitted_whole_or_refused_whole(
-        redis: Redis, settings: Settings, tmp_path: Path) -> None:
-    (tmp_path / "models.yaml").write_text(MODELS_YAML.replace("    continuous", "    max_queued: 3\n    continuous"))
-    app = create_app(settings.model_copy(update={"models_file": tmp_path / "models.yaml"}))
-    async with app.router.lifespan_context(app):
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://sluice") as client:
+        redis: Redis, start_api: StartApi) -> None:
+    async with start_api(MODELS_YAML.replace("    continuous", "    max_queued: 3\n    continuous")) as app:
+        async with http_client(app) as client:
             body = {"model": MODEL, "prompt": ["a", "b"], "n": 2, "max_tokens": 3}
             refused = await client.post("/v1/completions", json=body)
             assert refused.status_code == 503, refused.text
