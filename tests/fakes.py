@@ -56,8 +56,9 @@ async def settle(rounds: int = 50) -> None:
 
 
 async def eventually(check: Callable[[], object | Awaitable[object]], timeout_s: float = WAIT_S,
-                     what: str = "condition") -> None:
-    """Wait until `check()` is truthy (it may be a coroutine function); fail after `timeout_s`."""
+                     what: str = "condition", interval_s: float = 0.001) -> None:
+    """Wait until `check()` is truthy (it may be a coroutine function); fail after `timeout_s`.
+    Checks that ask Redis use a longer `interval_s`."""
     deadline = time.monotonic() + timeout_s
     while True:
         ok = check()
@@ -67,7 +68,7 @@ async def eventually(check: Callable[[], object | Awaitable[object]], timeout_s:
             return
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
-        await asyncio.sleep(0.001)
+        await asyncio.sleep(interval_s)
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import inspect
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -24,6 +23,7 @@ from sluice.protocol.messages import FinalResult, RequestMessage, SamplingSpec
 from sluice.workers.engines.base import GenerationRequest, TokenDelta
 from sluice.workers.engines.null import NullEngine
 from sluice.workers.worker import Worker
+from tests import fakes
 
 MODEL = "t"
 KEYS = ModelKeys(MODEL)
@@ -51,16 +51,7 @@ class CountingEngine(NullEngine):
 
 async def eventually(check: Callable[[], Awaitable[bool] | bool], timeout_s: float = 15.0,
                      what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        ok = check()
-        if inspect.isawaitable(ok):
-            ok = await ok
-        if ok:
-            return
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
-        await asyncio.sleep(0.02)
+    await fakes.eventually(check, timeout_s, what, interval_s=0.02)
 
 
 def message(max_tokens: int = 3, *, deadline_in: float = 60.0) -> RequestMessage:
