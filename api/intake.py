@@ -5,7 +5,7 @@ from __future__ import annotations
 import secrets
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from sluice.api.errors import ApiError
@@ -27,7 +27,7 @@ class Sampling:
 
     temperature: float = 1.0
     top_p: float = 1.0
-    stop: list[str] = field(default_factory=list)
+    stop: tuple[str, ...] = ()
     seed: int | None = None  # None: a fresh one, so that every request has a seed to retry with
     timeout_s: float | None = None
     presence_penalty: float = 0.0
@@ -62,7 +62,7 @@ class Intake:
             rows=rows,
             sampling=SamplingSpec(
                 max_tokens=rows[0]["max_tokens"], temperature=sampling.temperature, top_p=sampling.top_p,
-                stop=sampling.stop, seed=seed + i, presence_penalty=sampling.presence_penalty,
+                stop=list(sampling.stop), seed=seed + i, presence_penalty=sampling.presence_penalty,
                 frequency_penalty=sampling.frequency_penalty,
             ),
             enqueued_at=now,

@@ -50,7 +50,7 @@ async def _enqueue_choices(s: ApiState, model: ModelConfig, body: SamplingBody,
         raise ApiError(422, f"max_tokens: at most {MAX_TOKENS}", param="max_tokens")
     seed = body.seed if body.seed is not None else secrets.randbits(31)
     # All choices admitted at once, or none (one admission against the queue bound).
-    sampling = Sampling(temperature=body.temperature, top_p=body.top_p, stop=list(body.stop or []), seed=seed,
+    sampling = Sampling(temperature=body.temperature, top_p=body.top_p, stop=tuple(body.stop or ()), seed=seed,
                         presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty)
     return await s.intake.enqueue_many(model, [[row] for row in rows], sampling, owner=owner)
 

@@ -45,7 +45,7 @@ async def submit(
                 return Submitted(id=first_id, status=status.state.value, model=first_model)
             model, rid = await s.deployments.get(first_model), first_id
     try:
-        sampling = Sampling(temperature=body.temperature, top_p=body.top_p, stop=list(body.stop or []),
+        sampling = Sampling(temperature=body.temperature, top_p=body.top_p, stop=tuple(body.stop or ()),
                             seed=body.seed, timeout_s=body.timeout_s)
         message = await s.intake.enqueue(model, [{"prompt": body.prompt, "max_tokens": body.max_tokens}],
                                          sampling, rid=rid, owner=caller.digest)

@@ -9,10 +9,12 @@ from collections.abc import Awaitable, Callable
 
 import httpx
 from fastapi import FastAPI
+from redis.asyncio import Redis
 
+from sluice.protocol.messages import RequestMessage
 from sluice.workers.worker import Worker
 from tests.api.conftest import StartApi, http_client
-from tests.broker.helpers import MODEL
+from tests.broker.helpers import KEYS, MODEL
 from tests.e2e.sse import sse_events
 
 WAIT_S = 30  # a long-poll's bound: far above what a null-engine request takes
@@ -145,7 +147,7 @@ async def test_an_openai_completion_runs_through_the_queue(api: httpx.AsyncClien
 
 
 async def test_a_model_missing_from_redis_comes_back_without_a_read_deploying_it(
-        app: FastAPI, api: httpx.AsyncClient, redis) -> None:
+        app: FastAPI, api: httpx.AsyncClient, redis: Redis) -> None:
     """Redis lost the deployments (restarted without its data): a request gets a 503 to retry,
     never a 404, and the models file's sync task (not the read) registers the model again."""
     await redis.flushdb()
@@ -160,3 +162,11 @@ async def test_a_model_missing_from_redis_comes_back_without_a_read_deploying_it
         return (await api.post("/v1/requests", json={"prompt": "p", "max_tokens": 2})).status_code == 202
 
     await eventually(back, what="the model to be registered again")
+
+
+async def test_sampling_choices_reach_the_entry(api: httpx.AsyncClient, redis: Redis) -> None:
+    rid = await submit(api, stop=["\n", "END"], seed=11, temperature=0.5)
+    ((_, fields),) = await redis.xrange(KEYS.requests)
+    entry = RequestMessage.from_fields(fields)
+    assert entry.id == rid and entry.sampling.stop == ["\n", "END"] and entry.sampling.seed == 11
+    assert entry.sampling.temperature == 0.5 and entry.rows == [{"prompt": "say something", "max_tokens": 3}]
