@@ -12,8 +12,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from sluice.api.auth import Caller, require_key
 from sluice.api.errors import ApiError
 from sluice.api.state import ApiState, state
-from sluice.broker.batches import ENDPOINTS
 from sluice.broker.files import FileError
+from sluice.broker.jobs import ENDPOINTS
 from sluice.protocol.tasks import JOB_QUEUE, JOB_TASK
 
 router = APIRouter(prefix="/v1", tags=["files and batches"])
@@ -108,7 +108,7 @@ async def create_batch(body: CreateBatch, s: ApiState = Depends(state),
     if meta["purpose"] != "batch":
         raise ApiError(400, f"input_file_id: file {body.input_file_id} has purpose {meta['purpose']!r}, "
                             "not 'batch'", param="input_file_id")
-    batch = await s.batches.create(body.input_file_id, body.endpoint, body.completion_window, body.metadata,
+    batch = await s.jobs.create(body.input_file_id, body.endpoint, body.completion_window, body.metadata,
                                    owner=caller.digest)
     # kombu publishes synchronously: keep it off the event loop.
     await asyncio.to_thread(s.celery.send_task, JOB_TASK, [batch["id"]], queue=JOB_QUEUE)
@@ -118,7 +118,7 @@ async def create_batch(body: CreateBatch, s: ApiState = Depends(state),
 @router.get("/batches")
 async def list_batches(limit: int = Query(20, ge=1, le=100), after: str | None = None,
                        s: ApiState = Depends(state), caller: Caller = Depends(require_key)) -> dict:
-    data = await s.batches.list(limit + 1, after, owner=None if caller.admin else caller.digest)
+    data = await s.jobs.list(limit + 1, after, owner=None if caller.admin else caller.digest)
     page = data[:limit]
     return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
             "last_id": page[-1]["id"] if page else None, "has_more": len(data) > limit}
@@ -126,8 +126,8 @@ async def list_batches(limit: int = Query(20, ge=1, le=100), after: str | None =
 
 async def _batch(s: ApiState, caller: Caller, batch_id: str) -> dict[str, Any]:
     """A batch the caller may see; another key's batch is as missing as an unknown id."""
-    found = await s.batches.get(batch_id)
-    if found is None or (not caller.admin and not caller.owns(await s.batches.owner(batch_id))):
+    found = await s.jobs.get(batch_id)
+    if found is None or (not caller.admin and not caller.owns(await s.jobs.owner(batch_id))):
         raise ApiError(404, f"batch {batch_id!r} not found", code="not_found")
     return found
 
@@ -144,7 +144,7 @@ async def cancel_batch(batch_id: str, s: ApiState = Depends(state),
     """The batch in its real status: `cancelling` while its runner stops it, `cancelled` if no
     runner had started it, and unchanged once it is finalizing or final."""
     await _batch(s, caller, batch_id)
-    found = await s.batches.request_cancel(batch_id)
+    found = await s.jobs.request_cancel(batch_id)
     if found is None:
         raise ApiError(404, f"batch {batch_id!r} not found", code="not_found")
     return found

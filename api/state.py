@@ -22,9 +22,9 @@ from sluice.api.intake import Intake
 from sluice.api.lookup import RequestLookup
 from sluice.api.tokens import PromptLimits
 from sluice.broker.admission import Admission
-from sluice.broker.batches import BatchStore
 from sluice.broker.connection import connect
 from sluice.broker.files import FileStore
+from sluice.broker.jobs import JobStore
 from sluice.broker.notifications import DoneListener
 from sluice.broker.registry import ModelRegistry, WorkerRegistry
 from sluice.config.model import ModelConfig
@@ -49,7 +49,7 @@ class ApiState:
     workers: WorkerRegistry
     key_digests: dict[str, Scope]  # digest → scope of each configured key (api/auth.py)
     files: FileStore
-    batches: BatchStore
+    jobs: JobStore  # OpenAI batches being run
     celery: Celery  # a client only: sends jobs to `sluice jobs` workers
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
 
@@ -92,7 +92,7 @@ def build_state(settings: Settings, models: list[ModelConfig]) -> ApiState:
         workers=WorkerRegistry(redis),
         key_digests=key_digests(settings.api_keys),
         files=FileStore(redis, settings.files_path, settings.max_file_bytes, settings.file_ttl_s),
-        batches=BatchStore(redis, settings.batch_ttl_s, settings.result_ttl_s),
+        jobs=JobStore(redis, settings.batch_ttl_s, settings.result_ttl_s),
         celery=Celery("sluice", broker=settings.redis_url),
     )
 

@@ -30,12 +30,12 @@ class Scripts:
     requeue: AsyncScript
     consumer_drop: AsyncScript
     deploy: AsyncScript  # model deployments (broker/registry.py)
-    # bulk jobs (broker/batches.py)
-    batch_refresh: AsyncScript
-    batch_release: AsyncScript
-    batch_move: AsyncScript
-    batch_cancel: AsyncScript
-    batch_put: AsyncScript
+    # bulk jobs (broker/jobs.py)
+    job_refresh: AsyncScript
+    job_release: AsyncScript
+    job_move: AsyncScript
+    job_cancel: AsyncScript
+    job_put: AsyncScript
 
     @classmethod
     def register(cls, redis: Redis) -> Scripts:

@@ -1,7 +1,7 @@
 """A bulk job's lock, held by one runner at a time and kept fresh from a task of its own.
 
 The lock is the job's fence: every write a runner makes is checked against it in Redis
-(broker/batches.py); this keeper only lets the runner stop early once it is lost.
+(broker/jobs.py); this keeper only lets the runner stop early once it is lost.
 """
 
 from __future__ import annotations
@@ -13,16 +13,16 @@ import time
 
 from redis.exceptions import RedisError
 
-from sluice.broker.batches import BatchStore, LockLost
+from sluice.broker.jobs import JobStore, LockLost
 from sluice.protocol.states import FINAL_BATCH_STATES
 
 log = logging.getLogger(__name__)
 
 
 class JobLock:
-    def __init__(self, store: BatchStore, batch_id: str, ttl_s: float):
+    def __init__(self, store: JobStore, job_id: str, ttl_s: float):
         self.store = store
-        self.batch_id = batch_id
+        self.job_id = job_id
         self.ttl_s = ttl_s
         self.token = secrets.token_hex(16)  # fences this run's writes: a secret, not an id anyone reads
         self._expires = 0.0  # monotonic time by which the lock lapses unless refreshed
@@ -35,28 +35,28 @@ class JobLock:
         final or a live runner holds it. Starts keeping it fresh."""
         while True:
             asked = time.monotonic()
-            if await self.store.lock(self.batch_id, self.token, self.ttl_s):
+            if await self.store.lock(self.job_id, self.token, self.ttl_s):
                 self._expires = asked + self.ttl_s
-                self._keeper = asyncio.create_task(self._keep(), name=f"lock-{self.batch_id}")
+                self._keeper = asyncio.create_task(self._keep(), name=f"lock-{self.job_id}")
                 return True
-            batch = await self.store.get(self.batch_id)
+            batch = await self.store.get(self.job_id)
             if batch is None or batch["status"] in FINAL_BATCH_STATES:
                 return False
-            if await self.store.runner_alive(self.batch_id):
-                log.info("batch %s: a live runner has it", self.batch_id)
+            if await self.store.runner_alive(self.job_id):
+                log.info("batch %s: a live runner has it", self.job_id)
                 return False
 
     def check(self) -> None:
         """Raise LockLost once the keeper has seen the lock go."""
         if self._lost:
-            raise LockLost(self.batch_id)
+            raise LockLost(self.job_id)
 
     async def release(self) -> None:
         self._finished = True
         if self._keeper is not None:
             self._keeper.cancel()
             await asyncio.wait([self._keeper], timeout=5)
-        await self.store.unlock(self.batch_id, self.token)
+        await self.store.unlock(self.job_id, self.token)
 
     async def _keep(self) -> None:
         """Refresh the lock; mark it lost when another runner holds it, it has lapsed, or Redis
@@ -67,11 +67,11 @@ class JobLock:
                 return
             asked = time.monotonic()
             try:
-                if not await self.store.refresh_lock(self.batch_id, self.token, self.ttl_s):
+                if not await self.store.refresh_lock(self.job_id, self.token, self.ttl_s):
                     break
                 self._expires = asked + self.ttl_s
             except RedisError as err:
-                log.warning("batch %s: could not refresh its lock: %s", self.batch_id, err)
+                log.warning("batch %s: could not refresh its lock: %s", self.job_id, err)
                 if time.monotonic() >= self._expires:
                     break
         self._lost = True

@@ -17,11 +17,11 @@ from collections.abc import Callable
 from celery import Celery
 from celery.signals import worker_ready
 
-from sluice.broker.batches import BatchStore
 from sluice.broker.connection import connect
+from sluice.broker.jobs import JobStore
 from sluice.config.settings import Settings
 from sluice.protocol.tasks import JOB_QUEUE, JOB_TASK
-from sluice.workers.batch_job import BatchJob
+from sluice.workers.job_runner import JobRunner
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +59,7 @@ def celery_app(settings: Settings) -> Celery:
 async def _run(settings: Settings, batch_id: str) -> None:
     redis = connect(settings.redis_url, name="sluice-jobs")
     try:
-        await BatchJob(settings, redis, batch_id).run()
+        await JobRunner(settings, redis, batch_id).run()
     finally:
         await redis.aclose()
 
@@ -67,12 +67,12 @@ async def _run(settings: Settings, batch_id: str) -> None:
 async def _resume(settings: Settings, dispatch: Callable[[str], None]) -> None:
     redis = connect(settings.redis_url, name="sluice-jobs")
     try:
-        await resume_orphans(BatchStore(redis), dispatch)
+        await resume_orphans(JobStore(redis), dispatch)
     finally:
         await redis.aclose()
 
 
-async def resume_orphans(store: BatchStore, dispatch: Callable[[str], None]) -> None:
+async def resume_orphans(store: JobStore, dispatch: Callable[[str], None]) -> None:
     """Dispatch each unfinished job whose runner is gone, as soon as that is known; a job whose
     runner is alive elsewhere is left to it."""
     async def resume(batch_id: str) -> None:

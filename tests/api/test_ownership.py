@@ -18,11 +18,11 @@ from sluice.broker.keys import ModelKeys
 from sluice.broker.registry import ModelRegistry
 from sluice.config.model import ModelConfig
 from sluice.config.settings import Settings
-from sluice.workers.batch_job import BatchJob
+from sluice.workers.job_runner import JobRunner
 from tests.api.keyed_app import ADMIN, ALICE, BOB, client, keyed_app
 from tests.broker.helpers import KEYS, MODEL
-from tests.workers.test_batch_jobs import MODEL as JOB_MODEL
-from tests.workers.test_batch_jobs import null_worker
+from tests.workers.test_job_runner import MODEL as JOB_MODEL
+from tests.workers.test_job_runner import null_worker
 
 
 class _NoJobs:
@@ -142,7 +142,7 @@ async def test_a_batch_job_gives_its_rows_and_output_file_to_the_batch_owner(
     batch_id = await new_batch(alice, await upload(alice, "\n".join(lines).encode()))
 
     async with null_worker(redis) as seen:
-        await BatchJob(settings, redis, batch_id, poll_s=0.01).run()
+        await JobRunner(settings, redis, batch_id, poll_s=0.01).run()
     assert len(seen) == 3
     assert {await redis.hget(ModelKeys(JOB_MODEL).status(rid), "owner") for rid in seen} == {digest(ALICE)}
     batch = (await alice.get(f"/v1/batches/{batch_id}")).json()

@@ -10,14 +10,14 @@ import time
 import pytest
 from redis.asyncio import Redis
 
-from sluice.broker.batches import BatchStore
 from sluice.broker.files import FileError, FileStore
+from sluice.broker.jobs import JobStore
 from sluice.config.settings import Settings
 from tests.broker.helpers import KEYS, assert_request_keys_expire, ready_consumer
 
 
 async def test_a_finished_batch_and_its_records_expire(redis: Redis) -> None:
-    store = BatchStore(redis, ttl_s=1000, result_ttl_s=100)
+    store = JobStore(redis, ttl_s=1000, result_ttl_s=100)
     batch = await store.create("file-x", "/v1/completions", "24h", None)
     assert await store.lock(batch["id"], "runner", 10)
     await store.move(batch["id"], "in_progress", ["validating"], "runner")
@@ -33,14 +33,14 @@ async def test_a_finished_batch_and_its_records_expire(redis: Redis) -> None:
 
 
 async def test_a_batch_cancelled_before_it_ran_expires(redis: Redis) -> None:
-    store = BatchStore(redis, ttl_s=1000)
+    store = JobStore(redis, ttl_s=1000)
     batch = await store.create("file-x", "/v1/completions", "24h", None)
     assert (await store.request_cancel(batch["id"]))["status"] == "cancelled"  # type: ignore[index]
     assert 0 < await redis.ttl(f"sluice:batch:{batch['id']}") <= 1000
 
 
 async def test_the_batch_index_forgets_batches_older_than_their_lifetime(redis: Redis) -> None:
-    store = BatchStore(redis, ttl_s=10)
+    store = JobStore(redis, ttl_s=10)
     await redis.zadd("sluice:batches", {"batch_ancient": time.time() - 2 * 86400})
     await store.create("file-x", "/v1/completions", "24h", None)
     assert "batch_ancient" not in await redis.zrange("sluice:batches", 0, -1)

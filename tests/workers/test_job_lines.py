@@ -10,7 +10,7 @@ import pytest
 
 from sluice.protocol.messages import FinalResult, RowOutput, Timings, Usage
 from sluice.protocol.states import State
-from sluice.workers.batch_lines import Line, error_record, jsonl, output_tokens, parse_file, parse_line, result_record
+from sluice.workers.job_lines import Line, error_record, jsonl, output_tokens, parse_file, parse_line, result_record
 
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 

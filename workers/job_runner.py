@@ -4,9 +4,9 @@ with a bounded number outstanding, gather the results, and write the output and 
 Everything a job needs to resume is in Redis (which line became which request, the output
 records so far), so a restarted job re-runs nothing that finished and re-submits nothing
 that is still queued. One run at a time holds the job's lock (workers/job_lock.py); a run that
-loses it stops, and every write it makes is fenced by the lock in Redis (broker/batches.py).
-Parsing lines and building output lines is pure code (workers/batch_lines.py); feeding and
-collecting is workers/batch_feed.py.
+loses it stops, and every write it makes is fenced by the lock in Redis (broker/jobs.py).
+Parsing lines and building output lines is pure code (workers/job_lines.py); feeding and
+collecting is workers/job_feed.py.
 """
 
 from __future__ import annotations
@@ -18,33 +18,33 @@ from typing import Any
 from redis.asyncio import Redis
 
 from sluice.broker.admission import Admission
-from sluice.broker.batches import BatchStore, LockLost
 from sluice.broker.files import FileStore
+from sluice.broker.jobs import JobStore, LockLost
 from sluice.broker.notifications import DoneListener
 from sluice.broker.registry import ModelRegistry
 from sluice.config.settings import Settings
 from sluice.protocol.states import ACTIVE_BATCH_STATES, FINAL_BATCH_STATES, BatchState
-from sluice.workers.batch_feed import LineFeed
-from sluice.workers.batch_lines import Record, error_record, jsonl, parse_file
+from sluice.workers.job_feed import LineFeed
+from sluice.workers.job_lines import Record, error_record, jsonl, parse_file
 from sluice.workers.job_lock import JobLock
 
 log = logging.getLogger(__name__)
 
 
-class BatchJob:
-    def __init__(self, settings: Settings, redis: Redis, batch_id: str, *, poll_s: float = 1.0):
+class JobRunner:
+    def __init__(self, settings: Settings, redis: Redis, job_id: str, *, poll_s: float = 1.0):
         """`poll_s`: how often outstanding lines are re-read when no final is announced."""
         self.settings = settings
         self.redis = redis
-        self.batch_id = batch_id
-        self.store = BatchStore(redis, settings.batch_ttl_s, settings.result_ttl_s)
+        self.job_id = job_id
+        self.store = JobStore(redis, settings.batch_ttl_s, settings.result_ttl_s)
         self.files = FileStore(redis, settings.files_path, settings.max_file_bytes, settings.file_ttl_s)
         self.admission = Admission(redis, status_ttl_s=settings.status_ttl_s, reply_ttl_s=settings.reply_ttl_s,
                                    cancel_ttl_s=settings.cancel_ttl_s, result_ttl_s=settings.result_ttl_s,
                                    bulk_queue_share=settings.bulk_queue_share)
         self.models = ModelRegistry(redis)
         self.done = DoneListener(redis, recheck_s=poll_s)
-        self.lock = JobLock(self.store, batch_id, settings.job_lock_ttl_s)
+        self.lock = JobLock(self.store, job_id, settings.job_lock_ttl_s)
 
     @property
     def token(self) -> str:
@@ -63,30 +63,30 @@ class BatchJob:
         try:
             await self._run_locked()
         except LockLost:
-            log.warning("batch %s: lost its lock, stopped; another runner has the job", self.batch_id)
+            log.warning("batch %s: lost its lock, stopped; another runner has the job", self.job_id)
         except Exception as err:
-            log.exception("batch %s failed", self.batch_id)
+            log.exception("batch %s failed", self.job_id)
             with contextlib.suppress(LockLost):
-                await self.store.move(self.batch_id, BatchState.FAILED, ACTIVE_BATCH_STATES, self.token,
+                await self.store.move(self.job_id, BatchState.FAILED, ACTIVE_BATCH_STATES, self.token,
                                       error=f"{type(err).__name__}: {err}")
         finally:
             await self.done.close()
             await self.lock.release()
 
     async def _record(self, index: int, record: Record, **counts: int) -> None:
-        await self.store.record(self.batch_id, self.token, index, record, counts)
+        await self.store.record(self.job_id, self.token, index, record, counts)
 
     async def _run_locked(self) -> None:
-        batch = await self.store.get(self.batch_id)
+        batch = await self.store.get(self.job_id)
         if batch is None or batch["status"] in FINAL_BATCH_STATES:
             return
         # Its rows and output files belong to whoever made the batch (the object does not show it).
-        batch["owner"] = await self.store.owner(self.batch_id)
+        batch["owner"] = await self.store.owner(self.job_id)
         text = (await self.files.content(batch["input_file_id"])).decode("utf-8", errors="replace")
         parsed = parse_file(text, batch["endpoint"])
         for index, record in parsed.errors.items():
             await self._record(index, record, failed=1)
-        status = await self.store.move(self.batch_id, BatchState.IN_PROGRESS, [BatchState.VALIDATING], self.token,
+        status = await self.store.move(self.job_id, BatchState.IN_PROGRESS, [BatchState.VALIDATING], self.token,
                                        total=parsed.total)
         if status in FINAL_BATCH_STATES:  # cancelled before any runner started it
             return
@@ -95,7 +95,7 @@ class BatchJob:
             if line.model not in deployed:
                 await self._record(line.index, error_record(
                     line.custom_id, "model_not_found", f"model {line.model!r} is not deployed"), failed=1)
-        feed = LineFeed(store=self.store, admission=self.admission, done=self.done, batch_id=self.batch_id,
+        feed = LineFeed(store=self.store, admission=self.admission, done=self.done, job_id=self.job_id,
                         batch=batch, token=self.token, record=self._record, check_lock=self.lock.check,
                         outstanding=self.settings.bulk_outstanding, max_queued=self.settings.max_queued)
         await feed.run([x for x in parsed.lines if x.model in deployed])
@@ -104,18 +104,18 @@ class BatchJob:
     async def _finish(self, batch: dict[str, Any]) -> None:
         """Write the output and error files and end the batch: `completed` (or `expired`), or
         `cancelled` when a cancel landed before the runner moved it to `finalizing`."""
-        status = await self.store.move(self.batch_id, BatchState.FINALIZING, [BatchState.IN_PROGRESS], self.token)
+        status = await self.store.move(self.job_id, BatchState.FINALIZING, [BatchState.IN_PROGRESS], self.token)
         if status not in (BatchState.FINALIZING, BatchState.CANCELLING):
-            log.error("batch %s: cannot finish from status %r", self.batch_id, status)
+            log.error("batch %s: cannot finish from status %r", self.job_id, status)
             return
-        records = await self.store.outputs(self.batch_id)
+        records = await self.store.outputs(self.job_id)
         ok = [records[i] for i in sorted(records) if records[i]["response"] is not None]
         errors = [records[i] for i in sorted(records) if records[i]["response"] is None]
         # Files are the one write a Lua script cannot fence: look first, and take them back if
         # the lock turns out lost when the batch is moved to its end.
         self.lock.check()
-        if not await self.store.holds_lock(self.batch_id, self.token):
-            raise LockLost(self.batch_id)
+        if not await self.store.holds_lock(self.job_id, self.token):
+            raise LockLost(self.job_id)
         fields: dict[str, Any] = {}
         name = batch["input_file_id"]
         if ok:
@@ -129,11 +129,11 @@ class BatchJob:
         final = (BatchState.CANCELLED if status == BatchState.CANCELLING
                  else BatchState.EXPIRED if expired else BatchState.COMPLETED)
         try:
-            ended = await self.store.move(self.batch_id, final, [status], self.token, **fields)
+            ended = await self.store.move(self.job_id, final, [status], self.token, **fields)
         except LockLost:
             ended = ""
         if ended != final:
             for file_id in fields.values():
                 await self.files.delete(file_id)
-            raise LockLost(self.batch_id)
-        log.info("batch %s %s: %d ok, %d errors", self.batch_id, final.value, len(ok), len(errors))
+            raise LockLost(self.job_id)
+        log.info("batch %s %s: %d ok, %d errors", self.job_id, final.value, len(ok), len(errors))

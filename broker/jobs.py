@@ -3,7 +3,7 @@ which input line became which request, and the output records written so far.
 
 One runner at a time holds a job's lock (a key with a TTL that the runner refreshes). Every
 write a runner makes is fenced by that lock in the same Lua step, so a runner that lost it
-writes nothing; every status change is conditional on the current status (batch_move.lua).
+writes nothing; every status change is conditional on the current status (job_move.lua).
 """
 
 from __future__ import annotations
@@ -32,11 +32,11 @@ class LockLost(Exception):
     """The runner no longer holds the job's lock: the job belongs to whoever takes it next."""
 
 
-def _key(batch_id: str, part: str = "") -> str:
-    return f"{PREFIX}:batch:{batch_id}" + (f":{part}" if part else "")
+def _key(job_id: str, part: str = "") -> str:
+    return f"{PREFIX}:batch:{job_id}" + (f":{part}" if part else "")
 
 
-class BatchStore:
+class JobStore:
     """`ttl_s`: how long a finished batch object is kept; its rows' ids and output records only
     `result_ttl_s` (the output file has them). Every key has a TTL from its creation: a batch
     whose job never finishes goes after its window plus ttl_s, and the index forgets batches
@@ -52,27 +52,27 @@ class BatchStore:
     async def create(self, input_file_id: str, endpoint: str, completion_window: str,
                      metadata: dict[str, str] | None, owner: str | None = None) -> dict[str, Any]:
         """`owner`: the digest of the api key that made it; kept in the hash, not in the object."""
-        batch_id = new_batch_id()
+        job_id = new_batch_id()
         now = int(time.time())
-        fields = {"id": batch_id, "endpoint": endpoint, "input_file_id": input_file_id,
+        fields = {"id": job_id, "endpoint": endpoint, "input_file_id": input_file_id,
                   "completion_window": completion_window, "status": "validating", "created_at": now,
                   "expires_at": now + 24 * 3600, "total": 0, "completed": 0, "failed": 0, "output_tokens": 0,
                   "metadata": json.dumps(metadata or {}), "owner": owner or ""}
         async with self.redis.pipeline(transaction=True) as pipe:
-            pipe.hset(_key(batch_id), mapping=fields)
-            pipe.expire(_key(batch_id), self.lifetime_s)
-            pipe.zadd(_INDEX, {batch_id: now})
+            pipe.hset(_key(job_id), mapping=fields)
+            pipe.expire(_key(job_id), self.lifetime_s)
+            pipe.zadd(_INDEX, {job_id: now})
             pipe.zremrangebyscore(_INDEX, "-inf", now - self.lifetime_s)
             pipe.expire(_INDEX, self.lifetime_s)
             await pipe.execute()
-        return await self.get(batch_id)  # type: ignore[return-value]
+        return await self.get(job_id)  # type: ignore[return-value]
 
-    async def get(self, batch_id: str) -> dict[str, Any] | None:
-        raw = await self.redis.hgetall(_key(batch_id))
+    async def get(self, job_id: str) -> dict[str, Any] | None:
+        raw = await self.redis.hgetall(_key(job_id))
         return _object(raw) if raw else None
 
-    async def owner(self, batch_id: str) -> str | None:
-        return await self.redis.hget(_key(batch_id), "owner") or None
+    async def owner(self, job_id: str) -> str | None:
+        return await self.redis.hget(_key(job_id), "owner") or None
 
     async def list(self, limit: int = 20, after: str | None = None,
                    owner: str | None = None) -> list[dict[str, Any]]:
@@ -81,10 +81,10 @@ class BatchStore:
         if after in ids:
             ids = ids[ids.index(after) + 1:]
         out = []
-        for batch_id in ids:
+        for job_id in ids:
             if len(out) >= limit:
                 break
-            raw = await self.redis.hgetall(_key(batch_id))
+            raw = await self.redis.hgetall(_key(job_id))
             if raw and owner in (None, raw.get("owner")):
                 out.append(_object(raw))
         return out
@@ -94,74 +94,74 @@ class BatchStore:
         states = [await self.redis.hget(_key(i), "status") for i in ids]
         return [i for i, s in zip(ids, states) if s and not BatchState(s).final]
 
-    async def move(self, batch_id: str, to: str, expected: Iterable[str], token: str | None = None,
+    async def move(self, job_id: str, to: str, expected: Iterable[str], token: str | None = None,
                    **fields: Any) -> str:
         """Move the batch to status `to` if its status is one of `expected`, with `fields`; returns
         the status it has afterwards ('' for no such batch). With a token, the move happens only
         while that token holds the job's lock, and LockLost is raised otherwise."""
         pairs = [str(x) for k, v in fields.items() if v is not None for x in (k, v)]
-        moved, status = await self.scripts.batch_move(
-            keys=[_key(batch_id), _key(batch_id, "lock"), _key(batch_id, "out"), _key(batch_id, "rids")],
+        moved, status = await self.scripts.job_move(
+            keys=[_key(job_id), _key(job_id, "lock"), _key(job_id, "out"), _key(job_id, "rids")],
             args=[to, " ".join(expected), token or "", int(time.time()), self.ttl_s, self.result_ttl_s, *pairs])
         if moved == -1:
-            raise LockLost(batch_id)
+            raise LockLost(job_id)
         return status
 
-    async def request_cancel(self, batch_id: str) -> dict[str, Any] | None:
+    async def request_cancel(self, job_id: str) -> dict[str, Any] | None:
         """Cancel a batch that is being run; the answer is the batch, in its real status."""
-        if await self.scripts.batch_cancel(keys=[_key(batch_id), _key(batch_id, "lock")],
+        if await self.scripts.job_cancel(keys=[_key(job_id), _key(job_id, "lock")],
                                            args=[int(time.time()), self.ttl_s]) is None:
             return None
-        return await self.get(batch_id)
+        return await self.get(job_id)
 
     # -- what a job needs to resume, written only by the runner holding the lock
-    async def request_ids(self, batch_id: str) -> dict[int, str]:
-        return {int(k): v for k, v in (await self.redis.hgetall(_key(batch_id, "rids"))).items()}
+    async def request_ids(self, job_id: str) -> dict[int, str]:
+        return {int(k): v for k, v in (await self.redis.hgetall(_key(job_id, "rids"))).items()}
 
-    async def bind(self, batch_id: str, token: str, line: int, rid: str) -> None:
+    async def bind(self, job_id: str, token: str, line: int, rid: str) -> None:
         """Bind a line to its request id (once: a line keeps the id it was first given)."""
-        await self._put(batch_id, token, "rids", line, rid, {})
+        await self._put(job_id, token, "rids", line, rid, {})
 
-    async def outputs(self, batch_id: str) -> dict[int, dict[str, Any]]:
-        return {int(k): json.loads(v) for k, v in (await self.redis.hgetall(_key(batch_id, "out"))).items()}
+    async def outputs(self, job_id: str) -> dict[int, dict[str, Any]]:
+        return {int(k): json.loads(v) for k, v in (await self.redis.hgetall(_key(job_id, "out"))).items()}
 
-    async def record(self, batch_id: str, token: str, line: int, record: dict[str, Any],
+    async def record(self, job_id: str, token: str, line: int, record: dict[str, Any],
                      counts: dict[str, int]) -> bool:
         """Keep one output record per line and add `counts` to the batch's counters with it;
         False if the line already had one."""
-        return await self._put(batch_id, token, "out", line, json.dumps(record), counts)
+        return await self._put(job_id, token, "out", line, json.dumps(record), counts)
 
-    async def _put(self, batch_id: str, token: str, part: str, line: int, value: str,
+    async def _put(self, job_id: str, token: str, part: str, line: int, value: str,
                    counts: dict[str, int]) -> bool:
-        written = await self.scripts.batch_put(
-            keys=[_key(batch_id, "lock"), _key(batch_id, part), _key(batch_id)],
+        written = await self.scripts.job_put(
+            keys=[_key(job_id, "lock"), _key(job_id, part), _key(job_id)],
             args=[token, str(line), value, self.lifetime_s, *[str(x) for pair in counts.items() for x in pair]])
         if written == -1:
-            raise LockLost(batch_id)
+            raise LockLost(job_id)
         return bool(written)
 
     # -- the job's lock
-    async def lock(self, batch_id: str, token: str, ttl_s: float) -> bool:
-        return bool(await self.redis.set(_key(batch_id, "lock"), token, nx=True, px=int(ttl_s * 1000)))
+    async def lock(self, job_id: str, token: str, ttl_s: float) -> bool:
+        return bool(await self.redis.set(_key(job_id, "lock"), token, nx=True, px=int(ttl_s * 1000)))
 
-    async def refresh_lock(self, batch_id: str, token: str, ttl_s: float) -> bool:
-        return bool(await self.scripts.batch_refresh(keys=[_key(batch_id, "lock")],
+    async def refresh_lock(self, job_id: str, token: str, ttl_s: float) -> bool:
+        return bool(await self.scripts.job_refresh(keys=[_key(job_id, "lock")],
                                                      args=[token, int(ttl_s * 1000)]))
 
-    async def holds_lock(self, batch_id: str, token: str) -> bool:
-        return await self.redis.get(_key(batch_id, "lock")) == token
+    async def holds_lock(self, job_id: str, token: str) -> bool:
+        return await self.redis.get(_key(job_id, "lock")) == token
 
-    async def unlock(self, batch_id: str, token: str) -> None:
-        await self.scripts.batch_release(keys=[_key(batch_id, "lock")], args=[token])
+    async def unlock(self, job_id: str, token: str) -> None:
+        await self.scripts.job_release(keys=[_key(job_id, "lock")], args=[token])
 
-    async def runner_alive(self, batch_id: str, poll_s: float = 0.1) -> bool:
+    async def runner_alive(self, job_id: str, poll_s: float = 0.1) -> bool:
         """Whether a live runner holds the job's lock.
 
         A killed runner's lock outlives it by up to one TTL, so a held lock is watched: if it
         lapses, its runner is gone; if it is still held past the expiry it had when first seen
         (refreshed) or another runner has taken it, a runner is alive.
         """
-        key = _key(batch_id, "lock")
+        key = _key(job_id, "lock")
         async with self.redis.pipeline(transaction=True) as pipe:
             pipe.get(key)
             pipe.pttl(key)

@@ -15,13 +15,13 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from sluice.broker.admission import Admission, QueueFull
-from sluice.broker.batches import BatchStore
+from sluice.broker.jobs import JobStore
 from sluice.broker.notifications import DoneListener, Inbox
 from sluice.broker.status import RequestStatus
 from sluice.protocol.ids import new_request_id
 from sluice.protocol.messages import RequestMessage
 from sluice.protocol.states import BatchState, State
-from sluice.workers.batch_lines import Line, Record, error_record, output_tokens, result_record
+from sluice.workers.job_lines import Line, Record, error_record, output_tokens, result_record
 
 log = logging.getLogger(__name__)
 
@@ -29,14 +29,14 @@ Recorder = Callable[..., Awaitable[None]]  # (index, record, **counts): one line
 
 
 class LineFeed:
-    def __init__(self, *, store: BatchStore, admission: Admission, done: DoneListener, batch_id: str,
+    def __init__(self, *, store: JobStore, admission: Admission, done: DoneListener, job_id: str,
                  batch: dict[str, Any], token: str, record: Recorder, check_lock: Callable[[], None], outstanding: int,
                  max_queued: int):
         self.store = store
         self.admission = admission
         self.done = done
         self.batch = batch
-        self.batch_id = batch_id
+        self.job_id = job_id
         self.token = token
         self.record = record
         self.check_lock = check_lock
@@ -54,8 +54,8 @@ class LineFeed:
             inbox.close()
 
     async def _run(self, inbox: Inbox, lines: list[Line]) -> None:
-        done = await self.store.outputs(self.batch_id)
-        bound = await self.store.request_ids(self.batch_id)
+        done = await self.store.outputs(self.job_id)
+        bound = await self.store.request_ids(self.job_id)
         todo = [x for x in lines if x.index not in done]
         # Resume: a line bound to a request that exists is waited for, not submitted again.
         for x in todo:
@@ -75,7 +75,7 @@ class LineFeed:
                 line = queue[0]
                 # A line keeps its first id, so a submission lost with its runner is not run twice.
                 rid = bound.setdefault(line.index, new_request_id())
-                await self.store.bind(self.batch_id, self.token, line.index, rid)
+                await self.store.bind(self.job_id, self.token, line.index, rid)
                 inbox.watch([rid])
                 try:
                     await self._submit(line, rid)
@@ -98,7 +98,7 @@ class LineFeed:
     async def _notice_cancel(self) -> None:
         if self.cancelling:
             return
-        current = await self.store.get(self.batch_id)
+        current = await self.store.get(self.job_id)
         if current and current["status"] == BatchState.CANCELLING:
             self.cancelling = True
             for line, rid in self.outstanding.values():

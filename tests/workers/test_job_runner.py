@@ -15,14 +15,14 @@ import pytest
 from celery.signals import worker_ready
 from redis.asyncio import Redis
 
-from sluice.broker.batches import BatchStore
 from sluice.broker.files import FileStore
+from sluice.broker.jobs import JobStore
 from sluice.broker.keys import ModelKeys
 from sluice.broker.registry import ModelRegistry
 from sluice.config.model import ModelConfig
 from sluice.config.settings import Settings
 from sluice.protocol.messages import RequestMessage
-from sluice.workers.batch_job import BatchJob
+from sluice.workers.job_runner import JobRunner
 from sluice.workers.jobs import celery_app
 from tests.broker.helpers import done_result
 
@@ -45,7 +45,7 @@ async def new_batch(redis: Redis, settings: Settings, n: int) -> str:
                          "body": {"model": MODEL, "prompt": f"line {i}", "max_tokens": 2}}) for i in range(n)]
     f = await FileStore(redis, settings.files_path, settings.max_file_bytes).create(
         "in.jsonl", "batch", "\n".join(lines).encode())
-    return (await BatchStore(redis).create(f["id"], "/v1/completions", "24h", None))["id"]
+    return (await JobStore(redis).create(f["id"], "/v1/completions", "24h", None))["id"]
 
 
 @asynccontextmanager
@@ -89,8 +89,8 @@ async def recorded(redis: Redis, batch_id: str) -> int:
     return await redis.hlen(f"sluice:batch:{batch_id}:out")
 
 
-def runner(redis: Redis, settings: Settings, batch_id: str) -> BatchJob:
-    return BatchJob(settings, redis, batch_id, poll_s=0.01)
+def runner(redis: Redis, settings: Settings, batch_id: str) -> JobRunner:
+    return JobRunner(settings, redis, batch_id, poll_s=0.01)
 
 
 async def running_job(redis: Redis, settings: Settings, batch_id: str, until_recorded: int) -> asyncio.Task[None]:
@@ -114,7 +114,7 @@ async def test_a_runner_whose_lock_is_stolen_stops_and_writes_nothing(redis: Red
         # What it had submitted finishes meanwhile (a condition, not a pause a slow machine could outlast).
         await until(lambda: _drained(redis))
         assert await recorded(redis, batch_id) == at_steal  # no record after the steal
-        assert (await BatchStore(redis).get(batch_id))["status"] == "in_progress"
+        assert (await JobStore(redis).get(batch_id))["status"] == "in_progress"
         assert len(files_in(job_settings)) == 1  # the input file only
         await redis.delete(lock_key(batch_id))  # the other runner went away in turn
         await runner(redis, job_settings, batch_id).run()
@@ -143,7 +143,7 @@ async def test_a_second_run_leaves_the_job_to_its_live_runner(redis: Redis, job_
 
 
 async def assert_completed_once(redis: Redis, settings: Settings, batch_id: str, n: int, seen: list[str]) -> None:
-    batch = await BatchStore(redis).get(batch_id)
+    batch = await JobStore(redis).get(batch_id)
     assert batch["status"] == "completed", batch
     assert batch["request_counts"] == {"total": n, "completed": n, "failed": 0}
     assert len(seen) == n and len(set(seen)) == n  # every row submitted once
@@ -165,7 +165,7 @@ async def _drained(redis: Redis) -> bool:
 
 
 async def test_a_restart_redispatches_only_jobs_whose_runner_is_gone(redis: Redis, settings: Settings) -> None:
-    store = BatchStore(redis)
+    store = JobStore(redis)
     ids = {name: (await store.create("file-x", "/v1/completions", "24h", None))["id"]
            for name in ("orphan", "lapsing", "alive", "done")}
     for name in ("orphan", "lapsing", "alive"):
@@ -198,7 +198,7 @@ async def test_a_restart_redispatches_only_jobs_whose_runner_is_gone(redis: Redi
 
 @pytest.mark.parametrize("status", ["finalizing", "completed", "failed", "expired", "cancelled", "cancelling"])
 async def test_cancel_answers_a_finalizing_or_final_batch_with_its_status(redis: Redis, status: str) -> None:
-    store = BatchStore(redis)
+    store = JobStore(redis)
     batch_id = (await store.create("file-x", "/v1/completions", "24h", None))["id"]
     await redis.hset(f"sluice:batch:{batch_id}", "status", status)
     assert (await store.request_cancel(batch_id))["status"] == status
@@ -208,11 +208,11 @@ async def test_cancel_answers_a_finalizing_or_final_batch_with_its_status(redis:
 
 async def test_cancel_before_any_runner_started_is_final_at_once(redis: Redis, job_settings: Settings) -> None:
     batch_id = await new_batch(redis, job_settings, 5)
-    cancelled = await BatchStore(redis).request_cancel(batch_id)
+    cancelled = await JobStore(redis).request_cancel(batch_id)
     assert cancelled["status"] == "cancelled" and cancelled["cancelled_at"]
     async with null_worker(redis) as seen:
         await asyncio.wait_for(runner(redis, job_settings, batch_id).run(), timeout=5)
-    assert seen == [] and (await BatchStore(redis).get(batch_id))["status"] == "cancelled"
+    assert seen == [] and (await JobStore(redis).get(batch_id))["status"] == "cancelled"
 
 
 async def test_a_completion_racing_a_cancel_never_leaves_the_batch_cancelling(
@@ -221,7 +221,7 @@ async def test_a_completion_racing_a_cancel_never_leaves_the_batch_cancelling(
     async with null_worker(redis):
         job = runner(redis, job_settings, batch_id)
         await redis.hset(f"sluice:batch:{batch_id}", "status", "in_progress")  # a runner had started it
-        api = BatchStore(redis)
+        api = JobStore(redis)
         read = api.get
         calls = 0
 
@@ -236,7 +236,7 @@ async def test_a_completion_racing_a_cancel_never_leaves_the_batch_cancelling(
 
         api.get = get_then_complete  # type: ignore[method-assign]
         answer = await api.request_cancel(batch_id)
-    final = (await BatchStore(redis).get(batch_id))["status"]
+    final = (await JobStore(redis).get(batch_id))["status"]
     assert final in ("completed", "cancelled"), final
     assert answer["status"] == final or (answer["status"] == "cancelling" and final == "cancelled")
 
@@ -246,9 +246,9 @@ async def test_a_cancel_during_the_run_ends_cancelled_with_partial_output(
     batch_id = await new_batch(redis, job_settings, 100)
     async with null_worker(redis, delay_s=0.01):
         running = await running_job(redis, job_settings, batch_id, 10)
-        assert (await BatchStore(redis).request_cancel(batch_id))["status"] == "cancelling"
+        assert (await JobStore(redis).request_cancel(batch_id))["status"] == "cancelling"
         await asyncio.wait_for(running, timeout=10)
-    batch = await BatchStore(redis).get(batch_id)
+    batch = await JobStore(redis).get(batch_id)
     assert batch["status"] == "cancelled"
     assert 10 <= batch["request_counts"]["completed"] < 100
     out = FileStore(redis, job_settings.files_path, job_settings.max_file_bytes).path(batch["output_file_id"])

@@ -1,4 +1,4 @@
-"""BatchStore on a private Redis: the OpenAI batch object, listing by owner, status moves that are
+"""JobStore on a private Redis: the OpenAI batch object, listing by owner, status moves that are
 conditional and fenced by the job's lock, write-once rows and records, and TTLs on every key."""
 
 from __future__ import annotations
@@ -6,17 +6,17 @@ from __future__ import annotations
 import pytest
 from redis.asyncio import Redis
 
-from sluice.broker.batches import BatchStore, LockLost, _key
+from sluice.broker.jobs import JobStore, LockLost, _key
 
 TOKEN, OTHER = "runner-1", "runner-2"
 
 
 @pytest.fixture
-def store(redis: Redis) -> BatchStore:
-    return BatchStore(redis, ttl_s=3600, result_ttl_s=600)
+def store(redis: Redis) -> JobStore:
+    return JobStore(redis, ttl_s=3600, result_ttl_s=600)
 
 
-async def test_a_new_batch_is_an_openai_batch_object_without_its_owner(store: BatchStore) -> None:
+async def test_a_new_batch_is_an_openai_batch_object_without_its_owner(store: JobStore) -> None:
     batch = await store.create("file-1", "/v1/completions", "24h", {"k": "v"}, owner="alice")
     assert batch["object"] == "batch" and batch["status"] == "validating"
     assert batch["input_file_id"] == "file-1" and batch["metadata"] == {"k": "v"}
@@ -28,7 +28,7 @@ async def test_a_new_batch_is_an_openai_batch_object_without_its_owner(store: Ba
     assert await store.get("batch_absent") is None and await store.owner("batch_absent") is None
 
 
-async def test_every_key_has_a_ttl(store: BatchStore, redis: Redis) -> None:
+async def test_every_key_has_a_ttl(store: JobStore, redis: Redis) -> None:
     batch = await store.create("f", "/v1/completions", "24h", None)
     assert await store.lock(batch["id"], TOKEN, 30)
     await store.bind(batch["id"], TOKEN, 0, "req-1")
@@ -38,7 +38,7 @@ async def test_every_key_has_a_ttl(store: BatchStore, redis: Redis) -> None:
     assert [k for k in keys if await redis.ttl(k) <= 0] == []
 
 
-async def test_list_is_newest_first_by_owner_with_after(store: BatchStore, redis: Redis) -> None:
+async def test_list_is_newest_first_by_owner_with_after(store: JobStore, redis: Redis) -> None:
     ids = [(await store.create("f", "/v1/completions", "24h", None, owner=o))["id"]
            for o in ("alice", "bob", "alice")]
     for i, batch_id in enumerate(ids):  # one created_at per second apart, so the order is known
@@ -50,7 +50,7 @@ async def test_list_is_newest_first_by_owner_with_after(store: BatchStore, redis
     assert [b["id"] for b in await store.list(after="batch_unknown")] == ids[::-1]  # an unknown cursor: from the top
 
 
-async def test_moves_are_conditional_on_the_current_status(store: BatchStore) -> None:
+async def test_moves_are_conditional_on_the_current_status(store: JobStore) -> None:
     batch_id = (await store.create("f", "/v1/completions", "24h", None))["id"]
     assert await store.move(batch_id, "in_progress", ["validating"]) == "in_progress"
     assert await store.move(batch_id, "completed", ["validating"]) == "in_progress"  # not expected: unchanged
@@ -59,7 +59,7 @@ async def test_moves_are_conditional_on_the_current_status(store: BatchStore) ->
     assert moved and moved["in_progress_at"] is not None
 
 
-async def test_a_runner_without_the_lock_writes_nothing(store: BatchStore) -> None:
+async def test_a_runner_without_the_lock_writes_nothing(store: JobStore) -> None:
     batch_id = (await store.create("f", "/v1/completions", "24h", None))["id"]
     assert await store.lock(batch_id, TOKEN, 30)
     assert not await store.lock(batch_id, OTHER, 30)  # one runner at a time
@@ -78,7 +78,7 @@ async def test_a_runner_without_the_lock_writes_nothing(store: BatchStore) -> No
     assert not await store.holds_lock(batch_id, TOKEN)
 
 
-async def test_rows_and_records_are_written_once_and_counted_with_their_record(store: BatchStore) -> None:
+async def test_rows_and_records_are_written_once_and_counted_with_their_record(store: JobStore) -> None:
     batch_id = (await store.create("f", "/v1/completions", "24h", None))["id"]
     assert await store.lock(batch_id, TOKEN, 30)
     await store.bind(batch_id, TOKEN, 3, "req-first")
@@ -92,7 +92,7 @@ async def test_rows_and_records_are_written_once_and_counted_with_their_record(s
 
 
 async def test_cancel_of_an_unstarted_batch_is_at_once_and_of_a_running_one_is_cancelling(
-        store: BatchStore) -> None:
+        store: JobStore) -> None:
     waiting = (await store.create("f", "/v1/completions", "24h", None))["id"]
     assert (await store.request_cancel(waiting) or {})["status"] == "cancelled"
     running = (await store.create("f", "/v1/completions", "24h", None))["id"]
@@ -103,7 +103,7 @@ async def test_cancel_of_an_unstarted_batch_is_at_once_and_of_a_running_one_is_c
     assert await store.unfinished() == [running]
 
 
-async def test_a_failed_batch_carries_its_error(store: BatchStore, redis: Redis) -> None:
+async def test_a_failed_batch_carries_its_error(store: JobStore, redis: Redis) -> None:
     batch_id = (await store.create("f", "/v1/completions", "24h", None))["id"]
     await store.move(batch_id, "failed", ["validating"], error="line 1: not JSON")
     batch = await store.get(batch_id)
