@@ -16,7 +16,7 @@ from sluice.broker.admission import Admission, NotDurable, QueueFull
 from sluice.config.model import ModelConfig
 from sluice.config.settings import Settings
 from sluice.protocol.ids import new_request_id
-from sluice.protocol.messages import RequestMessage, SamplingSpec
+from sluice.protocol.messages import RequestMessage, SamplingSpec, StructuredSpec
 
 Rows = Sequence[Mapping[str, Any]]
 
@@ -32,6 +32,26 @@ class Sampling:
     timeout_s: float | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: tuple[int, ...] = ()
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    structured: StructuredSpec | None = None
+
+    def spec(self, max_tokens: int, seed: int) -> SamplingSpec:
+        """The entry's sampling: these choices, the row's token budget and the seed."""
+        return SamplingSpec(
+            max_tokens=max_tokens, seed=seed, temperature=self.temperature, top_p=self.top_p,
+            stop=list(self.stop), presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty, top_k=self.top_k, min_p=self.min_p,
+            repetition_penalty=self.repetition_penalty, min_tokens=self.min_tokens,
+            ignore_eos=self.ignore_eos, stop_token_ids=list(self.stop_token_ids),
+            logprobs=self.logprobs, prompt_logprobs=self.prompt_logprobs, structured=self.structured,
+        )
 
 
 class Intake:
@@ -60,11 +80,7 @@ class Intake:
             id=rids[i] if rids else new_request_id(),
             model=model.name,
             rows=rows,
-            sampling=SamplingSpec(
-                max_tokens=rows[0]["max_tokens"], temperature=sampling.temperature, top_p=sampling.top_p,
-                stop=list(sampling.stop), seed=seed + i, presence_penalty=sampling.presence_penalty,
-                frequency_penalty=sampling.frequency_penalty,
-            ),
+            sampling=sampling.spec(rows[0]["max_tokens"], seed + i),
             enqueued_at=now,
             deadline=now + timeout_s,
             owner=owner,

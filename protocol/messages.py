@@ -9,6 +9,20 @@ from pydantic import BaseModel, ConfigDict, Field
 from sluice.protocol.states import State
 
 
+class StructuredSpec(BaseModel):
+    """Constrained decoding, as vLLM's StructuredOutputsParams: exactly one of these is set.
+
+    `json_schema` is vLLM's `json` (a pydantic field may not be named `json`)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    json_schema: dict[str, Any] | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+
+
 class SamplingSpec(BaseModel):
     """Sampling parameters fixed at admission; the seed makes a retried request repeat itself.
 
@@ -25,6 +39,18 @@ class SamplingSpec(BaseModel):
     seed: int
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    # vLLM's sampling extras (0 / 1.0 / empty: off, as in vLLM's SamplingParams)
+    top_k: int = Field(default=0, ge=-1)
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
+    repetition_penalty: float = Field(default=1.0, gt=0.0, le=2.0)
+    min_tokens: int = Field(default=0, ge=0)
+    ignore_eos: bool = False
+    stop_token_ids: list[int] = Field(default_factory=list)
+    # Log probabilities: of each generated token with this many alternatives, and of the
+    # prompt's tokens (OpenAI's `echo` with `logprobs`); None: not returned.
+    logprobs: int | None = Field(default=None, ge=0, le=20)
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=20)
+    structured: StructuredSpec | None = None
 
 
 class RequestMessage(BaseModel):
