@@ -6,6 +6,7 @@ import json
 from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Depends, Header, Query
+from fastapi.responses import JSONResponse
 from sse_starlette.sse import EventSourceResponse
 
 from sluice.api.auth import Caller, require_key
@@ -13,25 +14,59 @@ from sluice.api.errors import ApiError
 from sluice.api.intake import Sampling
 from sluice.api.schemas import RequestView, SubmitRequest, Submitted
 from sluice.api.state import ApiState, state
-from sluice.broker.replies import read_replies, resume_index
+from sluice.broker.replies import resume_index
 from sluice.broker.status import RequestStatus
 from sluice.protocol.ids import new_request_id
 from sluice.protocol.states import State
 
 router = APIRouter(prefix="/v1/requests", tags=["requests"])
 
-@router.post("", status_code=202, response_model=Submitted)
+def preferred_wait(prefer: str | None) -> float | None:
+    """The `wait=S` preference of a Prefer header (RFC 7240), or None. `respond-async` wins, and a
+    preference that cannot be read is ignored, as the RFC asks."""
+    prefs = {}
+    for part in (prefer or "").split(","):
+        name, _, value = part.split(";")[0].strip().partition("=")
+        prefs[name.strip().lower()] = value.strip().strip('"')
+    if "respond-async" in prefs:
+        return None
+    try:
+        wait = float(prefs.get("wait", ""))
+    except ValueError:
+        return None
+    return wait if 0 < wait < float("inf") else None
+
+
+@router.post("", status_code=202, response_model=Submitted, responses={
+    200: {"model": RequestView, "description": "With `Prefer: wait=S`: the final result, ready within S seconds"}})
 async def submit(
     body: SubmitRequest,
     s: ApiState = Depends(state),
     caller: Caller = Depends(require_key),
     idempotency_key: str | None = Header(None, max_length=256),
-) -> Submitted:
+    prefer: str | None = Header(None, max_length=256, description=(
+        "`wait=S` (RFC 7240): answer 200 with the final result if it is ready within S seconds "
+        "(at most SLUICE_MAX_WAIT_S), else 202 as without it")),
+) -> Submitted | JSONResponse:
     """Enqueue one request. With an Idempotency-Key, a repeat returns the first request's id.
 
     The key binds to a request id before anything is enqueued; a repeat whose first attempt
     left no trace (Redis failed in between) admits again under that same id, which
     admission treats as one request, so a retried call never makes two."""
+    submitted = await _submit(body, s, caller, idempotency_key)
+    wait = preferred_wait(prefer)
+    if wait is None:
+        return submitted
+    wait = min(wait, s.settings.max_wait_s)
+    status = await s.lookup.wait_final(submitted.model, submitted.id, wait)
+    applied = {"Preference-Applied": f"wait={wait:g}"}
+    if not status.final:
+        still = Submitted(id=submitted.id, status=status.state.value, model=submitted.model)
+        return JSONResponse(still.model_dump(), status_code=202, headers=applied)
+    return JSONResponse(view(status).model_dump(mode="json", exclude_none=True), headers=applied)
+
+
+async def _submit(body: SubmitRequest, s: ApiState, caller: Caller, idempotency_key: str | None) -> Submitted:
     model = await s.deployments.get(body.model)
     rid = new_request_id()
     # Without API keys every caller is one anonymous caller, and shares idempotency keys.
@@ -120,8 +155,8 @@ async def events(
     idle_s = s.settings.sse_idle_timeout_s
 
     async def stream() -> AsyncIterator[dict]:
-        async for ev in read_replies(s.redis, model, rid, after=last_id, next_index=next_index,
-                                     idle_timeout_s=idle_s):
+        async for ev in s.replies.follow(model, rid, after=last_id, next_index=next_index,
+                                        idle_timeout_s=idle_s):
             if ev.delta is not None:
                 yield {"event": "delta", "id": ev.entry_id,
                        "data": json.dumps({"index": ev.delta.i, "text": ev.delta.text, "row": ev.delta.row})}
