@@ -19,6 +19,7 @@ from pathlib import Path
 import httpx
 import typer
 
+from sluice.bench.commands import per_request
 from sluice.bench.loadgen import p50_p99
 from sluice.cli.stack import LocalStack
 
@@ -37,15 +38,20 @@ def _null_stack(workers: int) -> Iterator[tuple[str, str]]:
         yield url, stack.redis_url
 
 
-async def _sluice_round_trips(url: str, n: int, concurrency: int) -> tuple[float, list[float], dict]:
+async def _sluice_round_trips(url: str, n: int, concurrency: int,
+                              one_call: bool = False) -> tuple[float, list[float], dict]:
     sem = asyncio.Semaphore(concurrency)
     limits = httpx.Limits(max_connections=concurrency * 2, max_keepalive_connections=concurrency * 2)
     async with httpx.AsyncClient(base_url=url, timeout=120, limits=limits) as client:
         async def one(i: int) -> float:
             async with sem:
                 t0 = time.perf_counter()
-                rid = (await client.post("/v1/requests", json={"prompt": f"echo {i}", "max_tokens": 4})).json()["id"]
-                body = (await client.get(f"/v1/requests/{rid}", params={"wait": 60})).json()
+                submit = {"prompt": f"echo {i}", "max_tokens": 4}
+                if one_call:  # Prefer: wait=S: the result in the submit's answer
+                    body = (await client.post("/v1/requests", json=submit, headers={"Prefer": "wait=60"})).json()
+                else:
+                    rid = (await client.post("/v1/requests", json=submit)).json()["id"]
+                    body = (await client.get(f"/v1/requests/{rid}", params={"wait": 60})).json()
                 assert body["status"] == "done", body
                 return time.perf_counter() - t0
 
@@ -96,16 +102,24 @@ def queue(
     concurrency: int = typer.Option(32, help="Round trips in flight at once."),
     out: Path = typer.Option(None, help="Write the figures as JSON here."),
 ) -> None:
-    """Null engine: Sluice round trips (submit + long-poll) vs a Celery echo task (delay + get)."""
+    """Null engine: Sluice round trips (one call with `Prefer: wait`, and submit + long-poll) vs a
+    Celery echo task (delay + get) on the same Redis; then Redis commands per request."""
     with _null_stack(1) as (url, redis_url):
-        wall, lat, _ = asyncio.run(_sluice_round_trips(url, requests, concurrency))
-        sluice = _stats(wall, lat, requests)
-        typer.echo(f"sluice: {json.dumps(sluice)}")
+        sluice = {}
+        for route, one_call in (("one_call", True), ("submit_and_poll", False)):
+            wall, lat, _ = asyncio.run(_sluice_round_trips(url, requests, concurrency, one_call))
+            sluice[route] = _stats(wall, lat, requests)
+            typer.echo(f"sluice {route}: {json.dumps(sluice[route])}")
         wall, lat = _celery_round_trips(redis_url, requests, concurrency)
         celery = _stats(wall, lat, requests)
         typer.echo(f"celery: {json.dumps(celery)}")
+        cost = [per_request(url, redis_url, streamed=streamed) for streamed in (False, True)]
+        for row in cost:
+            typer.echo(f"redis commands: {json.dumps(row)}")
     figures = {"requests": requests, "concurrency": concurrency, "sluice": sluice, "celery": celery,
-               "sluice_vs_celery_throughput": sluice["round_trips_per_s"] / celery["round_trips_per_s"]}
+               "sluice_vs_celery_throughput": {route: row["round_trips_per_s"] / celery["round_trips_per_s"]
+                                               for route, row in sluice.items()},
+               "redis_commands": cost}
     typer.echo(json.dumps(figures, indent=2))
     if out:
         out.write_text(json.dumps(figures, indent=2))

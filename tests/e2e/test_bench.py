@@ -49,6 +49,11 @@ def test_bench_queue_measures_sluice_and_celery(tmp_path: Path) -> None:
                            "--concurrency", "4", "--out", str(out)], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     figures = json.loads(out.read_text())
-    for system in ("sluice", "celery"):
-        assert figures[system]["round_trips_per_s"] > 0
-        assert figures[system]["latency_p99_ms"] >= figures[system]["latency_p50_ms"] > 0
+    rows = {"celery": figures["celery"], **{f"sluice {route}": row for route, row in figures["sluice"].items()}}
+    assert set(rows) == {"celery", "sluice one_call", "sluice submit_and_poll"}
+    for row in rows.values():
+        assert row["round_trips_per_s"] > 0
+        assert row["latency_p99_ms"] >= row["latency_p50_ms"] > 0
+    assert figures["sluice_vs_celery_throughput"]["one_call"] > 0
+    for cost in figures["redis_commands"]:
+        assert cost["commands_per_request"] > 0

@@ -1,0 +1,53 @@
+"""Redis commands per request, as `INFO commandstats` counts them (the commands that Lua
+scripts run included): what one non-streamed and one streamed request cost the queue."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+
+import httpx
+import redis
+
+
+def commandstats(client: redis.Redis) -> Counter[str]:
+    """Calls per command since the last CONFIG RESETSTAT (INFO and CONFIG themselves left out)."""
+    stats = client.info("commandstats")
+    return Counter({name.removeprefix("cmdstat_"): int(v["calls"]) for name, v in stats.items()
+                    if name.split("_", 1)[1].split("|")[0] not in ("info", "config")})
+
+
+async def _requests(url: str, n: int, concurrency: int, streamed: bool, max_tokens: int) -> None:
+    sem = asyncio.Semaphore(concurrency)
+    async with httpx.AsyncClient(base_url=url, timeout=120) as client:
+        async def one(i: int) -> None:
+            async with sem:
+                body = {"prompt": f"count {i}", "max_tokens": max_tokens}
+                if not streamed:
+                    r = await client.post("/v1/requests", json=body, headers={"Prefer": "wait=60"})
+                    assert r.status_code == 200 and r.json()["status"] == "done", r.text
+                    return
+                rid = (await client.post("/v1/requests", json=body)).json()["id"]
+                async with client.stream("GET", f"/v1/requests/{rid}/events") as events:
+                    async for line in events.aiter_lines():
+                        if line.startswith("event: done"):
+                            return
+                raise AssertionError(f"{rid}: the stream ended without its final")
+
+        await asyncio.gather(*(one(i) for i in range(n)))
+
+
+def per_request(url: str, redis_url: str, *, requests: int = 200, concurrency: int = 8, streamed: bool = False,
+                max_tokens: int = 16) -> dict:
+    """Commands per request over `requests` requests (`concurrency` at once): the total and the
+    ten largest shares, per command. Everything Redis ran meanwhile is counted (heartbeats,
+    housekeeping, idle reads): that is what the queue costs under this load."""
+    client = redis.Redis.from_url(redis_url, decode_responses=True)
+    asyncio.run(_requests(url, min(requests, 20), concurrency, streamed, max_tokens))  # scripts loaded, pools warm
+    client.config_resetstat()
+    asyncio.run(_requests(url, requests, concurrency, streamed, max_tokens))
+    calls = commandstats(client)
+    client.close()
+    return {"streamed": streamed, "requests": requests, "max_tokens": max_tokens,
+            "commands_per_request": round(sum(calls.values()) / requests, 2),
+            "by_command": {name: round(n / requests, 2) for name, n in calls.most_common(10)}}
