@@ -22,7 +22,6 @@ from sluice.api.errors import ApiError
 from sluice.api.intake import Sampling
 from sluice.api.schemas import MAX_TOKENS, require_unicode
 from sluice.api.state import ApiState, state
-from sluice.broker.replies import read_replies
 from sluice.config.model import ModelConfig
 from sluice.protocol.ids import completion_id
 from sluice.protocol.messages import FinalResult, RequestMessage
@@ -80,7 +79,7 @@ def _stream(s: ApiState, model: str, messages: list[RequestMessage], chunk, incl
 
         async def follow(index: int, rid: str) -> None:
             try:
-                async for ev in read_replies(s.redis, model, rid):
+                async for ev in s.replies.follow(model, rid):
                     await queue.put((index, ev))
             finally:
                 await queue.put((index, None))

@@ -27,6 +27,7 @@ from sluice.broker.files import FileStore
 from sluice.broker.jobs import JobStore
 from sluice.broker.notifications import DoneListener
 from sluice.broker.registry import ModelRegistry, WorkerRegistry
+from sluice.broker.reply_router import ReplyRouter
 from sluice.config.model import ModelConfig
 from sluice.config.settings import Settings
 
@@ -45,6 +46,7 @@ class ApiState:
     models_sync: ModelsFileSync
     intake: Intake
     lookup: RequestLookup
+    replies: ReplyRouter  # follows the reply streams of every open stream on a few connections
     cancels: BackgroundCancels
     workers: WorkerRegistry
     key_digests: dict[str, Scope]  # digest → scope of each configured key (api/auth.py)
@@ -60,6 +62,7 @@ class ApiState:
         except Exception as err:  # noqa: BLE001 - the sync task tries again
             log.warning("could not register models in Redis yet (%s); continuing", err)
         self.lookup.done.start()
+        self.replies.start()
         self._tasks.append(asyncio.create_task(self.models_sync.run(), name="models-file-sync"))
 
     async def close(self) -> None:
@@ -70,11 +73,13 @@ class ApiState:
         if self._tasks:
             await asyncio.wait(self._tasks, timeout=CANCEL_DRAIN_S)
         await self.lookup.done.close()
+        await self.replies.close()
         await self.redis.aclose()
 
 
 def build_state(settings: Settings, models: list[ModelConfig]) -> ApiState:
-    redis = connect(settings.redis_url, name="sluice-api")
+    readers = max(1, min(8, settings.api_redis_connections // 8))
+    redis = connect(settings.redis_url, name="sluice-api", max_connections=settings.api_redis_connections - readers - 1)
     admission = Admission(redis, status_ttl_s=settings.status_ttl_s, reply_ttl_s=settings.reply_ttl_s,
                           cancel_ttl_s=settings.cancel_ttl_s, result_ttl_s=settings.result_ttl_s,
                           bulk_queue_share=settings.bulk_queue_share, strict=settings.durability == "strict")
@@ -88,6 +93,8 @@ def build_state(settings: Settings, models: list[ModelConfig]) -> ApiState:
         models_sync=ModelsFileSync(deployments, models),
         intake=Intake(settings, admission, PromptLimits(settings.cache_dir)),
         lookup=RequestLookup(admission, DoneListener(redis), deployments, settings.result_ttl_s),
+        replies=ReplyRouter(redis, lambda: connect(settings.redis_url, name="sluice-api-replies", single=True),
+                            shards=readers),
         cancels=BackgroundCancels(admission),
         workers=WorkerRegistry(redis),
         key_digests=key_digests(settings.api_keys),

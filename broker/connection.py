@@ -2,21 +2,33 @@
 
 from __future__ import annotations
 
-from redis.asyncio import Redis
+from redis.asyncio import BlockingConnectionPool, Redis
 from redis.asyncio.retry import Retry  # the asyncio one: redis.retry.Retry cannot await
 from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+# Commands waiting for a connection wait at most this long (then a ConnectionError, retried
+# like any other): redis-py's plain pool raises at once past its bound (100 since redis-py 6),
+# which a worker running 256 requests at once reached.
+POOL_WAIT_S = 20.0
 
-def connect(url: str, *, name: str = "sluice") -> Redis:
-    """A client for `url` (redis://, rediss:// with TLS, passwords in the URL)."""
-    return Redis.from_url(
-        url,
-        decode_responses=True,
-        client_name=name,
-        health_check_interval=15,
-        socket_keepalive=True,
-        retry=Retry(ExponentialBackoff(cap=2.0, base=0.05), retries=5),
-        retry_on_error=[RedisConnectionError, RedisTimeoutError],
-    )
+
+def connect(url: str, *, name: str = "sluice", max_connections: int = 64, single: bool = False) -> Redis:
+    """A client for `url` (redis://, rediss:// with TLS, passwords in the URL).
+
+    At most `max_connections` connections, a command waiting for a free one (a process holds
+    itself to a bound however many requests it serves); `single`: one connection of its own
+    (a reader that blocks on it)."""
+    options = {
+        "decode_responses": True,
+        "client_name": name,
+        "health_check_interval": 15,
+        "socket_keepalive": True,
+        "retry": Retry(ExponentialBackoff(cap=2.0, base=0.05), retries=5),
+        "retry_on_error": [RedisConnectionError, RedisTimeoutError],
+    }
+    if single:
+        return Redis.from_url(url, single_connection_client=True, **options)
+    pool = BlockingConnectionPool.from_url(url, max_connections=max_connections, timeout=POOL_WAIT_S, **options)
+    return Redis.from_pool(pool)

@@ -172,13 +172,13 @@ async def read_replies(
     """
     keys = ModelKeys(model)
     key = keys.reply(rid)
-    seen = {0: next_index}  # per row: the next token index not yet delivered
+    decoder = ReplyDecoder(next_index)
     quiet_since = time.monotonic()
     block: int | None = None  # the first read does not wait: a request already final answers at once
     while True:
         got = await redis.xread({key: after}, count=256, block=block)
         if not got:
-            final = await _final_status(redis, keys.status(rid))
+            final = await final_status(redis, keys.status(rid))
             if final is not None:
                 # The final event and the status are written by one script, so once the status
                 # is final a read that still finds nothing means the reply stream lost it.
@@ -194,19 +194,34 @@ async def read_replies(
         quiet_since = time.monotonic()
         for entry_id, fields in got[0][1]:
             after = entry_id
-            if fields.get("kind") == "final":
-                yield ReplyEvent(entry_id, "final", final=FinalResult.model_validate_json(fields["data"]))
-                return
-            ev = DeltaEvent.model_validate_json(fields["data"])
-            # A delta overlapping tokens already delivered is skipped whole: its text
-            # cannot be split per token, and the same seed regenerates the same tokens.
-            if ev.i < seen.get(ev.row, 0):
-                continue
-            seen[ev.row] = ev.i + len(ev.token_ids)
-            yield ReplyEvent(entry_id, "delta", delta=ev)
+            event = decoder.event(entry_id, fields)
+            if event is not None:
+                yield event
+                if event.final is not None:
+                    return
 
 
-async def _final_status(redis: Redis, status_key: str) -> FinalResult | None:
+class ReplyDecoder:
+    """A reply stream's entries as events, each token once: per row, the next token index not
+    yet delivered. A delta overlapping tokens already delivered (a retried attempt replays the
+    same seed) is skipped whole: its text cannot be split per token, and the same seed
+    regenerates the same tokens."""
+
+    def __init__(self, next_index: int = 0) -> None:
+        self.seen = {0: next_index}
+
+    def event(self, entry_id: str, fields: dict[str, str]) -> ReplyEvent | None:
+        if fields.get("kind") == "final":
+            return ReplyEvent(entry_id, "final", final=FinalResult.model_validate_json(fields["data"]))
+        ev = DeltaEvent.model_validate_json(fields["data"])
+        if ev.i < self.seen.get(ev.row, 0):
+            return None
+        self.seen[ev.row] = ev.i + len(ev.token_ids)
+        return ReplyEvent(entry_id, "delta", delta=ev)
+
+
+async def final_status(redis: Redis, status_key: str) -> FinalResult | None:
+    """The request's final result from its status hash, or None while it has none."""
     state, result = await redis.hmget(status_key, ["state", "result"])
     return FinalResult.model_validate_json(result) if state in FINAL_STATES and result else None
 

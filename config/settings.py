@@ -32,6 +32,9 @@ class Settings(BaseSettings):
     max_arrow_columns: int = Field(default=64, gt=0)
     max_decoded_bytes: int = Field(default=16 * 1024 * 1024, gt=0)
     sse_idle_timeout_s: float = Field(default=300.0, gt=0)  # an SSE stream with no event this long closes
+    # Redis connections of one api process, whatever the number of open streams: a few shared
+    # reply-stream readers (api_redis_connections // 8, at most 8), one pub/sub, the rest a pool.
+    api_redis_connections: int = Field(default=32, ge=4, le=1024)
 
     # Lifetimes of what a request leaves in Redis. Steady-state memory is about
     # rate x result_ttl_s x bytes per finished request (README, "Retention").

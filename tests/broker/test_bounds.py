@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 import os
@@ -10,6 +11,7 @@ import time
 import pytest
 from redis.asyncio import Redis
 
+from sluice.broker.connection import connect
 from sluice.broker.files import FileError, FileStore
 from sluice.broker.jobs import JobStore
 from sluice.config.settings import Settings
@@ -85,3 +87,19 @@ async def test_log_records_have_a_byte_budget(redis: Redis, settings: Settings) 
     assert len(first["data"]) <= settings.log_max_record_bytes
     assert record["truncated"] and record["input"]["prompt"].startswith("word word")
     assert json.loads(second["data"]) == {"request_id": "req-b", "row": 0, "input": {}}
+
+
+async def test_more_commands_at_once_than_connections_wait_for_one(redis: Redis, redis_url: str) -> None:
+    """A worker runs up to 256 requests at once: their Redis commands beyond the pool's bound
+    wait for a free connection. redis-py's plain pool failed them with "Too many connections"
+    (at 100), and each such request waited out a whole lease before it was run again."""
+    client = connect(redis_url, name="sluice-test-bounded", max_connections=16)
+    try:
+        # 150 commands that each hold a connection for 0.3 s: more than redis-py's own default
+        # bound of 100, and ten times this pool's.
+        got = await asyncio.gather(*(client.blpop([f"bounds:empty:{i}"], timeout=0.3) for i in range(150)))
+        assert got == [None] * 150
+        held = [c for c in await redis.client_list() if c.get("name") == "sluice-test-bounded"]
+        assert 0 < len(held) <= 16
+    finally:
+        await client.aclose()

@@ -1,0 +1,133 @@
+"""The api's reply router: many open streams on a few connections, a new stream never waiting
+out a blocked read, the final from the status hash once a reply stream has expired."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+
+import pytest
+from redis.asyncio import Redis
+
+from sluice.broker.connection import connect
+from sluice.broker.reply_router import ReplyRouter
+from sluice.protocol.messages import DeltaEvent, FinalResult, RowOutput, State
+from tests.broker.helpers import KEYS, MODEL
+from tests.fakes import eventually
+
+READER = "sluice-test-replies"
+
+
+@pytest.fixture
+async def make_router(redis: Redis, redis_url: str) -> AsyncIterator[Callable[..., ReplyRouter]]:
+    routers: list[ReplyRouter] = []
+    shared = connect(redis_url, name="sluice-test-shared", max_connections=8)  # as the api's own client
+
+    def make(**kw: object) -> ReplyRouter:
+        router = ReplyRouter(shared, lambda: connect(redis_url, name=READER, single=True), **kw)
+        router.start()
+        routers.append(router)
+        return router
+
+    yield make
+    for router in routers:
+        await router.close()
+    await shared.aclose()
+
+
+async def delta(redis: Redis, rid: str, i: int, text: str) -> None:
+    ev = DeltaEvent(i=i, text=text, token_ids=[i])
+    await redis.xadd(KEYS.reply(rid), {"kind": "delta", "data": ev.model_dump_json()})
+
+
+def final(text: str) -> FinalResult:
+    return FinalResult(status=State.DONE, output=RowOutput(text=text, num_output_tokens=len(text.split())))
+
+
+async def finish(redis: Redis, rid: str, text: str) -> None:
+    data = final(text).model_dump_json()
+    await redis.xadd(KEYS.reply(rid), {"kind": "final", "data": data})
+    await redis.hset(KEYS.status(rid), mapping={"state": "done", "result": data})
+
+
+async def texts(router: ReplyRouter, rid: str, **kw: object) -> list[str]:
+    out = []
+    async for ev in router.follow(MODEL, rid, **kw):
+        out.append(ev.delta.text if ev.delta else f"final:{ev.final.output.text}")
+    return out
+
+
+async def connections(redis: Redis, name: str = READER) -> int:
+    return sum(1 for c in await redis.client_list() if c.get("name") == name)
+
+
+async def test_many_streams_are_followed_on_as_many_connections_as_shards(
+        redis: Redis, make_router: Callable[..., ReplyRouter]) -> None:
+    router = make_router(shards=2, block_ms=30_000)
+    rids = [f"req-many-{n}" for n in range(300)]
+    followers = [asyncio.create_task(texts(router, rid)) for rid in rids]
+    await eventually(lambda: router.following == len(rids), what="every stream followed")
+    await eventually(lambda: connections(redis), interval_s=0.05, what="the readers connected")
+    assert await connections(redis) == 2 and await connections(redis, "sluice-test-shared") <= 8
+    for n, rid in enumerate(rids):
+        await delta(redis, rid, 0, f" a{n}")
+        await delta(redis, rid, 1, f" b{n}")
+        await finish(redis, rid, f" a{n} b{n}")
+    got = await asyncio.wait_for(asyncio.gather(*followers), 60)
+    assert got == [[f" a{n}", f" b{n}", f"final: a{n} b{n}"] for n in range(len(rids))]
+    assert router.following == 0 and await connections(redis) == 2
+
+
+async def test_a_new_stream_does_not_wait_for_the_blocked_read_to_end(
+        redis: Redis, make_router: Callable[..., ReplyRouter]) -> None:
+    # One shard, blocked for a minute on a first stream: the second stream's token must still
+    # come at once, well inside the block.
+    router = make_router(shards=1, block_ms=60_000)
+    first = asyncio.create_task(texts(router, "req-first"))
+    await eventually(lambda: router.following == 1, what="the first stream followed")
+    second = asyncio.create_task(texts(router, "req-second"))
+    await eventually(lambda: router.following == 2, what="the second stream followed")
+    await delta(redis, "req-second", 0, " now")
+    await finish(redis, "req-second", " now")
+    assert await asyncio.wait_for(second, 20) == [" now", "final: now"]
+    await finish(redis, "req-first", "")
+    assert await asyncio.wait_for(first, 20) == ["final:"]
+
+
+async def test_two_readers_of_one_stream_at_different_positions_each_get_their_rest(
+        redis: Redis, make_router: Callable[..., ReplyRouter]) -> None:
+    router = make_router(shards=1)
+    rid = "req-two-readers"
+    await delta(redis, rid, 0, " zero")
+    late_after = (await redis.xrange(KEYS.reply(rid)))[-1][0]
+    await delta(redis, rid, 1, " one")
+    early = asyncio.create_task(texts(router, rid))
+    late = asyncio.create_task(texts(router, rid, after=late_after, next_index=1))
+    await eventually(lambda: router.following == 2, what="both readers followed")
+    await finish(redis, rid, " zero one")
+    assert await asyncio.wait_for(early, 20) == [" zero", " one", "final: zero one"]
+    assert await asyncio.wait_for(late, 20) == [" one", "final: zero one"]
+
+
+async def test_a_request_final_long_ago_answers_from_its_status_at_once(
+        redis: Redis, make_router: Callable[..., ReplyRouter]) -> None:
+    # The reply stream expired; only the status hash holds the final. No recheck is due for a
+    # minute: the answer must come from the check made when the stream is opened.
+    router = make_router(shards=1, recheck_s=60)
+    await redis.hset(KEYS.status("req-old"), mapping={"state": "done", "result": final(" old").model_dump_json()})
+    assert await asyncio.wait_for(texts(router, "req-old"), 20) == ["final: old"]
+
+
+async def test_a_silent_stream_ends_after_its_idle_timeout(make_router: Callable[..., ReplyRouter]) -> None:
+    router = make_router(shards=1, recheck_s=60)
+    assert await asyncio.wait_for(texts(router, "req-silent", idle_timeout_s=0.2), 20) == []
+    assert router.following == 0
+
+
+async def test_a_reader_that_leaves_is_forgotten(redis: Redis, make_router: Callable[..., ReplyRouter]) -> None:
+    router = make_router(shards=1)
+    stream = router.follow(MODEL, "req-leaver")
+    await delta(redis, "req-leaver", 0, " hi")
+    assert (await anext(stream)).delta.text == " hi"
+    await stream.aclose()  # the client went away mid-stream
+    assert router.following == 0
