@@ -11,7 +11,7 @@ import json
 import secrets
 import time
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, Protocol
 
 from fastapi import APIRouter, Depends
 from fastapi.responses import JSONResponse
@@ -24,12 +24,14 @@ from sluice.api.schemas import MAX_TOKENS, require_unicode
 from sluice.api.state import ApiState, state
 from sluice.config.model import ModelConfig
 from sluice.protocol.ids import completion_id
-from sluice.protocol.messages import FinalResult, RequestMessage
-from sluice.protocol.openai import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    SamplingBody,
+from sluice.protocol.messages import DeltaEvent, FinalResult, RequestMessage, TokenLogprob
+from sluice.protocol.openai import ChatCompletionRequest, CompletionRequest, SamplingBody
+from sluice.protocol.openai_objects import (
+    Shape,
+    chat_logprobs,
+    chat_message,
     chat_object,
+    completion_logprobs,
     completion_object,
 )
 from sluice.protocol.states import State
@@ -38,9 +40,9 @@ router = APIRouter(prefix="/v1", tags=["openai"])
 
 async def _enqueue_choices(s: ApiState, model: ModelConfig, body: SamplingBody,
                            rows: list[dict[str, Any]], owner: str | None) -> list[RequestMessage]:
-    bad = body.unsupported()
-    if bad:
-        raise ApiError(400, f"{', '.join(bad)}: not supported by this server", param=bad[0])
+    problems = body.problems()
+    if problems:
+        raise ApiError(400, "; ".join(message for _, message in problems), param=problems[0][0])
     # The OpenAI bodies' str-or-list fields let a lone surrogate through pydantic.
     for key in ("prompt", "messages"):
         require_unicode([row.get(key) for row in rows], key)
@@ -49,8 +51,7 @@ async def _enqueue_choices(s: ApiState, model: ModelConfig, body: SamplingBody,
         raise ApiError(422, f"max_tokens: at most {MAX_TOKENS}", param="max_tokens")
     seed = body.seed if body.seed is not None else secrets.randbits(31)
     # All choices admitted at once, or none (one admission against the queue bound).
-    sampling = Sampling(temperature=body.temperature, top_p=body.top_p, stop=tuple(body.stop or ()), seed=seed,
-                        presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty)
+    sampling = Sampling(seed=seed, **body.sampling_fields())
     return await s.intake.enqueue_many(model, [[row] for row in rows], sampling, owner=owner)
 
 
@@ -69,8 +70,20 @@ async def _finals(s: ApiState, model: str, messages: list[RequestMessage]) -> li
     return finals
 
 
-def _stream(s: ApiState, model: str, messages: list[RequestMessage], chunk, include_usage: bool,
-            first_chunks: list[dict] | None = None) -> EventSourceResponse:
+class Chunks(Protocol):
+    """A route's stream chunks: those of a choice's delta, and those ending the choice."""
+
+    def first(self) -> list[dict]: ...
+
+    def delta(self, index: int, delta: DeltaEvent) -> list[dict]: ...
+
+    def end(self, index: int, final: FinalResult, reason: str) -> list[dict]: ...
+
+    def usage(self, usage: dict[str, int]) -> dict: ...
+
+
+def _stream(s: ApiState, model: str, messages: list[RequestMessage], chunks: Chunks,
+            include_usage: bool) -> EventSourceResponse:
     """Merge the choices' reply streams into OpenAI chunks, then `data: [DONE]`."""
 
     async def events() -> AsyncIterator[dict]:
@@ -87,28 +100,30 @@ def _stream(s: ApiState, model: str, messages: list[RequestMessage], chunk, incl
         readers = [asyncio.create_task(follow(i, m.id)) for i, m in enumerate(messages)]
         usage = {"prompt_tokens": 0, "completion_tokens": 0}
         try:
-            for c in first_chunks or []:
+            for c in chunks.first():
                 yield {"data": json.dumps(c)}
             while len(finished) < len(messages):
                 index, ev = await queue.get()
                 if ev is None:
                     finished.add(index)
-                elif ev.delta is not None and ev.delta.text:
-                    yield {"data": json.dumps(chunk(index, ev.delta.text, None))}
+                elif ev.delta is not None and ev.delta.token_ids:
+                    for c in chunks.delta(index, ev.delta):
+                        yield {"data": json.dumps(c)}
                 elif ev.final is not None:
                     f = ev.final
                     if f.usage:
                         usage["prompt_tokens"] += f.usage.prompt_tokens
                         usage["completion_tokens"] += f.usage.completion_tokens
-                    reason = f.output.finish_reason if f.output else None
+                    reason = (f.output.finish_reason if f.output else None) or "stop"
                     if f.status.value != "done":
                         yield {"data": json.dumps({"error": {"message": f"{f.status.value}: {f.error}",
                                                              "type": "inference_failed"}})}
                         reason = "abort"
-                    yield {"data": json.dumps(chunk(index, "", reason or "stop"))}
+                    for c in chunks.end(index, f, reason):
+                        yield {"data": json.dumps(c)}
             if include_usage:
                 usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
-                yield {"data": json.dumps({**chunk(0, "", None), "choices": [], "usage": usage})}
+                yield {"data": json.dumps(chunks.usage(usage))}
             yield {"data": "[DONE]"}
         finally:
             for r in readers:
@@ -123,40 +138,94 @@ def _stream(s: ApiState, model: str, messages: list[RequestMessage], chunk, incl
     return EventSourceResponse(events(), ping=15, shutdown_grace_period=s.settings.shutdown_timeout_s)
 
 
+class CompletionChunks:
+    def __init__(self, cid: str, model: str, shape: Shape, prompts: list[str]) -> None:
+        self.head = {"id": cid, "object": "text_completion", "created": int(time.time()), "model": model}
+        self.shape, self.prompts = shape, prompts
+        self.offset = [0] * len(prompts)  # characters sent per choice (text_offset)
+        self.echoed = [not shape.echo] * len(prompts)
+
+    def _chunk(self, index: int, text: str, tokens: list[TokenLogprob] | None, reason: str | None) -> dict:
+        logprobs = None
+        if self.shape.logprobs is not None and tokens is not None:
+            logprobs = completion_logprobs(tokens, self.offset[index])
+        self.offset[index] += len(text)
+        return {**self.head, "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason}]}
+
+    def _echo(self, index: int, prompt_logprobs: list[TokenLogprob] | None) -> list[dict]:
+        if self.echoed[index]:
+            return []
+        self.echoed[index] = True
+        return [self._chunk(index, self.prompts[index], prompt_logprobs or [], None)]
+
+    def first(self) -> list[dict]:
+        return []
+
+    def delta(self, index: int, delta: DeltaEvent) -> list[dict]:
+        return [*self._echo(index, delta.prompt_logprobs), self._chunk(index, delta.text, delta.logprobs or [], None)]
+
+    def end(self, index: int, final: FinalResult, reason: str) -> list[dict]:
+        echo = self._echo(index, final.output.prompt_logprobs if final.output else None)
+        return [*echo, self._chunk(index, "", None, reason)]
+
+    def usage(self, usage: dict[str, int]) -> dict:
+        return {**self.head, "choices": [], "usage": usage}
+
+
+class ChatChunks:
+    def __init__(self, cid: str, model: str, shape: Shape, rids: list[str]) -> None:
+        self.head = {"id": cid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model}
+        self.shape, self.rids = shape, rids
+
+    def _chunk(self, index: int, delta: dict, reason: str | None = None, logprobs: dict | None = None) -> dict:
+        return {**self.head, "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
+                                          "finish_reason": reason}]}
+
+    def first(self) -> list[dict]:
+        return [self._chunk(i, {"role": "assistant", "content": ""}) for i in range(len(self.rids))]
+
+    def delta(self, index: int, delta: DeltaEvent) -> list[dict]:
+        if self.shape.tool:  # sent whole at the end, as tool_calls (or as text if incomplete)
+            return []
+        logprobs = chat_logprobs(delta.logprobs or []) if self.shape.logprobs is not None else None
+        return [self._chunk(index, {"content": delta.text}, logprobs=logprobs)]
+
+    def end(self, index: int, final: FinalResult, reason: str) -> list[dict]:
+        out = []
+        if self.shape.tool and final.output is not None:
+            message, reason = chat_message(self.shape, final.output.text, reason, self.rids[index])
+            calls = [{"index": k, **call} for k, call in enumerate(message.get("tool_calls") or [])]
+            out.append(self._chunk(index, {"tool_calls": calls} if calls else {"content": message["content"]}))
+        return [*out, self._chunk(index, {}, reason)]
+
+    def usage(self, usage: dict[str, int]) -> dict:
+        return {**self.head, "choices": [], "usage": usage}
+
+
 @router.post("/completions")
 async def completions(body: CompletionRequest, s: ApiState = Depends(state),
                       caller: Caller = Depends(require_key)):
     model = await s.deployments.get(body.model)
     rows = [{"prompt": p, "max_tokens": body.max_tokens} for p in body.prompt for _ in range(body.n)]
     messages = await _enqueue_choices(s, model, body, rows, caller.digest)
-    cid, created = completion_id(messages[0].id, chat=False), int(time.time())
-
-    def chunk(index: int, text: str, reason: str | None) -> dict:
-        return {"id": cid, "object": "text_completion", "created": created, "model": model.name,
-                "choices": [{"index": index, "text": text, "logprobs": None, "finish_reason": reason}]}
-
+    cid, shape = completion_id(messages[0].id, chat=False), body.shape()
+    prompts = [row["prompt"] for row in rows]
     if body.stream:
         include = bool(body.stream_options and body.stream_options.include_usage)
-        return _stream(s, model.name, messages, chunk, include)
-    return JSONResponse(completion_object(cid, model.name, created, await _finals(s, model.name, messages)))
+        return _stream(s, model.name, messages, CompletionChunks(cid, model.name, shape, prompts), include)
+    finals = await _finals(s, model.name, messages)
+    return JSONResponse(completion_object(cid, model.name, int(time.time()), finals, shape, prompts))
 
 
 @router.post("/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, s: ApiState = Depends(state),
                            caller: Caller = Depends(require_key)):
     model = await s.deployments.get(body.model)
-    messages_in = [m.plain() for m in body.messages]
-    rows = [{"messages": messages_in, "max_tokens": body.max_tokens} for _ in range(body.n)]
+    rows = [{**body.rows(), "max_tokens": body.max_tokens} for _ in range(body.n)]
     messages = await _enqueue_choices(s, model, body, rows, caller.digest)
-    cid, created = completion_id(messages[0].id, chat=True), int(time.time())
-
-    def chunk(index: int, text: str, reason: str | None, role: bool = False) -> dict:
-        delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
-        return {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model.name,
-                "choices": [{"index": index, "delta": delta, "logprobs": None, "finish_reason": reason}]}
-
+    cid, shape, rids = completion_id(messages[0].id, chat=True), body.shape(), [m.id for m in messages]
     if body.stream:
         include = bool(body.stream_options and body.stream_options.include_usage)
-        first = [chunk(i, "", None, role=True) for i in range(len(messages))]
-        return _stream(s, model.name, messages, chunk, include, first_chunks=first)
-    return JSONResponse(chat_object(cid, model.name, created, await _finals(s, model.name, messages)))
+        return _stream(s, model.name, messages, ChatChunks(cid, model.name, shape, rids), include)
+    finals = await _finals(s, model.name, messages)
+    return JSONResponse(chat_object(cid, model.name, int(time.time()), finals, shape, rids))

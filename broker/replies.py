@@ -14,7 +14,7 @@ from redis.asyncio import Redis
 
 from sluice.broker.keys import GROUP, ModelKeys
 from sluice.broker.scripts import Scripts
-from sluice.protocol.messages import DeltaEvent, FinalResult
+from sluice.protocol.messages import DeltaEvent, FinalResult, TokenLogprob
 from sluice.protocol.states import FINAL_STATES
 
 if TYPE_CHECKING:
@@ -106,8 +106,10 @@ def _coalesce(buffer: list[tuple[Delivery, DeltaEvent]]) -> list[tuple[Delivery,
         at = last.get((d.entry_id, ev.row))
         prev = out[at][1] if at is not None else None
         if prev is not None and prev.finish is None and prev.i + len(prev.token_ids) == ev.i:
-            out[at] = (d, prev.model_copy(update={
-                "text": prev.text + ev.text, "token_ids": prev.token_ids + ev.token_ids, "finish": ev.finish}))
+            joined = {"text": prev.text + ev.text, "token_ids": prev.token_ids + ev.token_ids, "finish": ev.finish}
+            if prev.logprobs is not None or ev.logprobs is not None:
+                joined["logprobs"] = (prev.logprobs or []) + (ev.logprobs or [])
+            out[at] = (d, prev.model_copy(update=joined))
         else:
             last[(d.entry_id, ev.row)] = len(out)
             out.append((d, ev))
@@ -121,6 +123,8 @@ class Delivered:
     token_ids: list[int] = field(default_factory=list)
     text: list[str] = field(default_factory=list)
     finish: str | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 async def delivered(redis: Redis, model: str, rid: str) -> dict[int, Delivered]:
@@ -140,6 +144,9 @@ async def delivered(redis: Redis, model: str, rid: str) -> dict[int, Delivered]:
                 row.token_ids.extend(ev.token_ids)
                 row.text.append(ev.text)
                 row.finish = ev.finish
+                row.logprobs.extend(ev.logprobs or ())
+                if ev.prompt_logprobs is not None:
+                    row.prompt_logprobs = ev.prompt_logprobs
         if len(got) < 1000:
             return rows
 

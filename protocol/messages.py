@@ -76,11 +76,22 @@ class RequestMessage(BaseModel):
         return cls.model_validate_json(fields["data"])
 
 
+class TokenLogprob(BaseModel):
+    """One token's log probability and the most likely alternatives at its position (rank
+    order), as the engine reported them. `logprob` is None for a prompt's first token."""
+
+    token: str
+    logprob: float | None = None
+    top: list[tuple[str, float]] = Field(default_factory=list)
+
+
 class RowOutput(BaseModel):
     text: str
     num_output_tokens: int
     finish_reason: str | None = None
     fields: dict[str, Any] | None = None  # extra output fields of a custom runtime
+    logprobs: list[TokenLogprob] | None = None  # one per output token, when asked for
+    prompt_logprobs: list[TokenLogprob] | None = None  # one per prompt token, when asked for
 
     def record(self) -> dict[str, Any]:
         """The row in the default output schema, plus any extra fields."""
@@ -120,3 +131,5 @@ class DeltaEvent(BaseModel):
     attempt: int = 1
     row: int = 0
     finish: str | None = None  # on the row's last delta: a retry resumes after it, not past it
+    logprobs: list[TokenLogprob] | None = None  # one per token id, when asked for
+    prompt_logprobs: list[TokenLogprob] | None = None  # on the row's first delta, when asked for

@@ -1,13 +1,18 @@
-"""OpenAI request bodies and response objects, shared by the api's routes and by batch jobs
-(whose input lines carry the same bodies). Fields Sluice does not serve are refused by name."""
+"""OpenAI request bodies, shared by the api's routes and by batch jobs (whose input lines
+carry the same bodies). Fields Sluice does not serve are refused by name; the response
+objects are in openai_objects.py, tools in openai_tools.py."""
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from sluice.protocol.messages import FinalResult
+from sluice.protocol.messages import StructuredSpec
+from sluice.protocol.openai_objects import Shape
+from sluice.protocol.openai_tools import NamedToolChoice, Tool, tool_calls_schema
+from sluice.protocol.structured import problem as structured_problem
 
 
 def stop_list(value: str | list[str] | None) -> list[str]:
@@ -21,6 +26,16 @@ def stop_list(value: str | list[str] | None) -> list[str]:
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+
+
+Problem = tuple[str, str]  # (the field, what is wrong with it): a 400 naming the field
+
+# vLLM's own names for constrained decoding: its `structured_outputs` object, and the older
+# top-level `guided_*` fields, mapped to StructuredSpec's fields.
+_STRUCTURED_KEYS = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar",
+                    "json_object": "json_object"}
+_GUIDED = {"guided_json": "json_schema", "guided_regex": "regex", "guided_choice": "choice",
+           "guided_grammar": "grammar"}
 
 
 class SamplingBody(BaseModel):
@@ -37,21 +52,112 @@ class SamplingBody(BaseModel):
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     user: str | None = None
+    # vLLM's sampling extras (its OpenAI server takes them as extra body fields)
+    top_k: int | None = Field(default=None, ge=-1)
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
+    repetition_penalty: float = Field(default=1.0, gt=0.0, le=2.0)
+    min_tokens: int = Field(default=0, ge=0)
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = Field(default=None, max_length=64)
+    logit_bias: dict[str, float] | None = None
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @field_validator("stop")
     @classmethod
     def _stop(cls, value: str | list[str] | None) -> list[str]:
         return stop_list(value)
 
-    def unsupported(self) -> list[str]:
-        """Fields a client set that this server does not implement."""
-        return []
+    def problems(self) -> list[Problem]:
+        """Fields a client set that this server does not serve, or cannot serve together."""
+        out: list[Problem] = []
+        if self.logit_bias:
+            out.append(("logit_bias", "logit_bias: not supported by this server"))
+        try:
+            self.structured()
+        except ValueError as err:
+            out.append((str(err).partition(": ")[0], str(err)))
+        return out
+
+    def structured(self) -> StructuredSpec | None:
+        """The constraint on the output, from whichever of OpenAI's `response_format`, vLLM's
+        `structured_outputs` or its `guided_*` fields the client used (at most one of them).
+        Raises ValueError("field: why") when it is malformed."""
+        found: list[tuple[str, StructuredSpec]] = []
+        if self.response_format is not None:
+            spec = _response_format(self.response_format)
+            if spec is not None:
+                found.append(("response_format", spec))
+        if self.structured_outputs:
+            unknown = sorted(set(self.structured_outputs) - set(_STRUCTURED_KEYS) - {"disable_any_whitespace",
+                                                                                      "whitespace_pattern"})
+            if unknown:
+                raise ValueError(f"structured_outputs: unknown field {unknown[0]!r} (one of json, regex, choice, "
+                                 "grammar, json_object)")
+            given = {_STRUCTURED_KEYS[k]: v for k, v in self.structured_outputs.items()
+                     if k in _STRUCTURED_KEYS and v not in (None, False)}
+            found.append(("structured_outputs", _spec("structured_outputs", given)))
+        for name, key in _GUIDED.items():
+            value = getattr(self, name)
+            if value is not None:
+                found.append((name, _spec(name, {key: json.loads(value) if key == "json_schema"
+                                                 and isinstance(value, str) else value})))
+        if len(found) > 1:
+            raise ValueError(f"{found[1][0]}: only one constraint on the output at a time "
+                             f"({found[0][0]} is set too)")
+        if not found:
+            return None
+        param, spec = found[0]
+        why = structured_problem(spec)
+        if why is not None:
+            raise ValueError(f"{param}: the engine cannot decode with it: {why}")
+        return spec
+
+    def sampling_fields(self) -> dict[str, Any]:
+        """SamplingSpec's fields from this body, but for max_tokens and the seed."""
+        return {"temperature": self.temperature, "top_p": self.top_p, "stop": tuple(self.stop or ()),
+                "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
+                "top_k": self.top_k or 0, "min_p": self.min_p, "repetition_penalty": self.repetition_penalty,
+                "min_tokens": self.min_tokens, "ignore_eos": self.ignore_eos,
+                "stop_token_ids": tuple(self.stop_token_ids or ()), "structured": self.structured()}
+
+
+def _spec(param: str, fields: dict[str, Any]) -> StructuredSpec:
+    if len(fields) != 1:
+        raise ValueError(f"{param}: exactly one of json, regex, choice, grammar, json_object")
+    try:
+        spec = StructuredSpec.model_validate(fields)
+    except ValidationError as err:
+        raise ValueError(f"{param}: {err.errors()[0]['msg']}") from None
+    if spec.json_schema is not None and not isinstance(fields.get("json_schema"), dict):
+        raise ValueError(f"{param}: a JSON schema must be an object")
+    if spec.choice is not None and (not spec.choice or any(not c for c in spec.choice)):
+        raise ValueError(f"{param}: choice must be a non-empty list of non-empty strings")
+    return spec
+
+
+def _response_format(rf: dict[str, Any]) -> StructuredSpec | None:
+    kind = rf.get("type", "text")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return StructuredSpec(json_object=True)
+    if kind == "json_schema":
+        schema = (rf.get("json_schema") or {}).get("schema")
+        if not isinstance(schema, dict):
+            raise ValueError("response_format: json_schema.schema must be a JSON schema object")
+        return StructuredSpec(json_schema=schema)
+    raise ValueError(f"response_format: type {kind!r} is not one of text, json_object, json_schema")
 
 
 class CompletionRequest(SamplingBody):
     prompt: str | list[str]
     max_tokens: int | None = Field(default=16, ge=1)
-    logprobs: int | None = None
+    logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False
     best_of: int | None = Field(default=None, ge=1)
     suffix: str | None = None
@@ -64,12 +170,20 @@ class CompletionRequest(SamplingBody):
             raise ValueError("prompt must be a non-empty string or list of non-empty strings")
         return prompts
 
-    def unsupported(self) -> list[str]:
-        out = ["logprobs"] if self.logprobs is not None else []
-        out += ["echo"] if self.echo else []
-        out += ["suffix"] if self.suffix else []
-        out += ["best_of"] if self.best_of not in (None, self.n) else []
+    def problems(self) -> list[Problem]:
+        out = super().problems()
+        if self.suffix:
+            out.append(("suffix", "suffix: not supported by this server"))
+        if self.best_of not in (None, self.n):
+            out.append(("best_of", "best_of: not supported by this server (only best_of = n)"))
         return out
+
+    def sampling_fields(self) -> dict[str, Any]:
+        lp = self.logprobs
+        return {**super().sampling_fields(), "logprobs": lp, "prompt_logprobs": lp if self.echo else None}
+
+    def shape(self) -> Shape:
+        return Shape(chat=False, logprobs=self.logprobs, echo=self.echo)
 
 
 class TextPart(BaseModel):
@@ -82,19 +196,28 @@ class ChatMessage(BaseModel):
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
 
-    def plain(self) -> dict[str, str]:
+    def plain(self) -> dict[str, Any]:
         text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content or [])
-        return {"role": "system" if self.role == "developer" else self.role, "content": text}
+        out: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": text}
+        if self.tool_calls:
+            out["tool_calls"] = self.tool_calls
+        if self.tool_call_id:
+            out["tool_call_id"] = self.tool_call_id
+        return out
 
 
 class ChatCompletionRequest(SamplingBody):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
-    logprobs: bool | None = None
-    tools: list[Any] | None = None
-    response_format: dict[str, Any] | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    tools: list[Tool] | None = Field(default=None, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
 
     @model_validator(mode="after")
     def _one_limit(self) -> ChatCompletionRequest:
@@ -102,33 +225,60 @@ class ChatCompletionRequest(SamplingBody):
             self.max_tokens = self.max_completion_tokens
         return self
 
-    def unsupported(self) -> list[str]:
-        out = ["logprobs"] if self.logprobs else []
-        out += ["tools"] if self.tools else []
-        rf = (self.response_format or {}).get("type", "text")
-        out += ["response_format"] if rf != "text" else []
+    def problems(self) -> list[Problem]:
+        out = super().problems()
+        if self.top_logprobs is not None and not self.logprobs:
+            out.append(("top_logprobs", "top_logprobs: needs logprobs: true"))
+        try:
+            self.tool_mode()
+        except ValueError as err:
+            out.append((str(err).partition(": ")[0], str(err)))
         return out
 
+    def tool_mode(self) -> str | None:
+        """None (no tools, or tool_choice "none"), "required", or the name of the one function
+        that must be called. Raises ValueError("field: why")."""
+        choice = self.tool_choice or ("auto" if self.tools else "none")
+        if choice == "none":
+            return None
+        if not self.tools:
+            raise ValueError("tool_choice: needs tools")
+        if choice == "auto":
+            raise ValueError('tool_choice: "auto" needs a tool-call parser, and this deployment names none '
+                             '(tool_call_parser); use "required" or name a function')
+        if self.response_format not in (None, {"type": "text"}) or self.structured_outputs:
+            raise ValueError("tool_choice: a tool call and response_format cannot both constrain the output")
+        if choice == "required":
+            return "required"
+        names = [t.function.name for t in self.tools]
+        if choice.function.name not in names:
+            raise ValueError(f"tool_choice: no tool named {choice.function.name!r} (tools: {', '.join(names)})")
+        return choice.function.name
 
-def usage(finals: list[FinalResult]) -> dict[str, int]:
-    prompt = sum(f.usage.prompt_tokens for f in finals if f.usage)
-    completion = sum(f.usage.completion_tokens for f in finals if f.usage)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    def _tool(self) -> str | None:
+        """tool_mode(), or None where it is refused (problems() says why)."""
+        try:
+            return self.tool_mode()
+        except ValueError:
+            return None
 
+    def structured(self) -> StructuredSpec | None:
+        spec = super().structured()
+        mode = self._tool()
+        if mode is None:
+            return spec
+        tools = {t.function.name: t.function.parameters or {"type": "object"} for t in self.tools or []}
+        return StructuredSpec(json_schema=tools[mode] if mode != "required" else tool_calls_schema(tools))
 
-def _reason(f: FinalResult) -> str:
-    return (f.output.finish_reason if f.output else None) or "stop"
+    def sampling_fields(self) -> dict[str, Any]:
+        return {**super().sampling_fields(), "logprobs": (self.top_logprobs or 0) if self.logprobs else None}
 
+    def shape(self) -> Shape:
+        return Shape(chat=True, logprobs=(self.top_logprobs or 0) if self.logprobs else None, tool=self._tool())
 
-def completion_object(cid: str, model: str, created: int, finals: list[FinalResult]) -> dict[str, Any]:
-    choices = [{"index": i, "text": f.output.text if f.output else "", "logprobs": None,
-                "finish_reason": _reason(f)} for i, f in enumerate(finals)]
-    return {"id": cid, "object": "text_completion", "created": created, "model": model,
-            "choices": choices, "usage": usage(finals)}
-
-
-def chat_object(cid: str, model: str, created: int, finals: list[FinalResult]) -> dict[str, Any]:
-    choices = [{"index": i, "message": {"role": "assistant", "content": f.output.text if f.output else ""},
-                "logprobs": None, "finish_reason": _reason(f)} for i, f in enumerate(finals)]
-    return {"id": cid, "object": "chat.completion", "created": created, "model": model,
-            "choices": choices, "usage": usage(finals)}
+    def rows(self) -> dict[str, Any]:
+        """What the worker renders: the messages, and the tools for the chat template."""
+        row: dict[str, Any] = {"messages": [m.plain() for m in self.messages]}
+        if self.tools and self.tool_choice != "none":
+            row["tools"] = [t.model_dump(exclude_none=True) for t in self.tools]
+        return row

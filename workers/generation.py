@@ -15,7 +15,7 @@ from typing import Any
 
 from sluice.broker.consumer import Delivery
 from sluice.broker.replies import Delivered, ReplyWriter
-from sluice.protocol.messages import DeltaEvent, FinalResult, RowOutput, Timings, Usage
+from sluice.protocol.messages import DeltaEvent, FinalResult, RowOutput, Timings, TokenLogprob, Usage
 from sluice.protocol.states import State
 from sluice.workers.engines.base import Engine, GenerationRequest
 
@@ -46,6 +46,9 @@ class RowResult:
     tokens: int = 0
     prompt_tokens: int = 0
     finish_reason: str | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob] | None = None
+    replayed: int = 0  # tokens regenerated from the start that the reply stream already holds
 
 
 class Generation:
@@ -63,8 +66,16 @@ class Generation:
         values = msg.rows[row]
         s = msg.sampling
         before = before or Delivered()
+        if s.structured is not None and before.finish is None:
+            # A grammar cannot start mid-way: a structured row is generated again from its start
+            # (same seed), and readers skip the tokens they already have (by index).
+            replayed, before = len(before.token_ids), Delivered(prompt_logprobs=before.prompt_logprobs)
+        else:
+            replayed = 0
         max_tokens = int(values.get("max_tokens") or s.max_tokens)
-        result = RowResult(text=list(before.text), tokens=len(before.token_ids), finish_reason=before.finish)
+        result = RowResult(text=list(before.text), tokens=len(before.token_ids), finish_reason=before.finish,
+                           logprobs=list(before.logprobs), prompt_logprobs=before.prompt_logprobs,
+                           replayed=replayed)
         if result.finish_reason is None and result.tokens >= max_tokens:
             result.finish_reason = "length"
         if result.finish_reason is None:
@@ -78,13 +89,24 @@ class Generation:
                 seed=s.seed + row,
                 presence_penalty=s.presence_penalty,
                 frequency_penalty=s.frequency_penalty,
+                top_k=s.top_k,
+                min_p=s.min_p,
+                repetition_penalty=s.repetition_penalty,
+                min_tokens=max(0, s.min_tokens - result.tokens),
+                ignore_eos=s.ignore_eos,
+                stop_token_ids=s.stop_token_ids,
+                logprobs=s.logprobs,
+                # Asked once: a resumed attempt's prompt holds the delivered tokens too.
+                prompt_logprobs=s.prompt_logprobs if result.prompt_logprobs is None else None,
+                structured=s.structured,
                 resume_token_ids=before.token_ids,
             ))
         text = "".join(result.text)
         extra = self.engine.extra_outputs(values, text, result.tokens)
         run.prompt_tokens += result.prompt_tokens
         return RowOutput(text=text, num_output_tokens=result.tokens, finish_reason=result.finish_reason,
-                         fields=extra or None)
+                         fields=extra or None, logprobs=result.logprobs if s.logprobs is not None else None,
+                         prompt_logprobs=result.prompt_logprobs)
 
     async def _stream(self, run: Running, row: int, result: RowResult, request: GenerationRequest) -> None:
         async for delta in self.engine.generate(request):
@@ -95,12 +117,17 @@ class Generation:
             if delta.token_ids or finish:
                 if run.first_token is None and delta.token_ids:
                     run.first_token = time.time()
-                self.replies.delta(run.delivery, DeltaEvent(
-                    i=result.tokens, text=delta.text, token_ids=delta.token_ids,
-                    attempt=run.delivery.attempt, row=row, finish=finish,
-                ))
+                if result.tokens + len(delta.token_ids) > result.replayed or finish:  # not on the stream yet
+                    self.replies.delta(run.delivery, DeltaEvent(
+                        i=result.tokens, text=delta.text, token_ids=delta.token_ids,
+                        attempt=run.delivery.attempt, row=row, finish=finish, logprobs=delta.logprobs,
+                        prompt_logprobs=delta.prompt_logprobs,
+                    ))
                 result.text.append(delta.text)
                 result.tokens += len(delta.token_ids)
+                result.logprobs.extend(delta.logprobs or ())
+                if delta.prompt_logprobs is not None:
+                    result.prompt_logprobs = delta.prompt_logprobs
             if delta.finish_reason is not None:
                 result.finish_reason = delta.finish_reason
 

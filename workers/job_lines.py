@@ -15,7 +15,8 @@ from pydantic import ValidationError
 
 from sluice.protocol.ids import batch_line_id, completion_id
 from sluice.protocol.messages import FinalResult, SamplingSpec
-from sluice.protocol.openai import ChatCompletionRequest, CompletionRequest, chat_object, completion_object
+from sluice.protocol.openai import ChatCompletionRequest, CompletionRequest
+from sluice.protocol.openai_objects import Shape, chat_object, completion_object
 from sluice.protocol.states import State
 
 Record = dict[str, Any]  # one line of an output or error file, as OpenAI writes them
@@ -30,6 +31,7 @@ class Line:
     model: str
     row: dict[str, Any]
     sampling: SamplingSpec
+    shape: Shape
 
     @property
     def chat(self) -> bool:
@@ -98,7 +100,8 @@ def parse_line(index: int, text: str, endpoint: str, default_max_tokens: int = 2
         first = err.errors()[0]
         return error_record(custom_id, "invalid_request",
                             f"{where}: body: {first['msg']} at {'.'.join(map(str, first['loc']))}")
-    bad = body.unsupported() + (["n"] if body.n != 1 else []) + (["stream"] if body.stream else [])
+    bad = [message for _, message in body.problems()]
+    bad += (["n"] if body.n != 1 else []) + (["stream"] if body.stream else [])
     if isinstance(body, CompletionRequest) and len(body.prompt) != 1:
         bad.append("prompt (one prompt per line)")
     if not body.model:
@@ -109,20 +112,22 @@ def parse_line(index: int, text: str, endpoint: str, default_max_tokens: int = 2
     if isinstance(body, CompletionRequest):
         row: dict[str, Any] = {"prompt": body.prompt[0], "max_tokens": max_tokens}
     else:
-        row = {"messages": [m.plain() for m in body.messages], "max_tokens": max_tokens}
+        row = {**body.rows(), "max_tokens": max_tokens}
     # The line's index seeds it when the client gave no seed: a re-run samples the same text.
-    sampling = SamplingSpec(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
-                            stop=body.stop or [], seed=body.seed if body.seed is not None else index,
-                            presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty)
-    return Line(index, custom_id, body.model, row, sampling)
+    sampling = SamplingSpec(max_tokens=max_tokens, seed=body.seed if body.seed is not None else index,
+                            **body.sampling_fields())
+    return Line(index, custom_id, body.model, row, sampling, body.shape())
 
 
 def result_record(line: Line, rid: str, final: FinalResult) -> Record:
     """The output line (a `done` result) or error line (any other final) of a finished request."""
     if final.status is not State.DONE:
         return error_record(line.custom_id, final.status.value, final.error or final.status.value, rid)
-    build = chat_object if line.chat else completion_object
-    body = build(completion_id(rid, chat=line.chat), line.model, int(final.timings.finished or 0), [final])
+    cid, created = completion_id(rid, chat=line.chat), int(final.timings.finished or 0)
+    if line.chat:
+        body = chat_object(cid, line.model, created, [final], line.shape, [rid])
+    else:
+        body = completion_object(cid, line.model, created, [final], line.shape, [line.row["prompt"]])
     return {"id": batch_line_id(rid), "custom_id": line.custom_id,
             "response": {"status_code": 200, "request_id": rid, "body": body}, "error": None}
 

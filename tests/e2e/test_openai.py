@@ -83,7 +83,7 @@ async def test_n_choices_and_errors(sdk: openai.AsyncOpenAI) -> None:
     assert 0 < got.usage.completion_tokens <= 4 * 6
     with pytest.raises(openai.NotFoundError):
         await sdk.completions.create(model="nope", prompt="hi", max_tokens=2)
-    with pytest.raises(openai.BadRequestError, match="logprobs"):
-        await sdk.completions.create(model=MODEL, prompt="hi", max_tokens=2, logprobs=2)
+    with pytest.raises(openai.BadRequestError, match="logit_bias"):
+        await sdk.completions.create(model=MODEL, prompt="hi", max_tokens=2, logit_bias={"5": 1})
     with pytest.raises(openai.UnprocessableEntityError):
         await sdk.completions.create(model=MODEL, prompt="hi", max_tokens=-3)

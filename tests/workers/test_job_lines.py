@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from sluice.protocol.messages import FinalResult, RowOutput, Timings, Usage
+from sluice.protocol.messages import FinalResult, RowOutput, Timings, TokenLogprob, Usage
 from sluice.protocol.states import State
 from sluice.workers.job_lines import Line, error_record, jsonl, output_tokens, parse_file, parse_line, result_record
 
@@ -84,6 +84,8 @@ def test_a_line_for_another_url_or_method_is_refused(url: str, method: str) -> N
     ({"stream": True}, "stream"),
     ({"prompt": ["one", "two"]}, "one prompt per line"),
     ({"model": ""}, "model (required)"),
+    ({"logit_bias": {"5": 1}}, "logit_bias"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "wat"}}}}, "response_format"),
 ])
 def test_a_body_that_a_batch_cannot_run_is_refused(body: dict[str, Any], says: str) -> None:
     err = error_of(line(body))
@@ -162,3 +164,24 @@ def test_any_other_final_is_one_error_line(status: State, error: str | None, mes
 def test_jsonl_writes_one_record_a_line() -> None:
     records = [error_record("a", "x", "y"), error_record(None, "x", "z")]
     assert [json.loads(x) for x in jsonl(records).decode().splitlines()] == records
+
+
+def test_a_tool_call_line_constrains_its_request_and_answers_with_tool_calls() -> None:
+    schema = {"type": "object", "properties": {"city": {"type": "string"}}}
+    text = json.dumps({"custom_id": "t", "method": "POST", "url": CHAT, "body": {
+        "model": "m", "messages": [{"role": "user", "content": "weather?"}], "logprobs": True,
+        "tools": [{"type": "function", "function": {"name": "weather", "parameters": schema}}],
+        "tool_choice": {"type": "function", "function": {"name": "weather"}}}})
+    parsed = typed(text, CHAT)
+    assert parsed.sampling.structured.json_schema == schema and parsed.sampling.logprobs == 0
+    assert parsed.row["tools"][0]["function"]["name"] == "weather"
+    done = final(State.DONE, text='{"city": "Paris"}')
+    done.output.logprobs = [TokenLogprob(token='{"', logprob=-0.1)]
+    message = result_record(parsed, "req-t", done)["response"]["body"]["choices"][0]
+    assert message["message"]["tool_calls"][0]["function"] == {"name": "weather", "arguments": '{"city": "Paris"}'}
+    assert message["message"]["content"] is None and message["logprobs"]["content"][0]["token"] == '{"'
+
+
+def test_an_echo_line_answers_with_its_prompt_first() -> None:
+    parsed = typed(line({"echo": True, "prompt": "hi"}))
+    assert result_record(parsed, "req-e", final(State.DONE))["response"]["body"]["choices"][0]["text"] == "hiout"

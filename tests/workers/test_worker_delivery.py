@@ -18,11 +18,11 @@ from sluice.broker.replies import ReplyWriter, read_replies
 from sluice.config.batching import ContinuousBatchingConfig, DynamicBatchingConfig
 from sluice.config.model import ModelConfig
 from sluice.config.settings import Settings
-from sluice.protocol.messages import DeltaEvent, FinalResult
+from sluice.protocol.messages import DeltaEvent, FinalResult, StructuredSpec, TokenLogprob
 from sluice.workers.engines.base import GenerationRequest, TokenDelta
 from sluice.workers.engines.null import NullEngine
 from sluice.workers.worker import Worker
-from tests.workers.test_worker_null import KEYS, MODEL, eventually, submit
+from tests.workers.test_worker_null import KEYS, MODEL, eventually, message, submit
 
 DYNAMIC = DynamicBatchingConfig(max_batch_delay_ms=10, batch_size_target=4, batch_size_limit=4)
 
@@ -133,6 +133,42 @@ async def test_a_retry_resumes_after_the_streamed_tokens(
     assert await streamed(redis, m.id) == final.output.text
     (request,) = engine.requests
     assert (request.resume_token_ids, request.max_tokens) == ([0, 1], 4)
+
+
+async def test_a_retry_keeps_every_tokens_logprob(
+        redis: Redis, settings: Settings, admission: Admission, workers: list) -> None:
+    m = message(5)
+    m.sampling.logprobs = 1
+    await admission.submit(m, max_queued=10)
+    earlier = [TokenLogprob(token=" t0", logprob=-3.0), TokenLogprob(token=" t1", logprob=-4.0)]
+    await died_after_streaming(redis, settings, DeltaEvent(i=0, text=" t0 t1", token_ids=[0, 1], logprobs=earlier))
+    engine = RecordingEngine(token_delay_s=0.005)
+    await start(redis, settings, workers, engine, ModelConfig(name=MODEL, dynamic_batching_config=DYNAMIC))
+    await eventually(lambda: is_final(redis, m.id), timeout_s=30, what="final")
+    final = await final_of(redis, m.id)
+    assert final.output.num_output_tokens == 5
+    assert [t.logprob for t in final.output.logprobs] == [-3.0, -4.0, -0.5, -0.5, -0.5]  # streamed, then new
+
+
+async def test_a_structured_retry_generates_again_and_streams_only_what_is_new(
+        redis: Redis, settings: Settings, admission: Admission, workers: list) -> None:
+    """A grammar cannot start mid-output: the retry regenerates from the start (same seed)
+    and writes only the tokens the reply stream does not hold yet."""
+    m = message(5)
+    m.sampling.structured = StructuredSpec(json_object=True)
+    await admission.submit(m, max_queued=10)
+    await died_after_streaming(redis, settings, DeltaEvent(i=0, text=" t0 t1", token_ids=[0, 1]))
+    engine = RecordingEngine(token_delay_s=0.005)
+    await start(redis, settings, workers, engine, ModelConfig(name=MODEL, dynamic_batching_config=DYNAMIC))
+    await eventually(lambda: is_final(redis, m.id), timeout_s=30, what="final")
+    final = await final_of(redis, m.id)
+    assert (final.output.text, final.output.num_output_tokens) == (" t0 t1 t2 t3 t4", 5)
+    (request,) = engine.requests
+    assert (request.resume_token_ids, request.max_tokens, request.structured) == ([], 5, m.sampling.structured)
+    entries = await redis.xrange(KEYS.reply(m.id))
+    indices = [DeltaEvent.model_validate_json(f["data"]).i for _, f in entries if f["kind"] == "delta"]
+    assert indices == sorted(set(indices)) and indices[0] == 0  # no token written twice
+    assert await streamed(redis, m.id) == final.output.text
 
 
 async def test_a_retry_after_the_last_token_runs_nothing(

@@ -7,6 +7,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from sluice.protocol.messages import StructuredSpec, TokenLogprob
+
 
 @dataclass
 class GenerationRequest:
@@ -19,6 +21,15 @@ class GenerationRequest:
     seed: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: list[int] = field(default_factory=list)
+    logprobs: int | None = None  # per output token, with this many alternatives
+    prompt_logprobs: int | None = None
+    structured: StructuredSpec | None = None  # constrained decoding
     # Tokens a previous attempt already delivered: generation continues after them (they
     # follow the prompt), and max_tokens counts only what is still to come.
     resume_token_ids: list[int] = field(default_factory=list)
@@ -30,6 +41,8 @@ class TokenDelta:
     token_ids: list[int]
     finish_reason: str | None = None  # set on the last delta: "stop", "length", "abort"
     prompt_tokens: int | None = None  # set on the first delta
+    logprobs: list[TokenLogprob] | None = None  # one per token id, when asked for
+    prompt_logprobs: list[TokenLogprob] | None = None  # on the first delta, when asked for
 
 
 class Engine(abc.ABC):
@@ -46,10 +59,10 @@ class Engine(abc.ABC):
     def prompt_for(self, row: dict[str, Any]) -> str:
         """The row's prompt; a chat row (`messages`) is rendered with the model's chat template."""
         if "messages" in row and not row.get("prompt"):
-            return self.render_chat(row["messages"])
+            return self.render_chat(row["messages"], row.get("tools"))
         return row["prompt"]
 
-    def render_chat(self, messages: list[dict[str, Any]]) -> str:
+    def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> str:
         """Engines without a tokenizer join the contents (the null engine)."""
         return "\n".join(str(m.get("content", "")) for m in messages)
 

@@ -47,9 +47,9 @@ class CustomRuntime(Engine):
         assert self.engine is not None, "start() first"
         return self.engine.generate(request)
 
-    def render_chat(self, messages: list[dict[str, Any]]) -> str:
+    def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> str:
         assert self.engine is not None, "start() first"
-        return self.engine.render_chat(messages)
+        return self.engine.render_chat(messages, tools)
 
     async def abort(self, request_id: str) -> None:
         if self.engine is not None:

@@ -7,6 +7,7 @@ import logging
 import os
 from collections.abc import AsyncIterator
 
+from sluice.protocol.messages import TokenLogprob
 from sluice.workers.engines.base import Engine, GenerationRequest, TokenDelta
 
 log = logging.getLogger(__name__)
@@ -59,17 +60,20 @@ class NullEngine(Engine):
         first = len(request.resume_token_ids)
         last = first + request.max_tokens
         prompt_tokens = len(request.prompt.split())
+        prompt_lp = _prompt_logprobs(request) if request.prompt_logprobs is not None else None
         if not self.token_delay_s:
             ids = list(range(first, last))
-            yield TokenDelta("".join(self._token(i) for i in ids), ids, "length", prompt_tokens)
+            texts = [self._token(i) for i in ids]
+            yield TokenDelta("".join(texts), ids, "length", prompt_tokens, _logprobs(request, texts), prompt_lp)
             return
         for i in range(first, last):
             await asyncio.sleep(self.token_delay_s)
             if request.request_id in self._aborted:
                 yield TokenDelta("", [], "abort", prompt_tokens if i == first else None)
                 return
-            yield TokenDelta(self._token(i), [i], "length" if i == last - 1 else None,
-                             prompt_tokens if i == first else None)
+            text = self._token(i)
+            yield TokenDelta(text, [i], "length" if i == last - 1 else None, prompt_tokens if i == first else None,
+                             _logprobs(request, [text]), prompt_lp if i == first else None)
 
     async def abort(self, request_id: str) -> None:
         if request_id in self._running:
@@ -77,3 +81,19 @@ class NullEngine(Engine):
 
     async def shutdown(self) -> None:
         return None
+
+
+def _logprobs(request: GenerationRequest, texts: list[str]) -> list[TokenLogprob] | None:
+    """Made-up log probabilities of the shapes vLLM returns: the chosen token first at -0.5,
+    then alternatives one nat apart."""
+    if request.logprobs is None:
+        return None
+    k = request.logprobs
+    return [TokenLogprob(token=t, logprob=-0.5, top=[(t, -0.5), *((f" alt{j}", -0.5 - j) for j in range(1, k))][:k])
+            for t in texts]
+
+
+def _prompt_logprobs(request: GenerationRequest) -> list[TokenLogprob]:
+    words = request.prompt.split(" ")
+    words = words[:1] + [f" {w}" for w in words[1:]]  # joined, they are the prompt
+    return [TokenLogprob(token=w, logprob=None if k == 0 else -2.0) for k, w in enumerate(words)]

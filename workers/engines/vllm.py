@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from sluice.config.engine import VLLMConfig
+from sluice.protocol.messages import TokenLogprob
 from sluice.workers.engines.base import Engine, GenerationRequest, TokenDelta
 
 log = logging.getLogger(__name__)
@@ -59,13 +60,18 @@ class VLLMEngine(Engine):
 
         self._tokenizer = AutoTokenizer.from_pretrained(self.model_path)
 
-    def render_chat(self, messages: list[dict[str, Any]]) -> str:
-        return self._tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> str:
+        return self._tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenDelta]:
         from vllm import SamplingParams
-        from vllm.sampling_params import RequestOutputKind
+        from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 
+        structured = None
+        if request.structured is not None:
+            spec = request.structured
+            structured = StructuredOutputsParams(json=spec.json_schema, regex=spec.regex, choice=spec.choice,
+                                                 grammar=spec.grammar, json_object=spec.json_object or None)
         params = SamplingParams(
             max_tokens=request.max_tokens,
             temperature=request.temperature,
@@ -74,6 +80,15 @@ class VLLMEngine(Engine):
             seed=request.seed,
             presence_penalty=request.presence_penalty,
             frequency_penalty=request.frequency_penalty,
+            top_k=request.top_k,
+            min_p=request.min_p,
+            repetition_penalty=request.repetition_penalty,
+            min_tokens=request.min_tokens,
+            ignore_eos=request.ignore_eos,
+            stop_token_ids=request.stop_token_ids or None,
+            logprobs=request.logprobs,
+            prompt_logprobs=request.prompt_logprobs,
+            structured_outputs=structured,
             output_kind=RequestOutputKind.DELTA,
         )
         prompt: Any = request.prompt
@@ -92,8 +107,19 @@ class VLLMEngine(Engine):
                 token_ids=list(completion.token_ids),
                 finish_reason=completion.finish_reason if out.finished else None,
                 prompt_tokens=len(out.prompt_token_ids or ()) - len(request.resume_token_ids) if first else None,
+                logprobs=(_logprobs(completion.token_ids, completion.logprobs, request.logprobs)
+                          if request.logprobs is not None else None),
+                prompt_logprobs=(self._prompt_logprobs(out, request.prompt_logprobs)
+                                 if first and request.prompt_logprobs is not None else None),
             )
             first = False
+
+    def _prompt_logprobs(self, out: Any, top: int) -> list[TokenLogprob]:
+        """The prompt's tokens with their log probabilities; the first has none (nothing before it)."""
+        ids = list(out.prompt_token_ids or ())
+        got = _logprobs(ids[1:], (out.prompt_logprobs or [None])[1:], top)
+        first = TokenLogprob(token=self._tokenizer.decode(ids[:1]), logprob=None) if ids else None
+        return ([first] if first else []) + got
 
     async def abort(self, request_id: str) -> None:
         if self._engine is not None:
@@ -103,6 +129,20 @@ class VLLMEngine(Engine):
         if self._engine is not None:
             self._engine.shutdown()
             self._engine = None
+
+
+def _logprobs(token_ids: Any, positions: Any, top: int) -> list[TokenLogprob]:
+    """vLLM's per-position {token id: Logprob} as TokenLogprobs: the chosen token's, and the
+    `top` most likely at that position (vLLM adds the chosen one when it ranks lower)."""
+    out = []
+    for token_id, candidates in zip(token_ids, positions or []):
+        candidates = candidates or {}
+        chosen = candidates.get(token_id)
+        best = sorted((c for c in candidates.values() if c.rank is not None and c.rank <= top), key=lambda c: c.rank)
+        out.append(TokenLogprob(token=(chosen.decoded_token or "") if chosen else "",
+                                logprob=chosen.logprob if chosen else None,
+                                top=[(c.decoded_token or "", c.logprob) for c in best]))
+    return out
 
 
 def _vllm_version() -> str:
