@@ -7,7 +7,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import Depends, FastAPI
 
-from sluice.api import batches, errors, health, requests
+from sluice.api import batches, errors, health, requests, responses, tokenize
 from sluice.api import models as model_routes
 from sluice.api import openai as openai_routes
 from sluice.api.auth import require_key
@@ -39,5 +39,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(requests.router, dependencies=protected)
     app.include_router(model_routes.router, dependencies=protected)
     app.include_router(openai_routes.router, dependencies=protected)
+    app.include_router(responses.router, dependencies=protected)
+    app.include_router(tokenize.router, dependencies=protected)
     app.include_router(batches.router, dependencies=protected)
     return app

@@ -81,7 +81,7 @@ async def _submit(body: SubmitRequest, s: ApiState, caller: Caller, idempotency_
             model, rid = await s.deployments.get(first_model), first_id
     try:
         sampling = Sampling(temperature=body.temperature, top_p=body.top_p, stop=tuple(body.stop or ()),
-                            seed=body.seed, timeout_s=body.timeout_s)
+                            seed=body.seed, timeout_s=body.timeout_s, **body.extras())
         message = await s.intake.enqueue(model, [{"prompt": body.prompt, "max_tokens": body.max_tokens}],
                                          sampling, rid=rid, owner=caller.digest)
     except ApiError as err:
@@ -99,7 +99,7 @@ def view(status: RequestStatus) -> RequestView:
                        timings={k: v for k, v in timings.items() if v is not None}, attempt=status.attempt)
 
 
-async def _visible(s: ApiState, caller: Caller, rid: str) -> str:
+async def visible_model(s: ApiState, caller: Caller, rid: str) -> str:
     """The request's model, if the caller may see it: another key's request is as missing as
     an unknown id (404, not 403), so ids cannot be probed."""
     model = await s.lookup.model_of(rid)
@@ -116,13 +116,13 @@ async def get_request(
     s: ApiState = Depends(state),
     caller: Caller = Depends(require_key),
 ) -> RequestView:
-    model = await _visible(s, caller, rid)
+    model = await visible_model(s, caller, rid)
     return view(await s.lookup.wait_final(model, rid, min(wait, s.settings.max_wait_s)))
 
 
 @router.delete("/{rid}", status_code=202)
 async def cancel(rid: str, s: ApiState = Depends(state), caller: Caller = Depends(require_key)) -> dict:
-    model = await _visible(s, caller, rid)
+    model = await visible_model(s, caller, rid)
     result = await s.admission.cancel(model, rid)
     if result is None:
         raise ApiError(404, f"request {rid!r} not found", code="not_found")
@@ -145,7 +145,7 @@ async def events(
     nothing (DELETE does). A stream silent for `SLUICE_SSE_IDLE_TIMEOUT_S` closes with a
     comment; the client reconnects with its Last-Event-ID.
     """
-    model = await _visible(s, caller, rid)
+    model = await visible_model(s, caller, rid)
     last_id = last_event_id or "0"
     try:
         next_index = await resume_index(s.redis, model, rid, last_id) if last_id != "0" else 0

@@ -7,6 +7,7 @@ from typing import Annotated, Any
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 
 from sluice.api.errors import ApiError
+from sluice.protocol.messages import SamplingExtras
 from sluice.protocol.openai import stop_list
 
 MAX_TOKENS = 1_000_000
@@ -45,7 +46,7 @@ def _encodable(value: str) -> str:
 Text = Annotated[str, AfterValidator(_encodable)]
 
 
-class SubmitRequest(BaseModel):
+class SubmitRequest(SamplingExtras):  # penalties and vLLM's sampling extras, as queued
     model_config = ConfigDict(extra="forbid")
 
     model: str | None = Field(default=None, max_length=128)

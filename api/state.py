@@ -28,6 +28,7 @@ from sluice.broker.jobs import JobStore
 from sluice.broker.notifications import DoneListener
 from sluice.broker.registry import ModelRegistry, WorkerRegistry
 from sluice.broker.reply_router import ReplyRouter
+from sluice.broker.responses import ResponseRecords
 from sluice.config.model import ModelConfig
 from sluice.config.settings import Settings
 
@@ -47,6 +48,7 @@ class ApiState:
     intake: Intake
     lookup: RequestLookup
     replies: ReplyRouter  # follows the reply streams of every open stream on a few connections
+    responses: ResponseRecords  # the Responses API's record beside each response's request
     cancels: BackgroundCancels
     workers: WorkerRegistry
     key_digests: dict[str, Scope]  # digest → scope of each configured key (api/auth.py)
@@ -95,6 +97,7 @@ def build_state(settings: Settings, models: list[ModelConfig]) -> ApiState:
         lookup=RequestLookup(admission, DoneListener(redis), deployments, settings.result_ttl_s),
         replies=ReplyRouter(redis, lambda: connect(settings.redis_url, name="sluice-api-replies", single=True),
                             shards=readers),
+        responses=ResponseRecords(redis, ttl_s=settings.status_ttl_s + settings.result_ttl_s),
         cancels=BackgroundCancels(admission),
         workers=WorkerRegistry(redis),
         key_digests=key_digests(settings.api_keys),

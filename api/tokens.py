@@ -22,6 +22,24 @@ class PromptLimits:
     def __init__(self, cache_dir: Path):
         self.cache_dir = cache_dir
         self._loaded: dict[tuple[str, str], tuple[object, int] | None] = {}
+        self._templates: dict[tuple[str, str, str], object] = {}
+
+    def loaded(self, model: ModelConfig) -> tuple[object, int] | None:
+        """The model's tokenizer (a `tokenizers.Tokenizer`) and context length, when the api
+        can read them; None where it cannot see the model's files."""
+        return self._load(model)
+
+    def chat_template(self, model: ModelConfig) -> object | None:
+        """A transformers tokenizer for rendering chat messages as the worker does."""
+        directory = local_model_dir(model.path, self.cache_dir)
+        if directory is None or self.loaded(model) is None:
+            return None
+        key = ("chat", model.name, model.path)
+        if key not in self._templates:
+            from transformers import AutoTokenizer
+
+            self._templates[key] = AutoTokenizer.from_pretrained(str(directory))
+        return self._templates[key]
 
     def _load(self, model: ModelConfig) -> tuple[object, int] | None:
         key = (model.name, model.path)

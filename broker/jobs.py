@@ -21,7 +21,7 @@ from sluice.broker.scripts import Scripts
 from sluice.protocol.ids import new_batch_id
 from sluice.protocol.states import BatchState
 
-ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
+ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
 _TIMES = ("created_at", "in_progress_at", "expires_at", "finalizing_at", "completed_at", "failed_at",
           "expired_at", "cancelling_at", "cancelled_at")
 _INDEX = f"{PREFIX}:batches"

@@ -46,6 +46,10 @@ class ModelKeys:
     def status(self, rid: str) -> str:
         return f"{self.tag}:status:{rid}"
 
+    def response(self, rid: str) -> str:
+        """What a Responses API response repeats of its request (instructions, metadata ...)."""
+        return f"{self.tag}:resp:{rid}"
+
     def cancel(self, rid: str) -> str:
         return f"{self.tag}:cancel:{rid}"
 

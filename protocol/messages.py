@@ -23,7 +23,26 @@ class StructuredSpec(BaseModel):
     json_object: bool = False
 
 
-class SamplingSpec(BaseModel):
+class SamplingExtras(BaseModel):
+    """Penalties and vLLM's sampling extras (0 / 1.0 / empty: off, as in vLLM's SamplingParams):
+    the same fields on the native route's body and in the queued entry."""
+
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    top_k: int = Field(default=0, ge=-1)
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
+    repetition_penalty: float = Field(default=1.0, gt=0.0, le=2.0)
+    min_tokens: int = Field(default=0, ge=0)
+    ignore_eos: bool = False
+    stop_token_ids: list[int] = Field(default_factory=list, max_length=64)
+
+    def extras(self) -> dict[str, Any]:
+        """These fields as keywords (stop_token_ids as a tuple, as api.intake.Sampling keeps it)."""
+        values = {name: getattr(self, name) for name in SamplingExtras.model_fields}
+        return {**values, "stop_token_ids": tuple(self.stop_token_ids)}
+
+
+class SamplingSpec(SamplingExtras):
     """Sampling parameters fixed at admission; the seed makes a retried request repeat itself.
 
     Unknown fields are ignored: an api one version ahead of its workers (a rolling upgrade)
@@ -37,15 +56,6 @@ class SamplingSpec(BaseModel):
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     stop: list[str] = Field(default_factory=list)
     seed: int
-    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
-    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
-    # vLLM's sampling extras (0 / 1.0 / empty: off, as in vLLM's SamplingParams)
-    top_k: int = Field(default=0, ge=-1)
-    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
-    repetition_penalty: float = Field(default=1.0, gt=0.0, le=2.0)
-    min_tokens: int = Field(default=0, ge=0)
-    ignore_eos: bool = False
-    stop_token_ids: list[int] = Field(default_factory=list)
     # Log probabilities: of each generated token with this many alternatives, and of the
     # prompt's tokens (OpenAI's `echo` with `logprobs`); None: not returned.
     logprobs: int | None = Field(default=None, ge=0, le=20)

@@ -17,6 +17,7 @@ from sluice.protocol.ids import batch_line_id, completion_id
 from sluice.protocol.messages import FinalResult, SamplingSpec
 from sluice.protocol.openai import ChatCompletionRequest, CompletionRequest
 from sluice.protocol.openai_objects import Shape, chat_object, completion_object
+from sluice.protocol.responses import ResponseRequest, response_object
 from sluice.protocol.states import State
 
 Record = dict[str, Any]  # one line of an output or error file, as OpenAI writes them
@@ -32,6 +33,7 @@ class Line:
     row: dict[str, Any]
     sampling: SamplingSpec
     shape: Shape
+    response: dict[str, Any] | None = None  # a /v1/responses line: what its response object repeats
 
     @property
     def chat(self) -> bool:
@@ -93,13 +95,13 @@ def parse_line(index: int, text: str, endpoint: str, default_max_tokens: int = 2
     if data.get("method") != "POST" or data.get("url") != endpoint:
         return error_record(custom_id, "invalid_request",
                             f"{where}: method must be POST and url {endpoint} (the batch's endpoint)")
+    if endpoint == "/v1/responses":
+        return _response_line(index, custom_id, data.get("body"), where, default_max_tokens)
     schema = CompletionRequest if endpoint == "/v1/completions" else ChatCompletionRequest
     try:
         body = schema.model_validate(data.get("body"))
     except ValidationError as err:
-        first = err.errors()[0]
-        return error_record(custom_id, "invalid_request",
-                            f"{where}: body: {first['msg']} at {'.'.join(map(str, first['loc']))}")
+        return _invalid_body(custom_id, where, err)
     bad = [message for _, message in body.problems()]
     bad += (["n"] if body.n != 1 else []) + (["stream"] if body.stream else [])
     if isinstance(body, CompletionRequest) and len(body.prompt) != 1:
@@ -107,7 +109,7 @@ def parse_line(index: int, text: str, endpoint: str, default_max_tokens: int = 2
     if not body.model:
         bad.append("model (required)")
     if bad:
-        return error_record(custom_id, "invalid_request", f"{where}: not supported in a batch: " + ", ".join(bad))
+        return _unsupported(custom_id, where, bad)
     max_tokens = body.max_tokens or default_max_tokens
     if isinstance(body, CompletionRequest):
         row: dict[str, Any] = {"prompt": body.prompt[0], "max_tokens": max_tokens}
@@ -119,12 +121,43 @@ def parse_line(index: int, text: str, endpoint: str, default_max_tokens: int = 2
     return Line(index, custom_id, body.model, row, sampling, body.shape())
 
 
+def _invalid_body(custom_id: str, where: str, err: ValidationError) -> Record:
+    first = err.errors()[0]
+    return error_record(custom_id, "invalid_request", f"{where}: body: {first['msg']} at "
+                                                      f"{'.'.join(map(str, first['loc']))}")
+
+
+def _unsupported(custom_id: str, where: str, bad: list[str]) -> Record:
+    return error_record(custom_id, "invalid_request", f"{where}: not supported in a batch: " + ", ".join(bad))
+
+
+def _response_line(index: int, custom_id: str, raw: Any, where: str, default_max_tokens: int) -> Line | Record:
+    try:
+        body = ResponseRequest.model_validate(raw)
+    except ValidationError as err:
+        return _invalid_body(custom_id, where, err)
+    bad = [message for _, message in body.problems()] + [name for name in ("stream", "background")
+                                                         if getattr(body, name)]
+    if not body.model:
+        bad.append("model (required)")
+    if bad:
+        return _unsupported(custom_id, where, bad)
+    max_tokens = body.max_output_tokens or default_max_tokens
+    sampling = SamplingSpec(max_tokens=max_tokens, seed=body.seed if body.seed is not None else index,
+                            temperature=body.temperature, top_p=body.top_p, structured=body.structured())
+    return Line(index, custom_id, body.model, {"messages": body.messages(), "max_tokens": max_tokens}, sampling,
+                Shape(chat=True), response=body.meta(0))
+
+
 def result_record(line: Line, rid: str, final: FinalResult) -> Record:
     """The output line (a `done` result) or error line (any other final) of a finished request."""
     if final.status is not State.DONE:
         return error_record(line.custom_id, final.status.value, final.error or final.status.value, rid)
     cid, created = completion_id(rid, chat=line.chat), int(final.timings.finished or 0)
-    if line.chat:
+    if line.response is not None:
+        meta = {**line.response, "created_at": int(final.timings.enqueued or created)}
+        body = response_object(rid, line.model, meta, final.status, final)
+    elif line.chat:
         body = chat_object(cid, line.model, created, [final], line.shape, [rid])
     else:
         body = completion_object(cid, line.model, created, [final], line.shape, [line.row["prompt"]])

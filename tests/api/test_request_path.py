@@ -170,3 +170,16 @@ async def test_sampling_choices_reach_the_entry(api: httpx.AsyncClient, redis: R
     entry = RequestMessage.from_fields(fields)
     assert entry.id == rid and entry.sampling.stop == ["\n", "END"] and entry.sampling.seed == 11
     assert entry.sampling.temperature == 0.5 and entry.rows == [{"prompt": "say something", "max_tokens": 3}]
+
+
+async def test_vllm_sampling_extras_reach_the_entry_from_the_native_route(api: httpx.AsyncClient,
+                                                                          redis: Redis) -> None:
+    await submit(api, top_k=4, min_p=0.05, repetition_penalty=1.1, min_tokens=2, ignore_eos=True,
+                 stop_token_ids=[3], presence_penalty=0.5)
+    ((_, fields),) = await redis.xrange(KEYS.requests)
+    s = RequestMessage.from_fields(fields).sampling
+    assert (s.top_k, s.min_p, s.repetition_penalty, s.min_tokens, s.ignore_eos, s.stop_token_ids) == \
+           (4, 0.05, 1.1, 2, True, [3])
+    assert s.presence_penalty == 0.5
+    r = await api.post("/v1/requests", json={"prompt": "p", "logit_bias": {"1": 2}})
+    assert r.status_code == 422 and r.json()["error"]["param"] == "logit_bias"  # never dropped silently

@@ -185,3 +185,31 @@ def test_a_tool_call_line_constrains_its_request_and_answers_with_tool_calls() -
 def test_an_echo_line_answers_with_its_prompt_first() -> None:
     parsed = typed(line({"echo": True, "prompt": "hi"}))
     assert result_record(parsed, "req-e", final(State.DONE))["response"]["body"]["choices"][0]["text"] == "hiout"
+
+
+RESPONSES = "/v1/responses"
+
+
+def test_a_responses_line_becomes_a_chat_request_and_answers_with_a_response_object() -> None:
+    text = json.dumps({"custom_id": "r", "method": "POST", "url": RESPONSES, "body": {
+        "model": "m", "input": "hey", "instructions": "Be brief.", "max_output_tokens": 7,
+        "metadata": {"k": "v"}, "text": {"format": {"type": "json_object"}}}})
+    parsed = typed(text, RESPONSES)
+    assert parsed.row == {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hey"}],
+                          "max_tokens": 7}
+    assert parsed.sampling.structured.json_object and parsed.sampling.seed == 0
+    body = result_record(parsed, "req-1700000000000-" + "cd" * 16, final(State.DONE))["response"]["body"]
+    assert body["object"] == "response" and body["id"] == "resp_1700000000000-" + "cd" * 16
+    assert body["status"] == "incomplete" and body["output"][0]["content"][0]["text"] == "out"  # "length"
+    assert body["metadata"] == {"k": "v"} and body["usage"]["output_tokens"] == 3
+
+
+@pytest.mark.parametrize("body, says", [
+    ({"stream": True}, "stream"), ({"background": True}, "background"), ({"tools": [{"type": "x"}]}, "tools"),
+    ({"input": []}, "body:"),
+])
+def test_a_responses_line_a_batch_cannot_run_is_refused(body: dict[str, Any], says: str) -> None:
+    text = json.dumps({"custom_id": "r", "method": "POST", "url": RESPONSES,
+                       "body": {"model": "m", "input": "hi", **body}})
+    err = error_of(text, RESPONSES)
+    assert err["code"] == "invalid_request" and says in err["message"]

@@ -1,0 +1,80 @@
+"""vLLM's `/tokenize` and `/detokenize`, answered by the api itself with the model's own
+tokenizer (the one that checks prompt lengths), so nothing is queued for them. Chat messages
+are rendered with the model's chat template first, as the worker renders them."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from fastapi import APIRouter, Depends
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from sluice.api.errors import ApiError
+from sluice.api.schemas import require_unicode
+from sluice.api.state import ApiState, state
+from sluice.config.model import ModelConfig
+from sluice.protocol.openai import ChatMessage
+
+router = APIRouter(tags=["vllm"])
+
+
+class TokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = Field(default=None, max_length=128)
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("exactly one of prompt and messages")
+        return self
+
+
+class DetokenizeRequest(BaseModel):
+    model: str | None = Field(default=None, max_length=128)
+    tokens: list[int] = Field(max_length=1_000_000)
+
+
+def _tokenizer(s: ApiState, model: ModelConfig) -> tuple[Any, int]:
+    loaded = s.intake.prompt_limits.loaded(model)
+    if loaded is None:
+        raise ApiError(501, f"model {model.name!r}: its tokenizer is not readable by the api (its files are "
+                            f"not on this host), so it cannot tokenize here", code="not_implemented")
+    return loaded  # type: ignore[return-value]
+
+
+@router.post("/tokenize")
+async def tokenize(body: TokenizeRequest, s: ApiState = Depends(state)) -> dict:
+    model = await s.deployments.get(body.model)
+    tokenizer, context = _tokenizer(s, model)
+    if body.messages is not None:
+        require_unicode([m.content for m in body.messages], "messages")
+        chat = s.intake.prompt_limits.chat_template(model)
+        text = await asyncio.to_thread(chat.apply_chat_template, [m.plain() for m in body.messages],  # type: ignore[attr-defined]
+                                       tokenize=False, add_generation_prompt=body.add_generation_prompt)
+        special = bool(body.add_special_tokens)  # the template wrote them already (vLLM's default for chat)
+    else:
+        require_unicode(body.prompt, "prompt")
+        text, special = body.prompt, body.add_special_tokens is not False
+    encoded = await asyncio.to_thread(tokenizer.encode, text, add_special_tokens=special)
+    out = {"count": len(encoded.ids), "max_model_len": context, "tokens": encoded.ids, "token_strs": None}
+    if body.return_token_strs:
+        out["token_strs"] = encoded.tokens
+    return out
+
+
+@router.post("/detokenize")
+async def detokenize(body: DetokenizeRequest, s: ApiState = Depends(state)) -> dict:
+    model = await s.deployments.get(body.model)
+    tokenizer, _ = _tokenizer(s, model)
+    vocab = tokenizer.get_vocab_size()
+    bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise ApiError(400, f"tokens: {bad} is not a token id of this model (0 to {vocab - 1})", param="tokens")
+    return {"prompt": await asyncio.to_thread(tokenizer.decode, body.tokens, skip_special_tokens=False)}
