@@ -41,6 +41,9 @@ class Sampling:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     structured: StructuredSpec | None = None
+    # vLLM's request priority, lower first: above 0 it waits in the bulk lane (its own share
+    # of the queue bound, never the slots a worker keeps for interactive work).
+    priority: int = 0
 
     def spec(self, max_tokens: int, seed: int) -> SamplingSpec:
         """The entry's sampling: these choices, the row's token budget and the seed."""
@@ -84,6 +87,8 @@ class Intake:
             enqueued_at=now,
             deadline=now + timeout_s,
             owner=owner,
+            priority=sampling.priority,
+            lane="bulk" if sampling.priority > 0 else "interactive",
         ) for i, rows in enumerate(checked)]
         bound = {"max_queued": model.max_queued or self.settings.max_queued,
                  "result_ttl_s": model.result_ttl_s or self.settings.result_ttl_s}

@@ -81,7 +81,7 @@ async def _submit(body: SubmitRequest, s: ApiState, caller: Caller, idempotency_
             model, rid = await s.deployments.get(first_model), first_id
     try:
         sampling = Sampling(temperature=body.temperature, top_p=body.top_p, stop=tuple(body.stop or ()),
-                            seed=body.seed, timeout_s=body.timeout_s, **body.extras())
+                            seed=body.seed, timeout_s=body.timeout_s, priority=body.priority, **body.extras())
         message = await s.intake.enqueue(model, [{"prompt": body.prompt, "max_tokens": body.max_tokens}],
                                          sampling, rid=rid, owner=caller.digest)
     except ApiError as err:

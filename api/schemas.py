@@ -57,6 +57,7 @@ class SubmitRequest(SamplingExtras):  # penalties and vLLM's sampling extras, as
     stop: str | list[str] | None = None
     seed: int | None = Field(default=None, ge=0, le=2**63 - 1)
     timeout_s: float | None = Field(default=None, gt=0, le=86400)
+    priority: int = Field(default=0, ge=-(2**31), le=2**31 - 1)  # vLLM's: lower first
 
     @field_validator("stop")
     @classmethod

@@ -65,6 +65,7 @@ class StreamConsumer:
         self.dlq_max_len = dlq_max_len
         self._token = uuid.uuid4().hex
         self.held: dict[tuple[str, str], Delivery] = {}
+        self.reserved_slots = 0  # of a fetch's count, what the bulk lane leaves to interactive work
         self.reclaimed = 0  # running totals, for the worker's metrics
         self.dead_lettered = 0
         # Own pending entries are re-read once after a (re)start, following a cursor.
@@ -136,7 +137,10 @@ class StreamConsumer:
         # alone (one stream: COUNT bounds the whole read, so nothing is taken that cannot start;
         # a bulk row arriving meanwhile waits at most block_ms).
         for stream in self.streams:
-            got = await self.redis.xreadgroup(GROUP, self.consumer, {stream: ">"}, count=count)
+            n = count if stream == self.keys.requests else count - self.reserved_slots
+            if n <= 0:
+                continue
+            got = await self.redis.xreadgroup(GROUP, self.consumer, {stream: ">"}, count=n)
             if got:
                 return self._hold(await self._deliveries(stream, got[0][1], redelivered=False))
         got = await self.redis.xreadgroup(GROUP, self.consumer, {self.keys.requests: ">"}, count=count, block=block_ms)

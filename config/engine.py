@@ -31,5 +31,8 @@ class VLLMConfig(BaseModel):
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
     enforce_eager: bool = False
     seed: int = 0
+    # "priority": the engine runs lower `priority` first and preempts for it (vLLM's option);
+    # "fcfs": the request's priority only picks its queue lane.
+    scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
     cpu_kvcache_space_gib: float | None = Field(default=None, gt=0)
     extra_engine_args: dict[str, Any] = Field(default_factory=dict)

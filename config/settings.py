@@ -53,6 +53,9 @@ class Settings(BaseSettings):
     max_queued: int = Field(default=1000, gt=0)  # entries of both lanes together, per model
     # The part of max_queued the bulk lane may hold: the rest is always left to interactive.
     bulk_queue_share: float = Field(default=0.5, gt=0, lt=1)
+    # Engine slots a worker never fills from the bulk lane (batch jobs, low priority): an
+    # interactive request arriving behind a flood of them starts at once. At most capacity - 1.
+    interactive_reserved_slots: int = Field(default=1, ge=0)
     request_timeout_s: float = Field(default=600.0, gt=0)
 
     # Workers

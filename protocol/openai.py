@@ -66,6 +66,7 @@ class SamplingBody(BaseModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    priority: int = Field(default=0, ge=-(2**31), le=2**31 - 1)  # vLLM's: lower first
 
     @field_validator("stop")
     @classmethod
@@ -123,7 +124,8 @@ class SamplingBody(BaseModel):
                 "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
                 "top_k": self.top_k or 0, "min_p": self.min_p, "repetition_penalty": self.repetition_penalty,
                 "min_tokens": self.min_tokens, "ignore_eos": self.ignore_eos,
-                "stop_token_ids": tuple(self.stop_token_ids or ()), "structured": self.structured()}
+                "stop_token_ids": tuple(self.stop_token_ids or ()), "structured": self.structured(),
+                "priority": self.priority}
 
 
 def _spec(param: str, fields: dict[str, Any]) -> StructuredSpec:

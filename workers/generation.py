@@ -99,6 +99,7 @@ class Generation:
                 # Asked once: a resumed attempt's prompt holds the delivered tokens too.
                 prompt_logprobs=s.prompt_logprobs if result.prompt_logprobs is None else None,
                 structured=s.structured,
+                priority=msg.priority,
                 resume_token_ids=before.token_ids,
             ))
         text = "".join(result.text)

@@ -17,6 +17,7 @@ import time
 
 from redis.asyncio import Redis
 
+from sluice.batching.base import BatchingPolicy
 from sluice.batching.registry import make_policy
 from sluice.broker.consumer import Delivery, StreamConsumer
 from sluice.broker.registry import ModelRegistry, WorkerInfo, WorkerRegistry
@@ -53,7 +54,7 @@ class Worker:
         self.generation = Generation(engine, self.replies)
         self.workers = WorkerRegistry(redis)
         self.models = ModelRegistry(redis)
-        self.policy = make_policy(model)
+        self.policy = self._policy(model)
         self.running: dict[str, Running] = {}
         self.stopping = asyncio.Event()
         self.started_at = time.time()
@@ -62,6 +63,11 @@ class Worker:
         self._batches = 0
         self._counted = (0, 0)  # the consumer's reclaims and dead letters already in the metrics
         self._background: list[asyncio.Task] = []
+
+    def _policy(self, model: ModelConfig) -> BatchingPolicy:
+        policy = make_policy(model)
+        self.consumer.reserved_slots = min(self.settings.interactive_reserved_slots, max(0, policy.capacity - 1))
+        return policy
 
     # -- the Source the batching policy pulls from
     async def fetch(self, count: int, timeout_s: float, isolated: int = 1) -> list[Delivery]:
@@ -101,7 +107,7 @@ class Worker:
                     await self.policy.drain(0.2)
                 if self.stopping.is_set():
                     break
-                self.policy = make_policy(self.model)
+                self.policy = self._policy(self.model)
                 self._switch.clear()
             await self._drain()
         finally:

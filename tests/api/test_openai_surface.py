@@ -188,3 +188,15 @@ async def test_a_retry_keeps_the_logprobs_its_stream_delivered(redis: Redis) -> 
     owner = SimpleNamespace(entry_id="1-0")
     joined = _coalesce([(owner, e) for e in first])  # type: ignore[misc]
     assert len(joined) == 1 and [t.token for t in joined[0][1].logprobs] == [" t0", " t1", " t2"]
+
+
+async def test_priority_picks_the_lane_lower_first(api: httpx.AsyncClient, redis: Redis) -> None:
+    """vLLM's `priority`, lower first: above 0 a request waits in the bulk lane (its own share
+    of the queue bound, and never a worker's reserved slot); 0 and below are interactive."""
+    urgent = await _entry(api, redis, "/v1/completions", {"prompt": "p", "max_tokens": 2, "priority": -5})
+    assert (urgent.lane, urgent.priority) == ("interactive", -5)
+    r = await api.post("/v1/requests", json={"prompt": "later", "max_tokens": 2, "priority": 3})
+    assert r.status_code == 202, r.text
+    ((_, fields),) = await redis.xrange(KEYS.bulk)
+    low = RequestMessage.from_fields(fields)
+    assert (low.id, low.lane, low.priority) == (r.json()["id"], "bulk", 3)

@@ -89,6 +89,17 @@ async def test_fetch_takes_interactive_before_bulk(redis: Redis, settings: Setti
     assert all(d.stream == KEYS.bulk for d in second)
 
 
+async def test_the_bulk_lane_leaves_the_reserved_slots_to_interactive_work(redis: Redis, settings: Settings) -> None:
+    adm = admission(redis, settings)
+    await submit_n(adm, 10, lane="bulk")
+    c = await ready_consumer(redis, settings)
+    c.reserved_slots = 1
+    assert await c.fetch(1, 50) == []  # the one free slot is the reserved one
+    assert len(await c.fetch(4, 50)) == 3
+    interactive = [m.id for m in await submit_n(adm, 2)]
+    assert [d.message.id for d in await c.fetch(2, 50)] == interactive  # interactive work takes any slot
+
+
 async def test_a_restarted_consumer_rereads_its_pending_entries_once(
         redis: Redis, settings: Settings) -> None:
     adm = admission(redis, settings)

@@ -171,6 +171,23 @@ async def test_a_structured_retry_generates_again_and_streams_only_what_is_new(
     assert await streamed(redis, m.id) == final.output.text
 
 
+async def test_an_interactive_request_starts_beside_a_flood_of_low_priority_work(
+        redis: Redis, settings: Settings, admission: Admission, workers: list) -> None:
+    """Bulk-lane work (batch jobs, priority above 0) never takes the worker's last slot: an
+    interactive request arriving behind it runs at once, not after it."""
+    flood = [message(60) for _ in range(8)]  # 3 s each, far longer than the interactive one
+    for m in flood:
+        m.lane = "bulk"
+        await admission.submit(m, max_queued=100)
+    engine = RecordingEngine(token_delay_s=0.05)
+    await start(redis, settings, workers, engine, ModelConfig(
+        name=MODEL, continuous_batching_config=ContinuousBatchingConfig(max_concurrent_batch_size=4)))
+    await eventually(lambda: len(engine.requests) == 3, what="the flood to fill all but the reserved slot")
+    (urgent,) = await submit(admission, 1, max_tokens=2)
+    await eventually(lambda: is_final(redis, urgent.id), timeout_s=30, what="the interactive request")
+    assert not [m.id for m in flood if await is_final(redis, m.id)]  # done while all the flood still runs
+
+
 async def test_a_retry_after_the_last_token_runs_nothing(
         redis: Redis, settings: Settings, admission: Admission, workers: list) -> None:
     (m,) = await submit(admission, 1, max_tokens=5)

@@ -30,6 +30,7 @@ class GenerationRequest:
     logprobs: int | None = None  # per output token, with this many alternatives
     prompt_logprobs: int | None = None
     structured: StructuredSpec | None = None  # constrained decoding
+    priority: int = 0  # lower first, where the engine schedules by priority
     # Tokens a previous attempt already delivered: generation continues after them (they
     # follow the prompt), and max_tokens counts only what is still to come.
     resume_token_ids: list[int] = field(default_factory=list)

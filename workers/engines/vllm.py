@@ -100,7 +100,9 @@ class VLLMEngine(Engine):
                 tokenizer = await tokenizer
             prompt = {"prompt_token_ids": tokenizer.encode(request.prompt) + list(request.resume_token_ids)}
         first = True
-        async for out in self._engine.generate(prompt, params, request_id=request.request_id):
+        # vLLM refuses a priority unless it schedules by priority.
+        priority = request.priority if self.config.scheduling_policy == "priority" else 0
+        async for out in self._engine.generate(prompt, params, request_id=request.request_id, priority=priority):
             completion = out.outputs[0]
             yield TokenDelta(
                 text=completion.text,
