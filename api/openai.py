@@ -193,7 +193,7 @@ class ChatChunks:
     def end(self, index: int, final: FinalResult, reason: str) -> list[dict]:
         out = []
         if self.shape.tool and final.output is not None:
-            message, reason = chat_message(self.shape, final.output.text, reason, self.rids[index])
+            message, reason = chat_message(self.shape, final.output, reason, self.rids[index])
             calls = [{"index": k, **call} for k, call in enumerate(message.get("tool_calls") or [])]
             out.append(self._chunk(index, {"tool_calls": calls} if calls else {"content": message["content"]}))
         return [*out, self._chunk(index, {}, reason)]
@@ -221,6 +221,7 @@ async def completions(body: CompletionRequest, s: ApiState = Depends(state),
 async def chat_completions(body: ChatCompletionRequest, s: ApiState = Depends(state),
                            caller: Caller = Depends(require_key)):
     model = await s.deployments.get(body.model)
+    body.with_parser(model.tool_call_parser)
     rows = [{**body.rows(), "max_tokens": body.max_tokens} for _ in range(body.n)]
     messages = await _enqueue_choices(s, model, body, rows, caller.digest)
     cid, shape, rids = completion_id(messages[0].id, chat=True), body.shape(), [m.id for m in messages]

@@ -59,6 +59,9 @@ class ModelConfig(BaseModel):
     max_deliveries: int | None = Field(default=None, gt=0)
     result_ttl_s: int | None = Field(default=None, gt=0)  # how long a finished request's result is kept
     default_max_tokens: int = Field(default=256, gt=0)
+    # One of vLLM's tool-call parsers (`hermes`, `llama3_json`, ...): chat requests with
+    # `tool_choice: "auto"` are then answered with the calls it finds in the output.
+    tool_call_parser: str | None = Field(default=None, pattern=r"^[A-Za-z0-9_.-]{1,64}$")
 
     @model_validator(mode="after")
     def _one_batching_mode(self) -> ModelConfig:

@@ -102,6 +102,10 @@ class RowOutput(BaseModel):
     fields: dict[str, Any] | None = None  # extra output fields of a custom runtime
     logprobs: list[TokenLogprob] | None = None  # one per output token, when asked for
     prompt_logprobs: list[TokenLogprob] | None = None  # one per prompt token, when asked for
+    # Tool calls the deployment's tool-call parser found in the text (OpenAI's shape), and
+    # the text around them; None when it found none or was not asked.
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_content: str | None = None
 
     def record(self) -> dict[str, Any]:
         """The row in the default output schema, plus any extra fields."""

@@ -7,11 +7,11 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 from sluice.protocol.messages import StructuredSpec
 from sluice.protocol.openai_objects import Shape
-from sluice.protocol.openai_tools import NamedToolChoice, Tool, tool_calls_schema
+from sluice.protocol.openai_tools import AUTO, REQUIRED, NamedToolChoice, Tool, tool_calls_schema
 from sluice.protocol.structured import problem as structured_problem
 
 
@@ -220,6 +220,7 @@ class ChatCompletionRequest(SamplingBody):
     tools: list[Tool] | None = Field(default=None, max_length=128)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
+    _parser: str | None = PrivateAttr(default=None)
 
     @model_validator(mode="after")
     def _one_limit(self) -> ChatCompletionRequest:
@@ -238,24 +239,32 @@ class ChatCompletionRequest(SamplingBody):
         return out
 
     def tool_mode(self) -> str | None:
-        """None (no tools, or tool_choice "none"), "required", or the name of the one function
-        that must be called. Raises ValueError("field: why")."""
+        """None (no tools, or tool_choice "none"), REQUIRED, AUTO (with the deployment's
+        tool-call parser, set by with_parser()), or the name of the one function that must be
+        called. Raises ValueError("field: why")."""
         choice = self.tool_choice or ("auto" if self.tools else "none")
         if choice == "none":
             return None
         if not self.tools:
             raise ValueError("tool_choice: needs tools")
         if choice == "auto":
-            raise ValueError('tool_choice: "auto" needs a tool-call parser, and this deployment names none '
-                             '(tool_call_parser); use "required" or name a function')
+            if self._parser is None:
+                raise ValueError('tool_choice: "auto" needs a tool-call parser, and this deployment names none '
+                                 '(tool_call_parser in its configuration); use "required" or name a function')
+            return AUTO
         if self.response_format not in (None, {"type": "text"}) or self.structured_outputs:
             raise ValueError("tool_choice: a tool call and response_format cannot both constrain the output")
         if choice == "required":
-            return "required"
+            return REQUIRED
         names = [t.function.name for t in self.tools]
         if choice.function.name not in names:
             raise ValueError(f"tool_choice: no tool named {choice.function.name!r} (tools: {', '.join(names)})")
         return choice.function.name
+
+    def with_parser(self, parser: str | None) -> ChatCompletionRequest:
+        """The deployment's tool-call parser, which `tool_choice: "auto"` needs."""
+        self._parser = parser
+        return self
 
     def _tool(self) -> str | None:
         """tool_mode(), or None where it is refused (problems() says why)."""
@@ -267,10 +276,10 @@ class ChatCompletionRequest(SamplingBody):
     def structured(self) -> StructuredSpec | None:
         spec = super().structured()
         mode = self._tool()
-        if mode is None:
+        if mode is None or mode == AUTO:  # "auto": generated freely, then parsed
             return spec
         tools = {t.function.name: t.function.parameters or {"type": "object"} for t in self.tools or []}
-        return StructuredSpec(json_schema=tools[mode] if mode != "required" else tool_calls_schema(tools))
+        return StructuredSpec(json_schema=tools[mode] if mode != REQUIRED else tool_calls_schema(tools))
 
     def sampling_fields(self) -> dict[str, Any]:
         return {**super().sampling_fields(), "logprobs": (self.top_logprobs or 0) if self.logprobs else None}
@@ -283,4 +292,6 @@ class ChatCompletionRequest(SamplingBody):
         row: dict[str, Any] = {"messages": [m.plain() for m in self.messages]}
         if self.tools and self.tool_choice != "none":
             row["tools"] = [t.model_dump(exclude_none=True) for t in self.tools]
+            if self._tool() == AUTO:
+                row["tool_parser"] = self._parser
         return row

@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from sluice.protocol.messages import FinalResult, TokenLogprob
-from sluice.protocol.openai_tools import tool_calls
+from sluice.protocol.messages import FinalResult, RowOutput, TokenLogprob
+from sluice.protocol.openai_tools import AUTO, REQUIRED, tool_calls
 
 LOGPROB_FLOOR = -9999.0  # as vLLM: -inf is not JSON
 
@@ -19,7 +19,7 @@ class Shape:
     chat: bool
     logprobs: int | None = None  # alternatives per token (chat: top_logprobs); None: no logprobs
     echo: bool = False  # completions: the prompt before the completion
-    tool: str | None = None  # chat: "required", or the function that must be called
+    tool: str | None = None  # chat: REQUIRED, AUTO, or the function that must be called
 
 
 def _lp(value: float | None) -> float | None:
@@ -73,14 +73,19 @@ def completion_object(cid: str, model: str, created: int, finals: list[FinalResu
             "choices": choices, "usage": usage(finals)}
 
 
-def chat_message(shape: Shape, text: str, reason: str, rid: str) -> tuple[dict[str, Any], str]:
-    """The assistant message and its finish reason: a tool call when one was asked for and
-    the output is a complete one, else the text."""
+def chat_message(shape: Shape, output: RowOutput | None, reason: str, rid: str) -> tuple[dict[str, Any], str]:
+    """The assistant message and its finish reason: tool calls when they were asked for and
+    the output holds complete ones, else the text."""
+    text = output.text if output else ""
+    if shape.tool == AUTO:  # the deployment's tool-call parser read them (on the worker)
+        if output is None or not output.tool_calls:
+            return {"role": "assistant", "content": text}, reason
+        return {"role": "assistant", "content": output.tool_content, "tool_calls": output.tool_calls}, "tool_calls"
     calls = tool_calls(shape.tool, text, rid) if shape.tool else None
     if calls is None:
         return {"role": "assistant", "content": text}, reason
     # As vLLM: "tool_calls" for `required`; a named function's call ends with "stop".
-    return {"role": "assistant", "content": None, "tool_calls": calls}, ("tool_calls" if shape.tool == "required"
+    return {"role": "assistant", "content": None, "tool_calls": calls}, ("tool_calls" if shape.tool == REQUIRED
                                                                          else reason)
 
 
@@ -88,7 +93,7 @@ def chat_object(cid: str, model: str, created: int, finals: list[FinalResult], s
                 rids: list[str]) -> dict[str, Any]:
     choices = []
     for i, (f, rid) in enumerate(zip(finals, rids)):
-        message, reason = chat_message(shape, f.output.text if f.output else "", _reason(f), rid)
+        message, reason = chat_message(shape, f.output, _reason(f), rid)
         logprobs = chat_logprobs(f.output.logprobs or []) if shape.logprobs is not None and f.output else None
         choices.append({"index": i, "message": message, "logprobs": logprobs, "finish_reason": reason})
     return {"id": cid, "object": "chat.completion", "created": created, "model": model,

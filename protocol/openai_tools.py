@@ -10,6 +10,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+# Tool modes besides a named function; function names cannot contain "<".
+REQUIRED, AUTO = "<required>", "<auto>"
+
 
 class ToolFunction(BaseModel):
     model_config = ConfigDict(extra="ignore")
@@ -54,7 +57,7 @@ def tool_calls(mode: str, text: str, rid: str) -> list[dict[str, Any]] | None:
         parsed = json.loads(text)
     except ValueError:
         return None
-    if mode == "required":
+    if mode == REQUIRED:
         if not isinstance(parsed, list) or not all(isinstance(c, dict) and "name" in c for c in parsed):
             return None
         calls = [(c["name"], json.dumps(c.get("parameters", {}))) for c in parsed]

@@ -9,6 +9,7 @@ agree by construction.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,6 +19,8 @@ from sluice.broker.replies import Delivered, ReplyWriter
 from sluice.protocol.messages import DeltaEvent, FinalResult, RowOutput, Timings, TokenLogprob, Usage
 from sluice.protocol.states import State
 from sluice.workers.engines.base import Engine, GenerationRequest
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -105,9 +108,10 @@ class Generation:
         text = "".join(result.text)
         extra = self.engine.extra_outputs(values, text, result.tokens)
         run.prompt_tokens += result.prompt_tokens
+        calls, content = _tool_calls(self.engine, values, text)
         return RowOutput(text=text, num_output_tokens=result.tokens, finish_reason=result.finish_reason,
                          fields=extra or None, logprobs=result.logprobs if s.logprobs is not None else None,
-                         prompt_logprobs=result.prompt_logprobs)
+                         prompt_logprobs=result.prompt_logprobs, tool_calls=calls, tool_content=content)
 
     async def _stream(self, run: Running, row: int, result: RowResult, request: GenerationRequest) -> None:
         async for delta in self.engine.generate(request):
@@ -135,6 +139,17 @@ class Generation:
     async def abort(self, run: Running) -> None:
         for eid in run.engine_ids:
             await self.engine.abort(eid)
+
+
+def _tool_calls(engine: Engine, row: dict[str, Any], text: str) -> tuple[list[dict[str, Any]] | None, str | None]:
+    """What the deployment's tool-call parser finds in the output; a parser that fails on it
+    leaves the text as the answer (as an output without calls)."""
+    try:
+        found = engine.tool_calls(row, text)
+    except Exception:  # noqa: BLE001 - a parser's bug must not fail a finished generation
+        log.exception("the tool-call parser %s failed on an output; answering with the text", row.get("tool_parser"))
+        return None, None
+    return found if found is not None else (None, None)
 
 
 def final_result(run: Running, outputs: list[RowOutput], error: str | None) -> FinalResult:

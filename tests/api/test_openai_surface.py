@@ -14,8 +14,12 @@ import pytest
 from redis.asyncio import Redis
 
 from sluice.broker.replies import _coalesce, delivered
-from sluice.protocol.messages import DeltaEvent, RequestMessage, TokenLogprob
+from sluice.protocol.messages import DeltaEvent, FinalResult, RequestMessage, RowOutput, TokenLogprob
+from sluice.protocol.openai_objects import Shape, chat_object
+from sluice.protocol.openai_tools import AUTO
+from sluice.protocol.states import State
 from sluice.workers.worker import Worker
+from tests.api.conftest import StartApi, http_client
 from tests.broker.helpers import KEYS, MODEL
 from tests.e2e.sse import sse_events
 from tests.fakes import eventually
@@ -200,3 +204,31 @@ async def test_priority_picks_the_lane_lower_first(api: httpx.AsyncClient, redis
     ((_, fields),) = await redis.xrange(KEYS.bulk)
     low = RequestMessage.from_fields(fields)
     assert (low.id, low.lane, low.priority) == (r.json()["id"], "bulk", 3)
+
+
+PARSER_MODELS = (f"models:\n  - name: {MODEL}\n    tool_call_parser: hermes\n"
+                 "    continuous_batching_config: {max_concurrent_batch_size: 4}\n")
+
+
+async def test_auto_tool_choice_with_a_deployments_parser(start_api: StartApi, redis: Redis) -> None:
+    """With `tool_call_parser` set, "auto" generates freely with the tools in the chat
+    template, and the worker's parser reads the calls (tests/e2e: the parser itself)."""
+    async with start_api(PARSER_MODELS) as app, http_client(app) as api:
+        entry = await _entry(api, redis, "/v1/chat/completions", {"messages": CHAT, "max_tokens": 4, "tools": TOOLS})
+    row = entry.rows[0]
+    assert row["tool_parser"] == "hermes" and [t["function"]["name"] for t in row["tools"]] == ["get_weather",
+                                                                                              "get_time"]
+    assert entry.sampling.structured is None
+
+
+def test_parsed_tool_calls_become_the_message() -> None:
+    calls = [{"id": "call_1", "type": "function", "function": {"name": "get_time", "arguments": "{}"}}]
+    found = FinalResult(status=State.DONE, output=RowOutput(text="<tool_call>...", num_output_tokens=9,
+                                                            finish_reason="stop", tool_calls=calls,
+                                                            tool_content="Let me check."))
+    plain = FinalResult(status=State.DONE, output=RowOutput(text="Hello", num_output_tokens=1, finish_reason="stop"))
+    shape = Shape(chat=True, tool=AUTO)
+    got = chat_object("chatcmpl-1", MODEL, 0, [found, plain], shape, ["req-1", "req-2"])["choices"]
+    assert got[0]["message"] == {"role": "assistant", "content": "Let me check.", "tool_calls": calls}
+    assert got[0]["finish_reason"] == "tool_calls"
+    assert got[1]["message"] == {"role": "assistant", "content": "Hello"} and got[1]["finish_reason"] == "stop"

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from pathlib import Path
 
 import jsonschema
 import openai
@@ -147,3 +148,21 @@ async def test_ignore_eos_and_min_tokens(sdk: openai.AsyncOpenAI) -> None:
     least = await sdk.chat.completions.create(model=MODEL, messages=say, max_tokens=40, temperature=0,
                                               extra_body={"min_tokens": ends + 3})
     assert least.usage.completion_tokens >= ends + 3
+
+
+def test_a_deployments_tool_call_parser_reads_the_calls(model_dir: Path) -> None:
+    """`tool_choice: "auto"` with `tool_call_parser: hermes`: the worker reads the calls in
+    the output with vLLM's parser and the model's tokenizer (the model here is too small to
+    call tools on its own, so the outputs are given)."""
+    from transformers import AutoTokenizer
+
+    from sluice.workers.engines.tool_calls import known_parser, parse_tool_calls
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    messages, tools = [{"role": "user", "content": "Weather in Paris?"}], [WEATHER, TIME]
+    text = 'Let me check.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    calls, content = parse_tool_calls(tokenizer, "hermes", text, messages, tools)
+    assert [c["function"] for c in calls] == [{"name": "get_weather", "arguments": '{"city": "Paris"}'}]
+    assert content == "Let me check." and calls[0]["type"] == "function"
+    assert parse_tool_calls(tokenizer, "hermes", "It is sunny.", messages, tools) is None
+    assert known_parser("hermes") and not known_parser("no-such-parser")

@@ -70,6 +70,12 @@ class Engine(abc.ABC):
     def extra_outputs(self, row: dict[str, Any], text: str, num_output_tokens: int) -> dict[str, Any]:
         return {}
 
+    def tool_calls(self, row: dict[str, Any], text: str) -> tuple[list[dict[str, Any]], str | None] | None:
+        """The tool calls in a chat row's output (with `tool_choice: "auto"`, the row names the
+        deployment's tool-call parser), and the content beside them. Engines without a
+        tokenizer find none."""
+        return None
+
     @abc.abstractmethod
     def generate(self, request: GenerationRequest) -> AsyncIterator[TokenDelta]:
         """Token deltas as the engine produces them; ends after the one with a finish_reason.

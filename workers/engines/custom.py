@@ -51,6 +51,10 @@ class CustomRuntime(Engine):
         assert self.engine is not None, "start() first"
         return self.engine.render_chat(messages, tools)
 
+    def tool_calls(self, row: dict[str, Any], text: str) -> tuple[list[dict[str, Any]], str | None] | None:
+        assert self.engine is not None, "start() first"
+        return self.engine.tool_calls(row, text)
+
     async def abort(self, request_id: str) -> None:
         if self.engine is not None:
             await self.engine.abort(request_id)

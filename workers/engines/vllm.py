@@ -11,6 +11,7 @@ from typing import Any
 from sluice.config.engine import VLLMConfig
 from sluice.protocol.messages import TokenLogprob
 from sluice.workers.engines.base import Engine, GenerationRequest, TokenDelta
+from sluice.workers.engines.tool_calls import parse_tool_calls
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +63,11 @@ class VLLMEngine(Engine):
 
     def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> str:
         return self._tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
+
+    def tool_calls(self, row: dict[str, Any], text: str) -> tuple[list[dict[str, Any]], str | None] | None:
+        if not row.get("tool_parser") or not row.get("tools"):
+            return None
+        return parse_tool_calls(self._tokenizer, row["tool_parser"], text, row["messages"], row["tools"])
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenDelta]:
         from vllm import SamplingParams
