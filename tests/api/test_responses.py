@@ -18,11 +18,14 @@ from redis.asyncio import Redis
 from sluice.broker.connection import connect
 from sluice.config.model import load_models
 from sluice.config.settings import Settings
+from sluice.protocol.messages import DeltaEvent, FinalResult
+from sluice.protocol.responses import request_id
 from sluice.workers.engines.null import NullEngine
 from sluice.workers.worker import Worker
 from tests.api.conftest import TOKEN_DELAY_S, StartApi, http_client
-from tests.broker.helpers import MODEL
+from tests.broker.helpers import KEYS, MODEL
 from tests.fakes import eventually
+from tests.workers.test_worker_delivery import died_after_streaming
 
 
 def sdk_for(app: FastAPI) -> openai.AsyncOpenAI:
@@ -156,3 +159,21 @@ async def test_a_background_response_outlives_its_api_process(start_api: StartAp
             assert done.output_text == " t0 t1" and done.metadata == {"k": "v"}
             async with http_client(second) as api:
                 assert (await api.get(f"/v1/responses/{made.id}")).json()["status"] == "incomplete"
+
+
+async def test_a_worker_crash_resumes_a_background_response(app: FastAPI, sdk: openai.AsyncOpenAI, redis: Redis,
+                                                            redis_url: str) -> None:
+    """A response is a request: its first worker streamed two tokens and died; the next one
+    continues after them, and the resumed event stream shows each token once."""
+    made = await sdk.responses.create(model=MODEL, input="crash me", background=True, max_output_tokens=4)
+    settings = app.state.sluice.settings
+    await died_after_streaming(redis, settings, DeltaEvent(i=0, text=" t0 t1", token_ids=[0, 1]))
+    async with _worker(settings, redis_url):
+        done = await finished(sdk, made.id)
+    assert done.output_text == " t0 t1 t2 t3" and done.usage.output_tokens == 4
+    final = FinalResult.model_validate_json(await redis.hget(KEYS.status(request_id(made.id)), "result"))
+    assert final.attempt == 2  # the second worker's
+    async with http_client(app) as api:
+        events = await _events(api, "GET", f"/v1/responses/{made.id}", params={"stream": "true"})
+    deltas = [e["delta"] for e in events if e["type"] == "response.output_text.delta"]
+    assert "".join(deltas) == done.output_text and events[-1]["response"]["status"] == "incomplete"
