@@ -10,6 +10,8 @@ import uuid
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -86,6 +88,15 @@ def install(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, exc: ApiError) -> ErrorResponse:
         return ErrorResponse(error_body(exc.message, exc.code, exc.param), exc.status, headers=exc.headers)
+
+    @app.exception_handler(RedisConnectionError)
+    @app.exception_handler(RedisTimeoutError)
+    async def _redis_away(_: Request, exc: Exception) -> ErrorResponse:
+        # Redis down, or every connection of this process's bounded pool busy past its wait:
+        # a retry later can succeed, so a 503 that says so (never a 500).
+        log.warning("Redis unavailable: %s: %s", type(exc).__name__, exc)
+        return ErrorResponse(error_body(f"Redis is unavailable or saturated ({type(exc).__name__}: {exc}); retry",
+                                        "unavailable"), 503, headers={"Retry-After": "1"})
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> ErrorResponse:

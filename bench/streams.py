@@ -113,10 +113,12 @@ async def _run(stack: LocalStack, n: int, client: redis.Redis) -> dict:
 def streams(
     n: int = typer.Option(10_000, "--streams", help="SSE streams held open at once."),
     out: Path = typer.Option(None, help="Write the figures as JSON here."),
+    logs: Path = typer.Option(None, help="Keep the processes' logs in this folder."),
 ) -> None:
     """Null engine: N SSE streams open on one api process; its memory per stream and Redis connections."""
     env = {"SLUICE_LOG_LEVEL": "WARNING", "SLUICE_MAX_QUEUED": str(n + 100)}
-    with tempfile.TemporaryDirectory() as tmp, LocalStack(Path(tmp), MODELS, appendonly=False, env=env) as stack:
+    with tempfile.TemporaryDirectory() as tmp, LocalStack(Path(tmp), MODELS, appendonly=False, env=env,
+                                                          output="logs", logs_dir=logs) as stack:
         stack.up([], timeout_s=60)
         client = redis.Redis.from_url(stack.redis_url, decode_responses=True)
         figures = asyncio.run(_run(stack, n, client))

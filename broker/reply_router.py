@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import time
 import zlib
 from collections.abc import AsyncIterator, Callable
@@ -51,6 +52,7 @@ class _Shard:
         self.client_id: int | None = None
         self.changed = asyncio.Event()
         self.closing = False
+        self.unblocked = False  # a CLIENT UNBLOCK is on its way for the read under way
 
     def add(self, f: _Follower) -> None:
         self.followers.setdefault(f.key, set()).add(f)
@@ -70,6 +72,7 @@ class _Shard:
                 await self.changed.wait()
                 continue
             self.changed.clear()
+            self.unblocked = False
             # One position per stream: the earliest of its followers (each skips what it has).
             streams = {key: min((f.after for f in fs), key=_order) for key, fs in self.followers.items()}
             for fs in self.followers.values():
@@ -94,9 +97,11 @@ class _Shard:
 
 class ReplyRouter:
     def __init__(self, redis: Redis, reader: Callable[[], Redis], *, shards: int = 4, block_ms: int = 5000,
-                 recheck_s: float = 5.0) -> None:
+                 recheck_s: float = 30.0) -> None:
         """`redis`: the process's client, for short commands; `reader()`: a client with one
-        connection of its own, called once per shard."""
+        connection of its own, called once per shard. `recheck_s`: how often a quiet follower
+        asks whether its request is final without a final on its stream (the stream expired
+        before it was read): a command per open stream each time, so not often."""
         self.redis = redis
         self.recheck_s = recheck_s
         self._shards = [_Shard(reader(), block_ms) for _ in range(shards)]
@@ -137,13 +142,17 @@ class ReplyRouter:
                 return
             quiet_since = time.monotonic()
             while True:
-                wait_s = self.recheck_s
+                wait_s = self.recheck_s * random.uniform(0.5, 1.5)  # spread: many followers began together
                 if idle_timeout_s is not None:
                     wait_s = min(wait_s, max(0.0, quiet_since + idle_timeout_s - time.monotonic()))
                 try:
                     entry_id, fields = await asyncio.wait_for(follower.entries.get(), wait_s)
                 except TimeoutError:
-                    final = await self._lost_final(keys, rid, follower)
+                    try:
+                        final = await self._lost_final(keys, rid, follower)
+                    except RedisError as err:  # Redis away or busy: the shard's read goes on; check later
+                        log.debug("rechecking %s failed (%s)", rid, err)
+                        final = None
                     if final is not None:
                         yield final
                         return
@@ -160,13 +169,18 @@ class ReplyRouter:
             shard.remove(follower)
 
     async def _taken_in(self, shard: _Shard, follower: _Follower) -> None:
+        """Wait until the shard's read includes the follower, unblocking the read under way:
+        one CLIENT UNBLOCK per read for all the followers that arrive meanwhile (many streams
+        opening at once must not become as many commands), again after _PICKUP_S if the
+        unblock came before the read blocked."""
         while not follower.taken_in.is_set():
-            if shard.client_id is not None:
+            if shard.client_id is not None and not shard.unblocked:
+                shard.unblocked = True
                 await self.redis.client_unblock(shard.client_id)
             try:
                 await asyncio.wait_for(follower.taken_in.wait(), _PICKUP_S)
             except TimeoutError:
-                pass
+                shard.unblocked = False
 
     async def _lost_final(self, keys: ModelKeys, rid: str, follower: _Follower) -> ReplyEvent | None:
         """The final from the status hash, when the reply stream holds nothing after the

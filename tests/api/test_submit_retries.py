@@ -40,7 +40,9 @@ async def test_a_retry_after_a_redis_failure_is_the_same_request(
     failed = fail_admission(app, after=after)
     headers = {"Idempotency-Key": "order-42"}
     first = await api.post("/v1/requests", json=BODY, headers=headers)
-    assert first.status_code == 500 and failed
+    # Redis failed mid-call: a 503 to retry (with the same key), never a 500
+    assert first.status_code == 503 and first.headers["Retry-After"] and failed
+    assert first.json()["error"]["type"] == "unavailable"
     again = await api.post("/v1/requests", json=BODY, headers=headers)
     assert again.status_code == 202, again.text
     assert again.json()["id"] == failed[0]
