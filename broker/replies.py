@@ -5,8 +5,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
-import time
-from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -157,55 +155,6 @@ class ReplyEvent:
     kind: str  # "delta" | "final"
     delta: DeltaEvent | None = None
     final: FinalResult | None = None
-
-
-async def read_replies(
-    redis: Redis,
-    model: str,
-    rid: str,
-    *,
-    after: str = "0",
-    next_index: int = 0,
-    block_ms: int = 1000,
-    idle_timeout_s: float | None = None,
-) -> AsyncIterator[ReplyEvent]:
-    """Follow a reply stream from entry `after` until the final event.
-
-    It always ends: with the final from the reply stream, or from the status hash when the
-    reply stream holds nothing more (it expired, or `after` is the final itself); with
-    `idle_timeout_s`, after that long without an entry (no final then).
-    Token deltas whose indices were already delivered (a retried attempt replays the same
-    seed) are skipped, so each token reaches the reader once.
-    """
-    keys = ModelKeys(model)
-    key = keys.reply(rid)
-    decoder = ReplyDecoder(next_index)
-    quiet_since = time.monotonic()
-    block: int | None = None  # the first read does not wait: a request already final answers at once
-    while True:
-        got = await redis.xread({key: after}, count=256, block=block)
-        if not got:
-            final = await final_status(redis, keys.status(rid))
-            if final is not None:
-                # The final event and the status are written by one script, so once the status
-                # is final a read that still finds nothing means the reply stream lost it.
-                got = await redis.xread({key: after}, count=256)
-                if not got:
-                    yield ReplyEvent(after, "final", final=final)
-                    return
-            elif idle_timeout_s is not None and time.monotonic() - quiet_since >= idle_timeout_s:
-                return
-            else:
-                block = block_ms
-                continue
-        quiet_since = time.monotonic()
-        for entry_id, fields in got[0][1]:
-            after = entry_id
-            event = decoder.event(entry_id, fields)
-            if event is not None:
-                yield event
-                if event.final is not None:
-                    return
 
 
 class ReplyDecoder:

@@ -126,8 +126,8 @@ class ReplyRouter:
 
     async def follow(self, model: str, rid: str, *, after: str = "0", next_index: int = 0,
                      idle_timeout_s: float | None = None) -> AsyncIterator[ReplyEvent]:
-        """As `replies.read_replies`: the events after entry `after` until the final, each token
-        once; the final from the status hash when the reply stream holds nothing more (it
+        """The request's reply events after entry `after` until the final, each token once
+        (ReplyDecoder); the final from the status hash when the reply stream holds nothing more (it
         expired); nothing more after `idle_timeout_s` without an entry."""
         keys = ModelKeys(model)
         decoder = ReplyDecoder(next_index)

@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import time
 import uuid
+from typing import Any
 
 from redis.asyncio import Redis
 
 from sluice.broker.admission import Admission
+from sluice.broker.connection import connect
 from sluice.broker.consumer import Delivery, StreamConsumer
 from sluice.broker.keys import GROUP, ModelKeys
+from sluice.broker.replies import ReplyEvent
+from sluice.broker.reply_router import ReplyRouter
 from sluice.config.settings import Settings
 from sluice.protocol.messages import (
     FinalResult,
@@ -22,6 +26,20 @@ from sluice.protocol.messages import (
 
 MODEL = "t"
 KEYS = ModelKeys(MODEL)
+
+
+async def read_events(redis: Redis, rid: str, *, model: str = MODEL, **kw: Any) -> list[ReplyEvent]:
+    """A request's reply events as the api reads them (through a reply router on `redis`'s
+    server), until the final, or `idle_timeout_s` without an entry."""
+    pool = redis.connection_pool.connection_kwargs
+    url = f"redis://{pool.get('host', '127.0.0.1')}:{pool['port']}/{pool.get('db', 0)}"
+    router = ReplyRouter(redis, lambda: connect(url, name="sluice-test-replies", single=True), shards=1,
+                         block_ms=1000)
+    router.start()
+    try:
+        return [ev async for ev in router.follow(model, rid, **kw)]
+    finally:
+        await router.close()
 
 
 def message(*, deadline_in: float = 60.0, lane: str = "interactive", rows: int = 1) -> RequestMessage:

@@ -9,13 +9,14 @@ import pytest
 from redis.asyncio import Redis
 
 from sluice.broker.keys import GROUP
-from sluice.broker.replies import ReplyWriter, delivered, read_replies, resume_index
+from sluice.broker.replies import ReplyWriter, delivered, resume_index
 from sluice.config.settings import Settings
 from sluice.protocol.messages import DeltaEvent
 from tests.broker.helpers import (
     KEYS,
     MODEL,
     done_result,
+    read_events,
     running_request,
 )
 
@@ -23,7 +24,7 @@ from tests.broker.helpers import (
 
 
 async def _collect(redis: Redis, rid: str, **kw) -> list:
-    return [ev async for ev in read_replies(redis, MODEL, rid, block_ms=100, idle_timeout_s=10, **kw)]
+    return await read_events(redis, rid, idle_timeout_s=10, **kw)
 
 
 async def test_deltas_then_final_arrive_in_order(redis: Redis, settings: Settings) -> None:
@@ -51,7 +52,7 @@ async def test_deltas_then_final_arrive_in_order(redis: Redis, settings: Setting
     assert events[-1].final == result
 
 
-async def test_read_replies_skips_token_indices_already_delivered(redis: Redis) -> None:
+async def test_the_reader_skips_token_indices_already_delivered(redis: Redis) -> None:
     """A stream written before retries resumed (attempt 2 repeating attempt 1's tokens):
     readers still deliver each index once."""
     rid = "req-retried"
@@ -71,7 +72,7 @@ async def test_read_replies_skips_token_indices_already_delivered(redis: Redis) 
     assert events[-1].kind == "final"
 
 
-async def test_read_replies_keeps_rows_apart(redis: Redis, settings: Settings) -> None:
+async def test_the_reader_keeps_rows_apart(redis: Redis, settings: Settings) -> None:
     _, m, _, d = await running_request(redis, settings)
     rid = m.id
     writer = ReplyWriter(redis, MODEL, reply_ttl_s=settings.reply_ttl_s)
@@ -116,9 +117,8 @@ async def test_buffered_contiguous_deltas_are_joined(redis: Redis, settings: Set
         (0, 0, "<0><1><2>", [0, 1, 2]), (1, 0, "r1", [7]), (0, 5, "<5>", [5])]
 
 
-async def test_read_replies_gives_up_after_the_idle_timeout(redis: Redis) -> None:
-    events = [ev async for ev in read_replies(redis, MODEL, "req-silent", block_ms=50, idle_timeout_s=0.2)]
-    assert events == []
+async def test_the_reader_gives_up_after_the_idle_timeout(redis: Redis) -> None:
+    assert await read_events(redis, "req-silent", idle_timeout_s=0.2) == []
 
 
 class _LosesFirstCancel:

@@ -14,7 +14,7 @@ from sluice.broker.admission import Admission
 from sluice.broker.consumer import StreamConsumer
 from sluice.broker.keys import GROUP
 from sluice.broker.registry import ModelRegistry
-from sluice.broker.replies import ReplyWriter, read_replies
+from sluice.broker.replies import ReplyWriter
 from sluice.config.batching import ContinuousBatchingConfig, DynamicBatchingConfig
 from sluice.config.model import ModelConfig
 from sluice.config.settings import Settings
@@ -22,6 +22,7 @@ from sluice.protocol.messages import DeltaEvent, FinalResult, StructuredSpec, To
 from sluice.workers.engines.base import GenerationRequest, TokenDelta
 from sluice.workers.engines.null import NullEngine
 from sluice.workers.worker import Worker
+from tests.broker.helpers import read_events
 from tests.workers.test_worker_null import KEYS, MODEL, eventually, message, submit
 
 DYNAMIC = DynamicBatchingConfig(max_batch_delay_ms=10, batch_size_target=4, batch_size_limit=4)
@@ -77,7 +78,7 @@ async def is_final(redis: Redis, rid: str) -> bool:
 
 
 async def streamed(redis: Redis, rid: str) -> str:
-    events = [e async for e in read_replies(redis, MODEL, rid, block_ms=100, idle_timeout_s=5)]
+    events = await read_events(redis, rid, idle_timeout_s=5)
     assert events[-1].kind == "final"
     return "".join(e.delta.text for e in events if e.kind == "delta")
 

@@ -15,7 +15,6 @@ from sluice.broker.admission import Admission
 from sluice.broker.consumer import StreamConsumer
 from sluice.broker.keys import GROUP, WORKERS, ModelKeys
 from sluice.broker.registry import WorkerRegistry
-from sluice.broker.replies import read_replies
 from sluice.config.batching import ContinuousBatchingConfig
 from sluice.config.model import ModelConfig
 from sluice.config.settings import Settings
@@ -24,6 +23,7 @@ from sluice.workers.engines.base import GenerationRequest, TokenDelta
 from sluice.workers.engines.null import NullEngine
 from sluice.workers.worker import Worker
 from tests import fakes
+from tests.broker.helpers import read_events
 
 MODEL = "t"
 KEYS = ModelKeys(MODEL)
@@ -126,7 +126,7 @@ async def test_requests_complete_with_deltas_then_final(
     await eventually(lambda: _all_done(redis, msgs), what="3 requests done")
 
     for m in msgs:
-        events = [e async for e in read_replies(redis, MODEL, m.id, block_ms=100, idle_timeout_s=5)]
+        events = await read_events(redis, m.id, idle_timeout_s=5)
         assert [e.kind for e in events] == ["delta"] * 4 + ["final"]
         assert [e.delta.i for e in events[:-1]] == [0, 1, 2, 3]
         final = events[-1].final
@@ -153,7 +153,7 @@ async def test_a_one_shot_engine_answers_in_one_delta(
     worker, task = start_worker(NullEngine())
     (m,) = await submit(admission, 1, max_tokens=5)
     await eventually(lambda: _all_done(redis, [m]), what="request done")
-    events = [e async for e in read_replies(redis, MODEL, m.id, block_ms=100, idle_timeout_s=5)]
+    events = await read_events(redis, m.id, idle_timeout_s=5)
     assert [e.kind for e in events] == ["delta", "final"]
     assert events[0].delta.token_ids == [0, 1, 2, 3, 4]
     assert events[1].final.output.num_output_tokens == 5
@@ -196,7 +196,7 @@ async def test_cancel_stops_a_running_request(
     await eventually(lambda: engine.active == 0 and not worker.running and worker.policy.in_flight == 0,
                      what="nothing in flight")
 
-    events = [e async for e in read_replies(redis, MODEL, m.id, block_ms=100, idle_timeout_s=5)]
+    events = await read_events(redis, m.id, idle_timeout_s=5)
     final = events[-1].final
     assert final.status.value == "cancelled"
     assert 0 < final.output.num_output_tokens < 5000
