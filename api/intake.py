@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import secrets
 import time
 from collections.abc import Mapping, Sequence
@@ -46,15 +47,11 @@ class Sampling:
     priority: int = 0
 
     def spec(self, max_tokens: int, seed: int) -> SamplingSpec:
-        """The entry's sampling: these choices, the row's token budget and the seed."""
-        return SamplingSpec(
-            max_tokens=max_tokens, seed=seed, temperature=self.temperature, top_p=self.top_p,
-            stop=list(self.stop), presence_penalty=self.presence_penalty,
-            frequency_penalty=self.frequency_penalty, top_k=self.top_k, min_p=self.min_p,
-            repetition_penalty=self.repetition_penalty, min_tokens=self.min_tokens,
-            ignore_eos=self.ignore_eos, stop_token_ids=list(self.stop_token_ids),
-            logprobs=self.logprobs, prompt_logprobs=self.prompt_logprobs, structured=self.structured,
-        )
+        """The entry's sampling: these choices (those SamplingSpec has), the row's token budget
+        and the seed."""
+        names = [f.name for f in dataclasses.fields(self) if f.name in SamplingSpec.model_fields]
+        chosen = {name: getattr(self, name) for name in names}
+        return SamplingSpec.model_validate({**chosen, "max_tokens": max_tokens, "seed": seed})
 
 
 class Intake:

@@ -89,7 +89,7 @@ async def create(body: ResponseRequest, s: ApiState = Depends(state), caller: Ca
     rid, meta = new_request_id(), body.meta(int(time.time()))
     await s.responses.save(model.name, rid, meta)  # before the request: a worker may finish it at once
     sampling = Sampling(temperature=body.temperature, top_p=body.top_p, seed=body.seed,
-                        structured=body.structured())
+                        structured=body.structured(), **body.extras())
     rows = [{"messages": body.messages(), "max_tokens": body.max_output_tokens}]
     try:
         await s.intake.enqueue(model, rows, sampling, rid=rid, owner=caller.digest)

@@ -7,11 +7,12 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 from sluice.protocol.messages import StructuredSpec
 from sluice.protocol.openai_objects import Shape
 from sluice.protocol.openai_tools import AUTO, REQUIRED, NamedToolChoice, Tool, tool_calls_schema
+from sluice.protocol.structured import from_fields, from_response_format
 from sluice.protocol.structured import problem as structured_problem
 
 
@@ -90,7 +91,7 @@ class SamplingBody(BaseModel):
         Raises ValueError("field: why") when it is malformed."""
         found: list[tuple[str, StructuredSpec]] = []
         if self.response_format is not None:
-            spec = _response_format(self.response_format)
+            spec = from_response_format(self.response_format)
             if spec is not None:
                 found.append(("response_format", spec))
         if self.structured_outputs:
@@ -101,11 +102,11 @@ class SamplingBody(BaseModel):
                                  "grammar, json_object)")
             given = {_STRUCTURED_KEYS[k]: v for k, v in self.structured_outputs.items()
                      if k in _STRUCTURED_KEYS and v not in (None, False)}
-            found.append(("structured_outputs", _spec("structured_outputs", given)))
+            found.append(("structured_outputs", from_fields("structured_outputs", given)))
         for name, key in _GUIDED.items():
             value = getattr(self, name)
             if value is not None:
-                found.append((name, _spec(name, {key: json.loads(value) if key == "json_schema"
+                found.append((name, from_fields(name, {key: json.loads(value) if key == "json_schema"
                                                  and isinstance(value, str) else value})))
         if len(found) > 1:
             raise ValueError(f"{found[1][0]}: only one constraint on the output at a time "
@@ -126,34 +127,6 @@ class SamplingBody(BaseModel):
                 "min_tokens": self.min_tokens, "ignore_eos": self.ignore_eos,
                 "stop_token_ids": tuple(self.stop_token_ids or ()), "structured": self.structured(),
                 "priority": self.priority}
-
-
-def _spec(param: str, fields: dict[str, Any]) -> StructuredSpec:
-    if len(fields) != 1:
-        raise ValueError(f"{param}: exactly one of json, regex, choice, grammar, json_object")
-    try:
-        spec = StructuredSpec.model_validate(fields)
-    except ValidationError as err:
-        raise ValueError(f"{param}: {err.errors()[0]['msg']}") from None
-    if spec.json_schema is not None and not isinstance(fields.get("json_schema"), dict):
-        raise ValueError(f"{param}: a JSON schema must be an object")
-    if spec.choice is not None and (not spec.choice or any(not c for c in spec.choice)):
-        raise ValueError(f"{param}: choice must be a non-empty list of non-empty strings")
-    return spec
-
-
-def _response_format(rf: dict[str, Any]) -> StructuredSpec | None:
-    kind = rf.get("type", "text")
-    if kind == "text":
-        return None
-    if kind == "json_object":
-        return StructuredSpec(json_object=True)
-    if kind == "json_schema":
-        schema = (rf.get("json_schema") or {}).get("schema")
-        if not isinstance(schema, dict):
-            raise ValueError("response_format: json_schema.schema must be a JSON schema object")
-        return StructuredSpec(json_schema=schema)
-    raise ValueError(f"response_format: type {kind!r} is not one of text, json_object, json_schema")
 
 
 class CompletionRequest(SamplingBody):
@@ -279,7 +252,11 @@ class ChatCompletionRequest(SamplingBody):
         if mode is None or mode == AUTO:  # "auto": generated freely, then parsed
             return spec
         tools = {t.function.name: t.function.parameters or {"type": "object"} for t in self.tools or []}
-        return StructuredSpec(json_schema=tools[mode] if mode != REQUIRED else tool_calls_schema(tools))
+        spec = StructuredSpec(json_schema=tools[mode] if mode != REQUIRED else tool_calls_schema(tools))
+        why = structured_problem(spec)
+        if why is not None:
+            raise ValueError(f"tools: a function's parameters are not a schema the engine can decode with: {why}")
+        return spec
 
     def sampling_fields(self) -> dict[str, Any]:
         return {**super().sampling_fields(), "logprobs": (self.top_logprobs or 0) if self.logprobs else None}

@@ -12,9 +12,9 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from sluice.protocol.messages import DeltaEvent, FinalResult, StructuredSpec
+from sluice.protocol.messages import DeltaEvent, FinalResult, SamplingExtras, StructuredSpec
 from sluice.protocol.states import State
 from sluice.protocol.structured import problem as structured_problem
 
@@ -62,8 +62,9 @@ class TextOptions(BaseModel):
     format: TextFormat = Field(default_factory=TextFormat)
 
 
-class ResponseRequest(BaseModel):
-    """POST /v1/responses. Fields this server does not serve are refused by name (problems())."""
+class ResponseRequest(SamplingExtras):
+    """POST /v1/responses, with vLLM's sampling extras as extra fields (as its server takes them).
+    Fields this server does not serve are refused by name (problems())."""
 
     model_config = ConfigDict(extra="ignore")
 
@@ -83,11 +84,12 @@ class ResponseRequest(BaseModel):
     previous_response_id: str | None = None
     conversation: Any = None
 
-    @model_validator(mode="after")
-    def _metadata(self) -> ResponseRequest:
-        if len(self.metadata) > 16 or any(len(k) > 64 or len(v) > 512 for k, v in self.metadata.items()):
-            raise ValueError("metadata: at most 16 keys of up to 64 characters, values up to 512")
-        return self
+    @field_validator("metadata")
+    @classmethod
+    def _metadata(cls, metadata: dict[str, str]) -> dict[str, str]:
+        if len(metadata) > 16 or any(len(k) > 64 or len(v) > 512 for k, v in metadata.items()):
+            raise ValueError("at most 16 keys of up to 64 characters, values up to 512")
+        return metadata
 
     def problems(self) -> list[tuple[str, str]]:
         out = [(name, f"{name}: not supported by this server") for name in ("tools", "previous_response_id",

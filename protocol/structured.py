@@ -1,4 +1,5 @@
-"""Structured-output requests checked before they are queued: a schema, regex or grammar the
+"""Structured-output requests read from their fields (OpenAI's `response_format`, vLLM's
+`structured_outputs`) and checked before they are queued: a schema, regex or grammar the
 decoding backend would refuse is the client's error (a 400 naming it), not a failed request
 minutes later on a worker.
 
@@ -9,14 +10,25 @@ against their meta-schema and regexes with Python's `re`, and grammars are left 
 
 from __future__ import annotations
 
+import functools
 import json
 import re
+from typing import Any
+
+from pydantic import ValidationError
 
 from sluice.protocol.messages import StructuredSpec
 
 
 def problem(spec: StructuredSpec) -> str | None:
-    """Why the engine could not decode with this constraint, or None."""
+    """Why the engine could not decode with this constraint, or None. Compiled once per
+    process for each distinct constraint (clients tend to send the same schema every time)."""
+    return _problem(spec.model_dump_json())
+
+
+@functools.lru_cache(maxsize=256)
+def _problem(spec_json: str) -> str | None:
+    spec = StructuredSpec.model_validate_json(spec_json)
     try:
         import xgrammar
     except ImportError:  # an api installed without vLLM
@@ -51,3 +63,33 @@ def _fallback(spec: StructuredSpec) -> str | None:
         except re.error as err:
             return str(err)
     return None
+
+
+def from_fields(param: str, fields: dict[str, Any]) -> StructuredSpec:
+    """The one constraint of a request's fields (StructuredSpec's names); ValueError("param: why")."""
+    if len(fields) != 1:
+        raise ValueError(f"{param}: exactly one of json, regex, choice, grammar, json_object")
+    try:
+        spec = StructuredSpec.model_validate(fields)
+    except ValidationError as err:
+        raise ValueError(f"{param}: {err.errors()[0]['msg']}") from None
+    if spec.json_schema is not None and not isinstance(fields.get("json_schema"), dict):
+        raise ValueError(f"{param}: a JSON schema must be an object")
+    if spec.choice is not None and (not spec.choice or any(not c for c in spec.choice)):
+        raise ValueError(f"{param}: choice must be a non-empty list of non-empty strings")
+    return spec
+
+
+def from_response_format(rf: dict[str, Any]) -> StructuredSpec | None:
+    """OpenAI's `response_format` as a constraint (None for text); ValueError("response_format: why")."""
+    kind = rf.get("type", "text")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return StructuredSpec(json_object=True)
+    if kind == "json_schema":
+        schema = (rf.get("json_schema") or {}).get("schema")
+        if not isinstance(schema, dict):
+            raise ValueError("response_format: json_schema.schema must be a JSON schema object")
+        return StructuredSpec(json_schema=schema)
+    raise ValueError(f"response_format: type {kind!r} is not one of text, json_object, json_schema")

@@ -23,6 +23,12 @@ from sluice.workers.engines.base import Engine, GenerationRequest
 log = logging.getLogger(__name__)
 
 
+# SamplingSpec fields a GenerationRequest takes as they are (the others depend on the row and
+# on what an earlier attempt delivered).
+_AS_SAMPLED = ("temperature", "top_p", "stop", "presence_penalty", "frequency_penalty", "top_k", "min_p",
+               "repetition_penalty", "ignore_eos", "stop_token_ids", "logprobs", "structured")
+
+
 @dataclass
 class Running:
     """A request the engine is working on."""
@@ -85,23 +91,12 @@ class Generation:
             await self._stream(run, row, result, GenerationRequest(
                 request_id=run.engine_ids[row],
                 prompt=self.engine.prompt_for(values),
+                **{name: getattr(s, name) for name in _AS_SAMPLED},
                 max_tokens=max_tokens - result.tokens,
-                temperature=s.temperature,
-                top_p=s.top_p,
-                stop=s.stop,
                 seed=s.seed + row,
-                presence_penalty=s.presence_penalty,
-                frequency_penalty=s.frequency_penalty,
-                top_k=s.top_k,
-                min_p=s.min_p,
-                repetition_penalty=s.repetition_penalty,
                 min_tokens=max(0, s.min_tokens - result.tokens),
-                ignore_eos=s.ignore_eos,
-                stop_token_ids=s.stop_token_ids,
-                logprobs=s.logprobs,
                 # Asked once: a resumed attempt's prompt holds the delivered tokens too.
                 prompt_logprobs=s.prompt_logprobs if result.prompt_logprobs is None else None,
-                structured=s.structured,
                 priority=msg.priority,
                 resume_token_ids=before.token_ids,
             ))

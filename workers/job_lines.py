@@ -144,7 +144,8 @@ def _response_line(index: int, custom_id: str, raw: Any, where: str, default_max
         return _unsupported(custom_id, where, bad)
     max_tokens = body.max_output_tokens or default_max_tokens
     sampling = SamplingSpec(max_tokens=max_tokens, seed=body.seed if body.seed is not None else index,
-                            temperature=body.temperature, top_p=body.top_p, structured=body.structured())
+                            temperature=body.temperature, top_p=body.top_p, structured=body.structured(),
+                            **body.extras())
     return Line(index, custom_id, body.model, {"messages": body.messages(), "max_tokens": max_tokens}, sampling,
                 Shape(chat=True), response=body.meta(0))
 

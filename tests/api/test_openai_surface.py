@@ -70,6 +70,13 @@ async def _queued(redis: Redis) -> bool:
                               "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
     ("/v1/chat/completions", {"messages": CHAT, "tools": TOOLS, "tool_choice": "required",
                               "response_format": {"type": "json_object"}}, "tool_choice"),
+    # a function's parameters the decoding backend cannot compile, named or among "required"
+    ("/v1/chat/completions", {"messages": CHAT, "tool_choice": "required", "tools": [
+        {"type": "function", "function": {"name": "bad", "parameters": {"type": "wat"}}}]}, "tools"),
+    ("/v1/chat/completions", {"messages": CHAT, "tool_choice": {"type": "function", "function": {"name": "bad"}},
+                              "tools": [{"type": "function", "function": {"name": "bad",
+                                                                          "parameters": {"$ref": "#/nope"}}}]},
+     "tools"),
 ])
 async def test_what_cannot_be_served_is_a_400_naming_the_field(api: httpx.AsyncClient, redis: Redis, path: str,
                                                                body: dict, param: str) -> None:

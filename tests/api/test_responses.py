@@ -18,7 +18,7 @@ from redis.asyncio import Redis
 from sluice.broker.connection import connect
 from sluice.config.model import load_models
 from sluice.config.settings import Settings
-from sluice.protocol.messages import DeltaEvent, FinalResult
+from sluice.protocol.messages import DeltaEvent, FinalResult, RequestMessage
 from sluice.protocol.responses import request_id
 from sluice.workers.engines.null import NullEngine
 from sluice.workers.worker import Worker
@@ -61,6 +61,16 @@ async def test_a_background_response_is_queued_then_polled_to_completion(
     assert done.status == "incomplete" and done.incomplete_details.reason == "max_output_tokens"
     assert done.output_text == " t0 t1 t2" and done.usage.output_tokens == 3
     assert done.metadata == {"job": "42"} and done.created_at == made.created_at
+
+
+async def test_vllm_sampling_extras_reach_the_entry(app: FastAPI, redis: Redis) -> None:
+    async with http_client(app) as api:
+        r = await api.post("/v1/responses", json={"model": MODEL, "input": "hi", "background": True,
+                                                  "ignore_eos": True, "min_tokens": 3, "top_k": 5})
+    assert r.status_code == 200, r.text
+    ((_, fields),) = await redis.xrange(KEYS.requests)
+    s = RequestMessage.from_fields(fields).sampling
+    assert (s.ignore_eos, s.min_tokens, s.top_k) == (True, 3, 5)
 
 
 async def test_a_foreground_response_answers_with_the_result(sdk: openai.AsyncOpenAI, null_worker: Worker) -> None:
@@ -125,6 +135,8 @@ async def test_unknown_ids_and_plain_requests_are_not_responses(sdk: openai.Asyn
     ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text"),
     ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "wat"}}}}, "text"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input"),
+    ({"metadata": {f"k{i}": "v" for i in range(17)}}, "metadata"),
+    ({"metadata": {"k": "v" * 513}}, "metadata"),
 ])
 async def test_what_cannot_be_served_is_a_400_naming_the_field(api: httpx.AsyncClient, redis: Redis,
                                                                body: dict, param: str) -> None:

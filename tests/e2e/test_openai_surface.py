@@ -156,7 +156,7 @@ def test_a_deployments_tool_call_parser_reads_the_calls(model_dir: Path) -> None
     call tools on its own, so the outputs are given)."""
     from transformers import AutoTokenizer
 
-    from sluice.workers.engines.tool_calls import known_parser, parse_tool_calls
+    from sluice.workers.engines.tool_calls import parse_tool_calls
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     messages, tools = [{"role": "user", "content": "Weather in Paris?"}], [WEATHER, TIME]
@@ -165,4 +165,3 @@ def test_a_deployments_tool_call_parser_reads_the_calls(model_dir: Path) -> None
     assert [c["function"] for c in calls] == [{"name": "get_weather", "arguments": '{"city": "Paris"}'}]
     assert content == "Let me check." and calls[0]["type"] == "function"
     assert parse_tool_calls(tokenizer, "hermes", "It is sunny.", messages, tools) is None
-    assert known_parser("hermes") and not known_parser("no-such-parser")

@@ -65,11 +65,27 @@ async def test_structured_output_through_text_format(sdk: openai.AsyncOpenAI) ->
 
 
 async def test_a_foreground_stream_that_disconnects_is_cancelled(sdk: openai.AsyncOpenAI) -> None:
+    # ~50 s of tokens unless cancelled (ignore_eos: the model cannot end it early)
     stream = await sdk.responses.create(model=MODEL, input="Count from 1 to 1000, separated by commas.",
-                                        stream=True, max_output_tokens=1500, temperature=0)
+                                        stream=True, max_output_tokens=1500, temperature=0,
+                                        extra_body={"ignore_eos": True})
     async for event in stream:
         if event.type == "response.output_text.delta":
             rid = event.item_id.replace("msg_", "resp_")
             break
     await stream.close()
     assert (await _final(sdk, rid, timeout_s=60)).status == "cancelled"
+
+
+async def test_a_background_stream_that_disconnects_runs_on(sdk: openai.AsyncOpenAI) -> None:
+    """Watching is not owning: the client that made a background response and streamed it can
+    go away; the response still completes (a foreground one is cancelled: above)."""
+    stream = await sdk.responses.create(model=MODEL, input="Count from 1 to 100.", stream=True, background=True,
+                                        max_output_tokens=24, temperature=0)
+    async for event in stream:
+        if event.type == "response.output_text.delta":
+            rid = event.item_id.replace("msg_", "resp_")
+            break
+    await stream.close()
+    done = await _final(sdk, rid, timeout_s=60)
+    assert done.status in ("completed", "incomplete") and done.usage.output_tokens > 1

@@ -6,16 +6,6 @@ from __future__ import annotations
 from typing import Any
 
 
-def known_parser(name: str) -> bool:
-    from vllm.tool_parsers import ToolParserManager
-
-    try:
-        ToolParserManager.get_tool_parser(name)
-    except KeyError:
-        return False
-    return True
-
-
 def parse_tool_calls(tokenizer: Any, parser: str, text: str, messages: list[dict[str, Any]],
                      tools: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], str | None] | None:
     """(tool calls in OpenAI's shape, the content beside them), or None when the output calls

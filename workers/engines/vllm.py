@@ -15,6 +15,10 @@ from sluice.workers.engines.tool_calls import parse_tool_calls
 
 log = logging.getLogger(__name__)
 
+# GenerationRequest fields that are SamplingParams keywords of the same name and meaning.
+_SAMPLING = ("max_tokens", "temperature", "top_p", "seed", "presence_penalty", "frequency_penalty", "top_k", "min_p",
+             "repetition_penalty", "min_tokens", "ignore_eos", "logprobs", "prompt_logprobs")
+
 # VLLMConfig fields handled here rather than passed through as AsyncEngineArgs of the same name.
 _NOT_ENGINE_ARGS = {"cpu_kvcache_space_gib", "extra_engine_args", "device_group"}
 
@@ -79,21 +83,9 @@ class VLLMEngine(Engine):
             structured = StructuredOutputsParams(json=spec.json_schema, regex=spec.regex, choice=spec.choice,
                                                  grammar=spec.grammar, json_object=spec.json_object or None)
         params = SamplingParams(
-            max_tokens=request.max_tokens,
-            temperature=request.temperature,
-            top_p=request.top_p,
+            **{name: getattr(request, name) for name in _SAMPLING},
             stop=request.stop or None,
-            seed=request.seed,
-            presence_penalty=request.presence_penalty,
-            frequency_penalty=request.frequency_penalty,
-            top_k=request.top_k,
-            min_p=request.min_p,
-            repetition_penalty=request.repetition_penalty,
-            min_tokens=request.min_tokens,
-            ignore_eos=request.ignore_eos,
             stop_token_ids=request.stop_token_ids or None,
-            logprobs=request.logprobs,
-            prompt_logprobs=request.prompt_logprobs,
             structured_outputs=structured,
             output_kind=RequestOutputKind.DELTA,
         )
