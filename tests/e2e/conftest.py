@@ -116,7 +116,18 @@ def null_stack(tmp: Path, models_yaml: str, model: str, *, password: str | None 
         assert local.redis is not None
         procs = {"worker": next(iter(local.workers.values())), "api": next(iter(local.apis.values())),
                  **({"jobs": local.jobs} if local.jobs else {})}
-        yield NullStack(local.url, local.redis, local.child_env, procs)
+        try:
+            yield NullStack(local.url, local.redis, local.child_env, procs)
+        finally:
+            # A process a test started in place of one it killed is not the local stack's:
+            # stop it here, or it outlives the run (a Celery worker retrying a gone Redis).
+            for proc in procs.values():
+                if proc.poll() is None and proc not in local.processes:
+                    proc.terminate()
+                    try:
+                        proc.wait(30)
+                    except subprocess.TimeoutExpired:
+                        proc.kill()
 
 
 async def submit(client: httpx.AsyncClient, model: str = MODEL, **body) -> str:
