@@ -10,6 +10,7 @@ up: install
 	$(VENV)/bin/sluice up
 
 test: install
+	@bash scripts/test-deps.sh
 	$(VENV)/bin/python -m pytest
 
 # The suite under coverage (api and worker processes included), then the line report.

@@ -63,6 +63,7 @@ class WorkerInfo:
     started_at: float
     heartbeat_at: float
     state: str = "running"  # running | draining
+    metrics_url: str | None = None  # its Prometheus endpoint, when it serves one
 
 
 class WorkerRegistry:

@@ -11,6 +11,7 @@ import typer
 
 from sluice.bench.app import bench_app
 from sluice.cli.batch import batch_app
+from sluice.cli.dead_letters import dlq_app
 from sluice.cli.keys import keys_app
 from sluice.config.settings import Settings
 
@@ -18,7 +19,6 @@ app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_
                   help="Queue-fronted LLM serving on Redis and vLLM.")
 models_app = typer.Typer(no_args_is_help=True, help="Prepare and inspect model deployments.")
 app.add_typer(models_app, name="models")
-dlq_app = typer.Typer(no_args_is_help=True, help="Requests that failed every delivery: list, retry, drop.")
 app.add_typer(dlq_app, name="dlq")
 app.add_typer(bench_app, name="bench")
 app.add_typer(batch_app, name="batch")
@@ -90,6 +90,10 @@ def worker(
     _logging()
     if engine not in ("vllm", "null"):
         raise typer.BadParameter("--engine must be vllm or null")
+    if os.environ.get("SLUICE_WORKER_CPUS"):  # `sluice up` gave this replica its own cores
+        from sluice.cli.replicas import pin_to_cpus
+
+        pin_to_cpus(os.environ["SLUICE_WORKER_CPUS"])
     settings = _settings(redis_url=redis_url, models_file=models_file)
     asyncio.run(serve(settings, model, name, engine, metrics_port))  # type: ignore[arg-type]
 
@@ -110,13 +114,27 @@ def up(
     host: str = typer.Option("127.0.0.1", "--host"),
     models_file: Path | None = ModelsFile,
     allow_anonymous: bool = AllowAnonymous,
+    verbose: bool = typer.Option(False, "--verbose", "-v", help="Show every process's log here too."),
+    from_oci: str | None = typer.Option(None, "--from", metavar="oci://REGISTRY/REPO:TAG",
+                                        help="Serve a model published with `sluice publish`."),
 ) -> None:
-    """The embedded default: Redis (local unless configured), the api, one worker for the default model."""
+    """The embedded default: Redis (local unless configured), the api, every model's worker
+    replicas and the jobs worker."""
     from sluice.cli.up import run_up
 
     _logging()
+    if from_oci:
+        from sluice.cli.publish import PublishError, pull
+
+        if models_file:
+            raise typer.BadParameter("--from brings its own models file: leave --models-file out")
+        try:
+            models_file = pull(from_oci, _settings().data_dir / "oci")
+        except PublishError as err:
+            typer.echo(f"error: {err}", err=True)
+            raise typer.Exit(2) from None
     raise typer.Exit(run_up(redis_url or os.environ.get("SLUICE_REDIS_URL"), host, port, models_file,
-                            allow_anonymous=allow_anonymous))
+                            allow_anonymous=allow_anonymous, verbose=verbose))
 
 
 @models_app.command("prepare")
@@ -178,63 +196,51 @@ def models_list(models_file: Path | None = ModelsFile) -> None:
         typer.echo(f"{m.name}\t{m.framework}\t{m.mode.value}\t{m.path}")
 
 
-def _dead_letters(model: str, redis_url: str | None, action):
-    from sluice.broker.connection import connect
-    from sluice.broker.dead_letters import DeadLetters
+@app.command()
+def publish(
+    model: str = typer.Argument(..., help="A model of the models file."),
+    target: str = typer.Argument(..., metavar="REGISTRY/REPO:TAG", help="e.g. registry:5000/sluice/m:v1"),
+    models_file: Path | None = ModelsFile,
+    plain_http: bool | None = typer.Option(None, "--plain-http/--tls",
+                                           help="HTTP without TLS (default: only for a registry on loopback)."),
+) -> None:
+    """Push a model (its prepared files, deployment, engine and batching configuration, schemas
+    and the Sluice version) to an OCI registry as one artifact; `sluice up --from oci://...`
+    serves it elsewhere. Credentials: the Docker config or SLUICE_REGISTRY_USERNAME/PASSWORD."""
+    from sluice.cli.publish import PublishError
+    from sluice.cli.publish import publish as push
+    from sluice.config.model import load_models
 
-    settings = _settings(redis_url=redis_url)
-
-    async def run():
-        redis = connect(settings.redis_url, name="sluice-cli")
-        try:
-            return await action(DeadLetters(redis, model, status_ttl_s=settings.status_ttl_s),
-                                await _bound(redis, model, settings))
-        finally:
-            await redis.aclose()
-
-    return asyncio.run(run())
-
-
-async def _bound(redis, model: str, settings) -> int:
-    """The model's queue bound (a retried dead letter is admitted within it like any request)."""
-    from sluice.broker.registry import ModelRegistry
-
-    deployed = await ModelRegistry(redis).get(model)
-    return (deployed.max_queued if deployed else None) or settings.max_queued
-
-
-def _selection(ids: list[str] | None, all_: bool) -> list[str] | None:
-    if bool(ids) == all_:
-        raise typer.BadParameter("name request ids, or --all")
-    return None if all_ else ids
+    _logging()
+    settings = _settings(models_file=models_file)
+    found = {m.name: m for m in load_models(settings.models_file)}
+    if model not in found:
+        typer.echo(f"error: no model {model!r} in the models file ({', '.join(found)})", err=True)
+        raise typer.Exit(2)
+    try:
+        digest = push(found[model], target, settings.cache_dir, plain_http=plain_http)
+    except PublishError as err:
+        typer.echo(f"error: {err}", err=True)
+        raise typer.Exit(1) from None
+    typer.echo(f"pushed {model} to {target.removeprefix('oci://')} ({digest})")
 
 
-@dlq_app.command("list")
-def dlq_list(model: str = typer.Option(..., "--model"), redis_url: str | None = RedisUrl) -> None:
-    """The dead-letter stream of a model: request id, deliveries, last error."""
-    letters = _dead_letters(model, redis_url, lambda d, _: d.list())
-    for d in letters:
-        typer.echo(f"{d.request_id}\t{d.attempts}\t{d.error}")
-    if not letters:
-        typer.echo(f"no dead letters for {model}", err=True)
+@app.command()
+def compose(
+    models_file: Path | None = ModelsFile,
+    output: Path | None = typer.Option(None, "--output", "-o", help="Write the file here (default: stdout)."),
+    cpu: bool = typer.Option(False, "--cpu", help="The CPU-only variant (a model asking for GPUs is an error)."),
+) -> None:
+    """Write a compose file: redis, the api, jobs and a worker service per model of the models file,
+    with the replicas, CPU/memory limits and GPUs of its `deployment`."""
+    from sluice.cli.compose import write_compose
+    from sluice.config.model import ConfigError
 
-
-@dlq_app.command("retry")
-def dlq_retry(ids: list[str] | None = typer.Argument(None), all_: bool = typer.Option(False, "--all"),
-              model: str = typer.Option(..., "--model"), redis_url: str | None = RedisUrl) -> None:
-    """Put dead-lettered requests back on their queue."""
-    chosen = _selection(ids, all_)
-    done = _dead_letters(model, redis_url, lambda d, bound: d.retry(chosen, max_queued=bound))
-    typer.echo(f"retried {len(done)}: {' '.join(done)}")
-
-
-@dlq_app.command("drop")
-def dlq_drop(ids: list[str] | None = typer.Argument(None), all_: bool = typer.Option(False, "--all"),
-             model: str = typer.Option(..., "--model"), redis_url: str | None = RedisUrl) -> None:
-    """Delete dead-lettered requests for good."""
-    chosen = _selection(ids, all_)
-    done = _dead_letters(model, redis_url, lambda d, _: d.drop(chosen))
-    typer.echo(f"dropped {len(done)}: {' '.join(done)}")
+    try:
+        typer.echo(write_compose(_settings(models_file=models_file).models_file, output, cpu=cpu), nl=False)
+    except ConfigError as err:
+        typer.echo(f"error: {err}", err=True)
+        raise typer.Exit(2) from None
 
 
 def main() -> None:

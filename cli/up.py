@@ -1,4 +1,10 @@
-"""`sluice up`: Redis (local unless configured), the api and one worker, stopped together."""
+"""`sluice up`: Redis (local unless configured), the api, every model's worker replicas and
+the jobs worker, stopped together.
+
+The console shows Sluice's own progress in a few lines; each process writes its detail (the
+engine's load, the access log) to a file under <data dir>/logs, or to the console with
+--verbose.
+"""
 
 from __future__ import annotations
 
@@ -7,10 +13,13 @@ import signal
 import time
 from pathlib import Path
 
+import httpx
+
 from sluice.api.auth import anonymous_listen_error
 from sluice.cli.processes import free_port
+from sluice.cli.replicas import DeploymentError, Replica, plan_replicas
 from sluice.cli.stack import LocalStack
-from sluice.config.model import DEFAULT_MODEL_PATH, load_models
+from sluice.config.model import DEFAULT_MODEL_PATH, ModelConfig, load_models
 from sluice.config.settings import Settings
 
 log = logging.getLogger("sluice.up")
@@ -25,8 +34,70 @@ def _reachable(url: str) -> bool:
         return False
 
 
+def _prepare(models: list[ModelConfig], settings: Settings) -> bool:
+    if not any(m.path == DEFAULT_MODEL_PATH for m in models):
+        return True
+    from sluice.workers.model_prep import ModelPrepError, is_prepared, prepare_default_model
+
+    if not is_prepared(settings.cache_dir):
+        log.info("preparing the default model (once)")
+    try:
+        prepare_default_model(settings.cache_dir)
+    except ModelPrepError as err:
+        log.error("%s", err)
+        return False
+    return True
+
+
+def _live_workers(redis_url: str) -> dict[str, dict]:
+    import json
+
+    import redis
+
+    from sluice.broker.keys import WORKERS
+
+    try:
+        with redis.Redis.from_url(redis_url, socket_timeout=3, decode_responses=True) as r:
+            beats = r.hgetall(WORKERS)
+    except (redis.RedisError, OSError):
+        return {}
+    now = time.time()
+    return {k: info for k, v in beats.items() if now - (info := json.loads(v)).get("heartbeat_at", 0) < 10}
+
+
+def _wait_ready(stack: LocalStack, replicas: list[Replica], stop: dict, timeout_s: float = 900) -> bool:
+    """Until every replica has registered and the api answers; says so for each worker."""
+    t0 = time.monotonic()
+    seen: set[str] = set()
+    api_ok = False
+    while time.monotonic() - t0 < timeout_s:
+        if stop["requested"]:
+            return False
+        for p in stack.processes:
+            if p.poll() is not None:
+                raise RuntimeError(f"{' '.join(map(str, p.args[3:]))} exited with {p.returncode} while starting; "
+                                   f"its log is in {stack.logs_dir or stack.data_dir / 'logs'}")
+        live = _live_workers(stack.redis_url or "")
+        for r in replicas:
+            if r.name in live and r.name not in seen:
+                seen.add(r.name)
+                url = live[r.name].get("metrics_url")
+                log.info("worker %s ready (%.0fs)%s", r.name, time.monotonic() - t0,
+                         f"; metrics at {url}" if url else "")
+        if not api_ok:
+            try:
+                api_ok = httpx.get(f"{stack.url}/healthz", timeout=2).status_code == 200
+            except httpx.HTTPError:
+                pass
+        if api_ok and len(seen) == len(replicas):
+            return True
+        time.sleep(0.5)
+    raise TimeoutError(f"not ready after {timeout_s:.0f}s: waiting for "
+                       f"{', '.join(r.name for r in replicas if r.name not in seen) or 'the api'}")
+
+
 def run_up(redis_url: str | None, host: str, port: int, models_file: Path | None, *,
-           allow_anonymous: bool = False) -> int:
+           allow_anonymous: bool = False, verbose: bool = False) -> int:
     t0 = time.monotonic()
     settings = Settings(**({"models_file": models_file} if models_file else {}))
     # The api would refuse too, but only after Redis and the model were started for nothing.
@@ -35,23 +106,21 @@ def run_up(redis_url: str | None, host: str, port: int, models_file: Path | None
         log.error("%s", refused)
         return 2
     models = load_models(settings.models_file)
-    default = models[0]
+    try:
+        replicas = plan_replicas(models)
+    except DeploymentError as err:
+        log.error("%s", err)
+        return 2
     if redis_url is not None and not _reachable(redis_url):
         log.error("no Redis answers at %s (from --redis-url or SLUICE_REDIS_URL); leave both unset "
                   "to run a local one", redis_url)
         return 2
-    if any(m.path == DEFAULT_MODEL_PATH for m in models):
-        from sluice.workers.model_prep import ModelPrepError, is_prepared, prepare_default_model
-
-        if not is_prepared(settings.cache_dir):
-            log.info("preparing the default model (once)")
-        try:
-            prepare_default_model(settings.cache_dir)
-        except ModelPrepError as err:
-            log.error("%s", err)
-            return 2
-
-    stack = LocalStack(settings.data_dir, models_file=models_file, redis_url=redis_url, output="inherit", host=host,
+    if not _prepare(models, settings):
+        return 2
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # the readiness polls
+    logs = settings.data_dir / "logs"
+    stack = LocalStack(settings.data_dir, models_file=models_file, redis_url=redis_url, host=host,
+                       output="inherit" if verbose else "logs", logs_dir=logs,
                        strict=settings.durability == "strict", env={"SLUICE_DATA_DIR": str(settings.data_dir)},
                        redis_port=free_port(6380))
     stop = {"requested": False}
@@ -65,12 +134,24 @@ def run_up(redis_url: str | None, host: str, port: int, models_file: Path | None
         stack.start_redis()
         if redis_url is None and stack.redis is not None:
             log.info("started a local redis-server on %s (AOF in %s)", stack.redis_url, stack.redis.data_dir)
-        stack.start_worker(default.name)
+        if not verbose:
+            log.info("process logs in %s (--verbose shows them here)", logs)
+        metrics_host = "127.0.0.1" if host in ("127.0.0.1", "localhost", "::1") else "0.0.0.0"
+        for r in replicas:
+            mport = free_port()
+            where = ", ".join(filter(None, [r.gpus and f"GPUs {','.join(r.gpus)}",
+                                            r.cpus and f"cores {','.join(map(str, r.cpus))}"]))
+            log.info("starting worker %s for %s%s; its engine loads now", r.name, r.model,
+                     f" on {where}" if where else "")
+            stack.start_worker(r.model, r.name, SLUICE_WORKER_METRICS_PORT=str(mport),
+                               SLUICE_WORKER_METRICS_HOST=metrics_host,
+                               SLUICE_WORKER_METRICS_URL=f"http://127.0.0.1:{mport}/metrics", **r.env)
         stack.start_jobs()
-        stack.start_api(port, *(["--allow-anonymous"] if allow_anonymous else []))
-        if stack.wait_ready(timeout_s=900, cancelled=lambda: stop["requested"]):
-            log.info("Sluice is up at %s serving %s (%.1fs); Ctrl-C stops it", stack.url, default.name,
-                     time.monotonic() - t0)
+        stack.start_api(port, *(["--allow-anonymous"] if allow_anonymous else []), log="api")
+        if _wait_ready(stack, replicas, stop):
+            served = ", ".join(f"{m.name} x{m.deployment.replicas}" for m in models)
+            log.info("Sluice is up at %s serving %s (%.1fs); workers and their metrics: %s/v1/workers; "
+                     "Ctrl-C stops it", stack.url, served, time.monotonic() - t0, stack.url)
         while not stop["requested"] and all(c.poll() is None for c in stack.processes):
             time.sleep(0.2)
         return 0 if stop["requested"] else 1
@@ -79,4 +160,4 @@ def run_up(redis_url: str | None, host: str, port: int, models_file: Path | None
         return 1
     finally:
         log.info("stopping")
-        stack.stop()  # the worker first: it drains its requests
+        stack.stop()  # the workers first: they drain their requests

@@ -16,6 +16,7 @@ from sluice.config.batching import (
     DynamicBatchingConfig,
     SingleBatchConfig,
 )
+from sluice.config.deployment import DeploymentConfig
 from sluice.config.engine import VLLMConfig
 from sluice.config.schema import DEFAULT_INPUT_SCHEMA, DEFAULT_OUTPUT_SCHEMA, ArrowField
 
@@ -62,6 +63,9 @@ class ModelConfig(BaseModel):
     # One of vLLM's tool-call parsers (`hermes`, `llama3_json`, ...): chat requests with
     # `tool_choice: "auto"` are then answered with the calls it finds in the output.
     tool_call_parser: str | None = Field(default=None, pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    # Replicas and what each gets: read by `sluice up`, `sluice compose` and `sluice publish`;
+    # not part of the stored deployment (scaling is not a new version).
+    deployment: DeploymentConfig = Field(default_factory=DeploymentConfig)
 
     @model_validator(mode="after")
     def _one_batching_mode(self) -> ModelConfig:
@@ -105,7 +109,7 @@ class ModelConfig(BaseModel):
 
     def deployment_key(self) -> dict[str, Any]:
         """What makes two deployments the same (everything but the version)."""
-        return self.model_dump(mode="json", exclude={"version"})
+        return self.model_dump(mode="json", exclude={"version", "deployment"})
 
 
 def _format_error(err: ValidationError, prefix: str) -> str:

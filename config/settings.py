@@ -67,6 +67,10 @@ class Settings(BaseSettings):
     # A log record over this many bytes keeps only the start of its prompt and output, so the
     # log holds at most about log_max_len x log_max_record_bytes per model.
     log_max_record_bytes: int = Field(default=4096, ge=512)
+    # Where the worker's --metrics-port listens, and the URL it advertises in /v1/workers
+    # (default http://<host name>:<port>/metrics: the address other hosts reach it by).
+    worker_metrics_host: str = "0.0.0.0"
+    worker_metrics_url: str | None = None
 
     # Files and bulk jobs
     files_dir: Path | None = None  # default: <data_dir>/files

@@ -24,8 +24,8 @@ RECLAIMS = Counter("sluice_reclaims", "Entries taken over from workers whose lea
 DEAD_LETTERS = Counter("sluice_dead_letters", "Requests moved to the dead-letter stream", ["model"])
 
 
-def serve(port: int) -> None:
-    start_http_server(port)
+def serve(port: int, host: str = "0.0.0.0") -> None:
+    start_http_server(port, addr=host)
 
 
 def observe_final(model: str, final: FinalResult) -> None:

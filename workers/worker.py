@@ -34,8 +34,10 @@ log = logging.getLogger(__name__)
 
 
 class Worker:
-    def __init__(self, settings: Settings, model: ModelConfig, engine: Engine, redis: Redis, name: str):
+    def __init__(self, settings: Settings, model: ModelConfig, engine: Engine, redis: Redis, name: str, *,
+                 metrics_url: str | None = None):
         self.settings = settings
+        self.metrics_url = metrics_url
         self.model = model
         self.engine = engine
         self.redis = redis
@@ -230,7 +232,7 @@ class Worker:
             mode=self.model.mode.value, pid=os.getpid(), host=socket.gethostname(),
             in_flight=len(self.running), capacity=self.policy.capacity,
             started_at=self.started_at, heartbeat_at=0.0,
-            state="draining" if self.stopping.is_set() else "running",
+            state="draining" if self.stopping.is_set() else "running", metrics_url=self.metrics_url,
         ))
         await self.consumer.refresh_name(self.settings.worker_ttl_s)
         await self._check_version()

@@ -1,0 +1,75 @@
+"""`sluice dlq`: requests that failed every delivery: list, retry, drop."""
+
+from __future__ import annotations
+
+import asyncio
+
+import typer
+
+from sluice.config.settings import Settings
+
+dlq_app = typer.Typer(no_args_is_help=True, help="Requests that failed every delivery: list, retry, drop.")
+RedisUrl = typer.Option(None, "--redis-url", envvar="SLUICE_REDIS_URL", help="Redis URL (redis:// or rediss://).")
+
+
+def _settings(**overrides) -> Settings:
+    return Settings(**{k: v for k, v in overrides.items() if v is not None})
+
+
+def _dead_letters(model: str, redis_url: str | None, action):
+    from sluice.broker.connection import connect
+    from sluice.broker.dead_letters import DeadLetters
+
+    settings = _settings(redis_url=redis_url)
+
+    async def run():
+        redis = connect(settings.redis_url, name="sluice-cli")
+        try:
+            return await action(DeadLetters(redis, model, status_ttl_s=settings.status_ttl_s),
+                                await _bound(redis, model, settings))
+        finally:
+            await redis.aclose()
+
+    return asyncio.run(run())
+
+
+async def _bound(redis, model: str, settings) -> int:
+    """The model's queue bound (a retried dead letter is admitted within it like any request)."""
+    from sluice.broker.registry import ModelRegistry
+
+    deployed = await ModelRegistry(redis).get(model)
+    return (deployed.max_queued if deployed else None) or settings.max_queued
+
+
+def _selection(ids: list[str] | None, all_: bool) -> list[str] | None:
+    if bool(ids) == all_:
+        raise typer.BadParameter("name request ids, or --all")
+    return None if all_ else ids
+
+
+@dlq_app.command("list")
+def dlq_list(model: str = typer.Option(..., "--model"), redis_url: str | None = RedisUrl) -> None:
+    """The dead-letter stream of a model: request id, deliveries, last error."""
+    letters = _dead_letters(model, redis_url, lambda d, _: d.list())
+    for d in letters:
+        typer.echo(f"{d.request_id}\t{d.attempts}\t{d.error}")
+    if not letters:
+        typer.echo(f"no dead letters for {model}", err=True)
+
+
+@dlq_app.command("retry")
+def dlq_retry(ids: list[str] | None = typer.Argument(None), all_: bool = typer.Option(False, "--all"),
+              model: str = typer.Option(..., "--model"), redis_url: str | None = RedisUrl) -> None:
+    """Put dead-lettered requests back on their queue."""
+    chosen = _selection(ids, all_)
+    done = _dead_letters(model, redis_url, lambda d, bound: d.retry(chosen, max_queued=bound))
+    typer.echo(f"retried {len(done)}: {' '.join(done)}")
+
+
+@dlq_app.command("drop")
+def dlq_drop(ids: list[str] | None = typer.Argument(None), all_: bool = typer.Option(False, "--all"),
+             model: str = typer.Option(..., "--model"), redis_url: str | None = RedisUrl) -> None:
+    """Delete dead-lettered requests for good."""
+    chosen = _selection(ids, all_)
+    done = _dead_letters(model, redis_url, lambda d, _: d.drop(chosen))
+    typer.echo(f"dropped {len(done)}: {' '.join(done)}")
