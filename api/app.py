@@ -7,7 +7,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import Depends, FastAPI
 
-from sluice.api import batches, errors, health, requests, responses, tokenize
+from sluice.api import batches, dashboard, errors, health, requests, responses, tokenize
 from sluice.api import models as model_routes
 from sluice.api import openai as openai_routes
 from sluice.api.auth import require_key
@@ -35,6 +35,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                        overrides={"/v1/files": settings.max_file_bytes})
     errors.install(app)
     app.include_router(health.router)
+    app.include_router(dashboard.router)  # the page needs no key; its data route is admin only
     protected = [Depends(require_key)]
     app.include_router(requests.router, dependencies=protected)
     app.include_router(model_routes.router, dependencies=protected)

@@ -38,12 +38,20 @@ class DeadLetters:
 
     async def list(self, count: int = 1000) -> list[DeadLetter]:
         entries = await self.redis.xrange(self.keys.dead_letters, count=count)
-        return [
-            DeadLetter(eid, f.get("id", ""), f.get("error", ""), int(f.get("attempts", 0)),
-                       float(f.get("failed_at", 0)), f.get("stream", self.keys.requests), _message(f.get("data", "")),
-                       f.get("data", ""))
-            for eid, f in entries
-        ]
+        return [self._letter(eid, f) for eid, f in entries]
+
+    async def recent(self, count: int = 10) -> tuple[int, list[DeadLetter]]:
+        """How many letters the stream holds, and the newest `count` of them, newest first."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.xlen(self.keys.dead_letters)
+            pipe.xrevrange(self.keys.dead_letters, count=count)
+            total, entries = await pipe.execute()
+        return total, [self._letter(eid, f) for eid, f in entries]
+
+    def _letter(self, eid: str, f: dict[str, str]) -> DeadLetter:
+        return DeadLetter(eid, f.get("id", ""), f.get("error", ""), int(f.get("attempts", 0)),
+                          float(f.get("failed_at", 0)), f.get("stream", self.keys.requests),
+                          _message(f.get("data", "")), f.get("data", ""))
 
     async def _select(self, request_ids: list[str] | None) -> list[DeadLetter]:
         letters = await self.list(count=100_000)

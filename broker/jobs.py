@@ -89,6 +89,22 @@ class JobStore:
                 out.append(_object(raw))
         return out
 
+    async def active(self, limit: int = 20) -> list[dict[str, Any]]:
+        """Unfinished batches, newest first, for the dashboard: bounded reads (a batch is final
+        by the end of its window, so only batches created within it are looked at)."""
+        since = int(time.time()) - _WINDOW_S - 3600
+        ids = await self.redis.zrevrangebyscore(_INDEX, "+inf", since, start=0, num=1000)
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for job_id in ids:
+                pipe.hget(_key(job_id), "status")
+            states = await pipe.execute()
+        running = [i for i, st in zip(ids, states) if st and not BatchState(st).final][:limit]
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for job_id in running:
+                pipe.hgetall(_key(job_id))
+            found = await pipe.execute()
+        return [_object(raw) for raw in found if raw]
+
     async def unfinished(self) -> list[str]:
         ids = await self.redis.zrange(_INDEX, 0, -1)
         states = [await self.redis.hget(_key(i), "status") for i in ids]

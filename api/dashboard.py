@@ -1,0 +1,111 @@
+"""The operator's live page: `GET /dashboard` (a static page, no key) polls `GET /v1/dashboard`
+(admin only when keys are set: it shows every caller's failures, host names and pids).
+
+Everything comes from Redis, so every api replica shows the same: per model its queues, live
+workers, throughput and latency minute by minute (api/activity.py), recent failures and dead
+letters; and the bulk jobs being run. Each read is bounded, whatever the traffic (the inference
+log is read in samples, see api/activity.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import hashlib
+import re
+import time
+from pathlib import Path
+from typing import Any
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import HTMLResponse
+
+from sluice.api.activity import ActivityReader
+from sluice.api.auth import require_admin
+from sluice.api.state import ApiState, state
+from sluice.broker.dead_letters import DeadLetters
+from sluice.broker.registry import WorkerInfo
+from sluice.config.model import ModelConfig
+
+router = APIRouter(tags=["dashboard"])
+
+MINUTES = 10  # throughput and latency minute by minute, this many
+DEAD_LETTERS_SHOWN = 5
+BATCHES_SHOWN = 20
+
+PAGE = Path(__file__).with_name("dashboard.html").read_text(encoding="utf-8")
+
+
+def _csp(page: str) -> str:
+    """Only the page's own inline script and style run; it talks to its own origin only."""
+    def hashes(tag: str) -> str:
+        found = re.findall(rf"<{tag}>(.*?)</{tag}>", page, re.S)
+        return " ".join(f"'sha256-{base64.b64encode(hashlib.sha256(s.encode()).digest()).decode()}'" for s in found)
+    return (f"default-src 'none'; script-src {hashes('script')}; style-src {hashes('style')}; "
+            "connect-src 'self'; img-src data:; base-uri 'none'; form-action 'none'; frame-ancestors 'none'")
+
+
+HEADERS = {"Content-Security-Policy": _csp(PAGE), "X-Content-Type-Options": "nosniff",
+           "Referrer-Policy": "no-referrer", "Cache-Control": "no-cache"}
+
+
+@router.get("/dashboard", include_in_schema=False)
+async def page() -> HTMLResponse:
+    return HTMLResponse(PAGE, headers=HEADERS)
+
+
+def _worker(w: WorkerInfo, now: float) -> dict[str, Any]:
+    return {"name": w.name, "model": w.model, "version": w.version, "mode": w.mode, "state": w.state,
+            "host": w.host, "pid": w.pid, "in_flight": w.in_flight, "capacity": w.capacity,
+            "heartbeat_age_s": round(max(now - w.heartbeat_at, 0.0), 1),
+            "uptime_s": round(max(now - w.started_at, 0.0), 1), "metrics_url": w.metrics_url}
+
+
+def _reader(request: Request, s: ApiState) -> ActivityReader:
+    """The api process's reader: its cache of minutes that are over is shared by every viewer."""
+    reader: ActivityReader | None = getattr(request.app.state, "dashboard_activity", None)
+    if reader is None:
+        reader = request.app.state.dashboard_activity = ActivityReader(s.redis, minutes=MINUTES)
+    return reader
+
+
+async def _model(request: Request, s: ApiState, m: ModelConfig, live: list[WorkerInfo], now: float) -> dict[str, Any]:
+    letters = DeadLetters(s.redis, m.name)
+    queue, (dead, newest), found = await asyncio.gather(
+        s.admission.queue_stats(m.name), letters.recent(DEAD_LETTERS_SHOWN), _reader(request, s).read(m.name, now))
+    mine = [w for w in live if w.model == m.name]
+    return {
+        "name": m.name, "version": m.version, "mode": m.mode.value,
+        "max_queued": m.max_queued or s.settings.max_queued,
+        "queue": {lane: {"depth": depth, "oldest_age_s": round(age, 1)} for lane, (depth, age) in queue.items()},
+        "in_flight": sum(w.in_flight for w in mine), "capacity": sum(w.capacity for w in mine),
+        "workers": [_worker(w, now) for w in mine],
+        "activity": {k: v for k, v in found.items() if k != "recent_failures"},
+        "recent_failures": found["recent_failures"],
+        "dead_letters": {"count": dead, "recent": [
+            {"request_id": d.request_id, "error": d.error[:500], "attempts": d.attempts, "failed_at": d.failed_at,
+             "lane": "bulk" if d.stream == letters.keys.bulk else "interactive"} for d in newest]},
+    }
+
+
+def _batch(b: dict[str, Any]) -> dict[str, Any]:
+    counts = b["request_counts"]
+    done = counts["completed"] + counts["failed"]
+    return {"id": b["id"], "status": b["status"], "endpoint": b["endpoint"], "created_at": b["created_at"],
+            "request_counts": counts, "output_tokens": b["usage"]["output_tokens"],
+            "progress": round(done / counts["total"], 4) if counts["total"] else None}
+
+
+@router.get("/v1/dashboard", tags=["admin"], dependencies=[Depends(require_admin)])
+async def dashboard(request: Request, s: ApiState = Depends(state)) -> dict[str, Any]:
+    """Everything the dashboard page shows, read from Redis (the same from every api replica)."""
+    now = time.time()
+    deployed, live, batches = await asyncio.gather(
+        s.deployments.all(fresh=True), s.workers.live(s.settings.worker_ttl_s), s.jobs.active(BATCHES_SHOWN))
+    models = await asyncio.gather(*(_model(request, s, m, live, now) for m in deployed.values()))
+    return {
+        "generated_at": round(now, 3), "minutes": MINUTES,
+        "models": list(models),
+        "other_workers": [_worker(w, now) for w in live if w.model not in deployed],
+        "batches": [_batch(b) for b in batches],
+    }
