@@ -109,7 +109,7 @@ def sluice_sender(url: str, model: str | None) -> Send:
 
     async def send(request: LoadRequest) -> Record:
         rec = Record(start=time.perf_counter())
-        body = {"prompt": request.prompt, "max_tokens": request.max_tokens, "temperature": 0.0}
+        body = {"prompt": request.prompt, "max_tokens": request.max_tokens, "temperature": 0.0, "ignore_eos": True}
         if model:
             body["model"] = model
         r = await client.post("/v1/requests", json=body)
@@ -149,7 +149,7 @@ def openai_sender(url: str, model: str, api_key: str | None = None) -> Send:
     async def send(request: LoadRequest) -> Record:
         rec = Record(start=time.perf_counter())
         body = {"model": model, "prompt": request.prompt, "max_tokens": request.max_tokens, "temperature": 0.0,
-                "stream": True, "stream_options": {"include_usage": True}}
+                "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
         async with client.stream("POST", "/v1/completions", json=body) as response:
             if response.status_code != 200:
                 rec.error, rec.end = f"{response.status_code}", time.perf_counter()
@@ -182,7 +182,8 @@ def engine_sender(engine) -> Send:
 
     async def send(request: LoadRequest) -> Record:
         rec = Record(start=time.perf_counter())
-        params = SamplingParams(max_tokens=request.max_tokens, temperature=0.0, output_kind=RequestOutputKind.DELTA)
+        params = SamplingParams(max_tokens=request.max_tokens, temperature=0.0, ignore_eos=True,
+                                output_kind=RequestOutputKind.DELTA)
         async for out in engine.generate(request.prompt, params, request_id=f"bench-{next(counter)}"):
             ids = out.outputs[0].token_ids
             if ids:

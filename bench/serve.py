@@ -39,6 +39,38 @@ async def _levels_run(send, levels: list[float], by: str, n: int, words, outputs
     return results
 
 
+def _vllm_levels(settings: Settings, model: str | None, name: str, *args) -> list[dict]:
+    """The same load against `vllm serve` with the deployment's engine options (its own port and
+    process; nothing of Sluice runs meanwhile)."""
+    import tempfile
+
+    from sluice.bench.vllm_server import vllm_serve
+    from sluice.cli.processes import free_port
+    from sluice.workers.engines.vllm import engine_args
+    from sluice.workers.model_prep import resolve_model_path
+
+    models = load_models(settings.models_file)
+    m = next((x for x in models if x.name == model), models[0])
+    kwargs, _ = engine_args(resolve_model_path(m.path, settings.cache_dir), m.framework_config)
+    log = Path(tempfile.gettempdir()) / f"sluice-bench-vllm-serve-{os.getpid()}.log"
+    with vllm_serve(kwargs.pop("model"), kwargs, served_name=name, port=free_port(), log=log) as url:
+        return asyncio.run(_levels_run(openai_sender(url, name), *args))
+
+
+def _ratios(by: str, ours: list[dict], theirs: list[dict]) -> list[dict]:
+    def delta(metric: str, p: str) -> float | None:
+        a, b = s[metric][p], t[metric][p]
+        return None if a is None or b is None else a - b
+
+    out = []
+    for s, t in zip(ours, theirs):
+        out.append({by: s[by], "throughput_ratio": s["output_token_throughput"] / t["output_token_throughput"],
+                    "goodput": [s["goodput"], t["goodput"]],
+                    **{f"added_{m}_{p}_s": delta(m, p)
+                       for m in ("ttft", "tpot", "itl", "e2e") for p in ("p50", "p99")}})
+    return out
+
+
 async def _engine_levels(settings: Settings, model: str | None, *args) -> list[dict]:
     _, engine = direct_engine(settings, model)
     try:
@@ -49,6 +81,10 @@ async def _engine_levels(settings: Settings, model: str | None, *args) -> list[d
 
 def _fmt(x: float | None, scale: float = 1.0) -> str:
     return "-" if x is None else f"{x * scale:.0f}" if scale != 1.0 else f"{x:.2f}"
+
+
+def _ms(x: float | None) -> str:
+    return "-" if x is None else f"{x * 1e3:+.0f} ms"
 
 
 def _table(title: str, by: str, runs: dict[str, list[dict]]) -> Table:
@@ -89,6 +125,8 @@ def _plot(path: Path, by: str, runs: dict[str, list[dict]]) -> None:
 
 def serve(
     target: str = typer.Option("compare", help="sluice, engine, openai, or compare (sluice and engine)."),
+    against: str = typer.Option(None, help="vllm: the same load against `vllm serve` with the deployment's "
+                                           "engine options, then against Sluice's OpenAI route, one at a time."),
     url: str = typer.Option(None, help="A running Sluice api or OpenAI-style server (else a local stack)."),
     model: str = typer.Option(None, help="Model name (default: the first in the models file)."),
     concurrency: str = typer.Option("1,8,32", help="Load levels as concurrency caps (comma-separated)."),
@@ -112,8 +150,17 @@ def serve(
     args = (levels, by, requests, _pair(prompt_words), _pair(output_tokens), seed, poisson, (slo_ttft, slo_tpot))
     runs: dict[str, list[dict]] = {}
     targets = ["engine", "sluice"] if target == "compare" else [target]
+    if against == "vllm":
+        targets = ["vllm", "sluice-openai"]
+    elif against is not None:
+        raise typer.BadParameter("--against takes vllm")
     for t in targets:
-        if t == "engine":
+        if t == "vllm":
+            runs["vllm"] = _vllm_levels(settings, model, name, *args)
+        elif t == "sluice-openai":
+            with local_stack(name) as local:
+                runs["sluice"] = asyncio.run(_levels_run(openai_sender(local, name), *args))
+        elif t == "engine":
             runs["engine"] = asyncio.run(_engine_levels(settings, model, *args))
         elif t == "openai":
             if not url:
@@ -124,19 +171,18 @@ def serve(
         else:
             with local_stack(name) as local:
                 runs["sluice"] = asyncio.run(_levels_run(sluice_sender(local, model), *args))
-    figures: dict = {"by": by, "requests_per_level": requests, "runs": runs}
-    if "engine" in runs and "sluice" in runs:
-        figures["sluice_vs_engine"] = [
-            {by: s[by], "throughput_ratio": s["output_token_throughput"] / e["output_token_throughput"],
-             "added_ttft_p50_s": s["ttft"]["p50"] - e["ttft"]["p50"],
-             "added_ttft_p99_s": s["ttft"]["p99"] - e["ttft"]["p99"]}
-            for s, e in zip(runs["sluice"], runs["engine"])]
+    figures: dict = {"by": by, "requests_per_level": requests, "ignore_eos": True, "runs": runs}
+    baseline = "vllm" if "vllm" in runs else "engine"
+    if baseline in runs and "sluice" in runs:
+        figures[f"sluice_vs_{baseline}"] = _ratios(by, runs["sluice"], runs[baseline])
     console = Console(width=170)
     console.print(_table(f"{requests} requests per level, prompts {prompt_words} words, "
                          f"max_tokens {output_tokens}", by, runs))
-    for row in figures.get("sluice_vs_engine", []):
-        console.print(f"{by} {row[by]:g}: throughput ratio {row['throughput_ratio']:.3f}, added TTFT "
-                      f"p50 {row['added_ttft_p50_s'] * 1e3:+.0f} ms, p99 {row['added_ttft_p99_s'] * 1e3:+.0f} ms")
+    for row in figures.get(f"sluice_vs_{baseline}", []):
+        console.print(f"{by} {row[by]:g} against {baseline}: throughput ratio {row['throughput_ratio']:.3f}, goodput "
+                      f"{row['goodput'][0]:.2f} vs {row['goodput'][1]:.2f} req/s; added " + ", ".join(
+                          f"{m.upper()} p50 {_ms(row[f'added_{m}_p50_s'])} p99 {_ms(row[f'added_{m}_p99_s'])}"
+                          for m in ("ttft", "tpot", "e2e")))
     if out:
         out.write_text(json.dumps(figures, indent=2))
     if plot:
