@@ -12,8 +12,9 @@ from typing import Any
 from sluice.api.errors import ApiError
 from sluice.api.metrics import ADMITTED, REJECTED
 from sluice.api.rows import RowsRefused, checked_rows, prompt_text, where
+from sluice.api.slo import SloBounds
 from sluice.api.tokens import PromptLimits
-from sluice.broker.admission import Admission, NotDurable, QueueFull
+from sluice.broker.admission import Admission, NotDurable, QueueFull, SloRefused
 from sluice.config.model import ModelConfig
 from sluice.config.settings import Settings
 from sluice.protocol.ids import new_request_id
@@ -55,10 +56,12 @@ class Sampling:
 
 
 class Intake:
-    def __init__(self, settings: Settings, admission: Admission, prompt_limits: PromptLimits) -> None:
+    def __init__(self, settings: Settings, admission: Admission, prompt_limits: PromptLimits,
+                 slo: SloBounds | None = None) -> None:
         self.settings = settings
         self.admission = admission
         self.prompt_limits = prompt_limits
+        self.slo = slo
 
     async def enqueue(self, model: ModelConfig, rows: Rows, sampling: Sampling = Sampling(), *,
                       rid: str | None = None, owner: str | None = None) -> RequestMessage:
@@ -89,11 +92,22 @@ class Intake:
         ) for i, rows in enumerate(checked)]
         bound = {"max_queued": model.max_queued or self.settings.max_queued,
                  "result_ttl_s": model.result_ttl_s or self.settings.result_ttl_s}
+        slo = await self.slo.bound(model) if self.slo and messages[0].lane == "interactive" else None
+        if slo is not None:
+            bound["slo_max"] = slo.max_in_lane
         try:
             if len(messages) == 1:
                 await self.admission.submit(messages[0], **bound)
             else:
                 await self.admission.submit_many(messages, **bound)
+        except SloRefused as refused:
+            assert slo is not None and model.slo is not None
+            REJECTED.labels(model.name, "slo").inc(len(messages))
+            raise ApiError(503, f"model {model.name!r} cannot start this request within its time-to-first-token "
+                                f"target ({model.slo.ttft_ms:g} ms, slo.ttft_ms): {refused.depth} requests are ahead "
+                                f"of it and its workers finish about {slo.rate:.1f}/s; retry later",
+                           code="overloaded", headers={"Retry-After": str(slo.retry_after_s(refused.depth,
+                                                                                         len(messages)))}) from None
         except QueueFull:
             REJECTED.labels(model.name, "queue_full").inc(len(messages))
             raise ApiError(503, f"model {model.name!r} is saturated: its queue is full, retry later",

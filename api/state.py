@@ -20,6 +20,7 @@ from sluice.api.cancels import BackgroundCancels
 from sluice.api.deployments import Deployments, ModelsFileSync
 from sluice.api.intake import Intake
 from sluice.api.lookup import RequestLookup
+from sluice.api.slo import SloBounds
 from sluice.api.tokens import PromptLimits
 from sluice.broker.admission import Admission
 from sluice.broker.connection import connect
@@ -93,7 +94,8 @@ def build_state(settings: Settings, models: list[ModelConfig]) -> ApiState:
         admission=admission,
         deployments=deployments,
         models_sync=ModelsFileSync(deployments, models),
-        intake=Intake(settings, admission, PromptLimits(settings.cache_dir)),
+        intake=Intake(settings, admission, PromptLimits(settings.cache_dir),
+                      SloBounds(WorkerRegistry(redis), settings.worker_ttl_s)),
         lookup=RequestLookup(admission, DoneListener(redis), deployments, settings.result_ttl_s),
         replies=ReplyRouter(redis, lambda: connect(settings.redis_url, name="sluice-api-replies", single=True),
                             shards=readers),

@@ -17,14 +17,21 @@ class ContinuousAdmission(BatchingPolicy[T]):
         self.config = config
         self.poll_s = poll_s
         self._quarantine: set[asyncio.Task[None]] = set()
+        # Held below capacity where the model's TPOT target needs it (batching/slo.py)
+        self.limit: int | None = None
 
     @property
     def capacity(self) -> int:
         return self.config.max_concurrent_batch_size
 
+    @property
+    def admitted(self) -> int:
+        """How many may run at once now: the capacity, or the SLO's limit below it."""
+        return min(self.capacity, self.limit) if self.limit is not None else self.capacity
+
     async def run(self, source: Source[T], handle: Handler[T], stopping: asyncio.Event) -> None:
         while not stopping.is_set():
-            free = self.capacity - self.in_flight
+            free = self.admitted - self.in_flight
             if free <= 0:
                 await self._wait_freed_or(stopping)
                 continue

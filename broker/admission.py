@@ -19,6 +19,14 @@ class QueueFull(Exception):
     """The model's streams hold their bound of waiting requests (or its lane its share)."""
 
 
+class SloRefused(QueueFull):
+    """The lane holds as many requests as can start within the model's TTFT target."""
+
+    def __init__(self, model: str, depth: int, bound: int):
+        super().__init__(model)
+        self.depth, self.bound = depth, bound
+
+
 class NotDurable(Exception):
     """Strict durability: the admission did not reach the disk in time (the client retries)."""
 
@@ -38,14 +46,18 @@ class Admission:
         self.fsync_timeout_ms = fsync_timeout_ms
         self._waitaof: bool | None = None  # whether the server has WAITAOF (Redis 7.2+), once known
 
-    async def submit(self, message: RequestMessage, *, max_queued: int, result_ttl_s: int | None = None) -> str:
+    async def submit(self, message: RequestMessage, *, max_queued: int, result_ttl_s: int | None = None,
+                     slo_max: int | None = None) -> str:
         """XADD the request unless the bound is reached; returns the stream entry id."""
-        return (await self.submit_many([message], max_queued=max_queued, result_ttl_s=result_ttl_s))[0]
+        return (await self.submit_many([message], max_queued=max_queued, result_ttl_s=result_ttl_s,
+                                       slo_max=slo_max))[0]
 
     async def submit_many(self, messages: list[RequestMessage], *, max_queued: int,
-                          result_ttl_s: int | None = None) -> list[str]:
+                          result_ttl_s: int | None = None, slo_max: int | None = None) -> list[str]:
         """XADD all the requests (one model, one lane, one owner) or none of them: they count
-        against max_queued, both lanes together, and bulk against its share of it. Returns
+        against max_queued, both lanes together, and bulk against its share of it; `slo_max`
+        bounds this lane further (the entries that can start within the model's TTFT target;
+        SloRefused when it is what refuses them). Returns
         the stream entry ids ('' for a request that is final already).
 
         Idempotent on the request ids (admit.lua), so redis-py re-running the script after a
@@ -56,13 +68,19 @@ class Admission:
         keys = ModelKeys(first.model)
         stream, other = (keys.bulk, keys.requests) if first.lane == "bulk" else (keys.requests, keys.bulk)
         lane_max = max(int(max_queued * self.bulk_queue_share), 1) if first.lane == "bulk" else max_queued
+        bound = lane_max if slo_max is None else min(lane_max, slo_max)
         entries = await self.scripts.admit(
             keys=[stream, other, *(keys.status(m.id) for m in messages)],
-            args=[max_queued, lane_max, self.status_ttl_s, first.enqueued_at, first.model, first.lane,
+            args=[max_queued, bound, self.status_ttl_s, first.enqueued_at, first.model, first.lane,
                   first.owner or "", result_ttl_s or self.result_ttl_s,
                   *(x for m in messages for x in (m.id, m.model_dump_json()))],
         )
         if entries is None:
+            if slo_max is not None and slo_max < lane_max:  # which bound refused? (a refusal may cost a read)
+                async with self.redis.pipeline(transaction=False) as pipe:
+                    here, there = await pipe.xlen(stream).xlen(other).execute()
+                if here + len(messages) <= lane_max and here + there + len(messages) <= max_queued:
+                    raise SloRefused(first.model, here, slo_max)
             raise QueueFull(first.model)
         if self.strict and await self._has_waitaof():
             local, _ = await self.redis.execute_command("WAITAOF", 1, 0, self.fsync_timeout_ms)

@@ -64,6 +64,8 @@ class WorkerInfo:
     heartbeat_at: float
     state: str = "running"  # running | draining
     metrics_url: str | None = None  # its Prometheus endpoint, when it serves one
+    admitted: int | None = None  # requests it admits to the engine at once (capacity, or the SLO's limit)
+    service_rate: float = 0.0  # requests/s it finishes at that concurrency (0: not known yet)
 
 
 class WorkerRegistry:

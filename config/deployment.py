@@ -48,3 +48,17 @@ class DeploymentConfig(BaseModel):
     @property
     def total_gpus(self) -> int:
         return self.replicas * self.gpus
+
+
+class SLOConfig(BaseModel):
+    """A model's latency targets (`slo: {ttft_ms, tpot_ms}`).
+
+    `tpot_ms`: each worker holds the concurrency it admits to the engine where the time per
+    output token stays within target (continuous batching). `ttft_ms`: the api refuses an
+    interactive request at once (503 with Retry-After) when the requests ahead of it, at the
+    rate the model's workers finish them, would keep it from starting within target."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    ttft_ms: float | None = Field(default=None, gt=0)
+    tpot_ms: float | None = Field(default=None, gt=0)

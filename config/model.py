@@ -16,7 +16,7 @@ from sluice.config.batching import (
     DynamicBatchingConfig,
     SingleBatchConfig,
 )
-from sluice.config.deployment import DeploymentConfig
+from sluice.config.deployment import DeploymentConfig, SLOConfig
 from sluice.config.engine import VLLMConfig
 from sluice.config.schema import DEFAULT_INPUT_SCHEMA, DEFAULT_OUTPUT_SCHEMA, ArrowField
 
@@ -66,6 +66,8 @@ class ModelConfig(BaseModel):
     # Replicas and what each gets: read by `sluice up`, `sluice compose` and `sluice publish`;
     # not part of the stored deployment (scaling is not a new version).
     deployment: DeploymentConfig = Field(default_factory=DeploymentConfig)
+    # Latency targets: admission holds to them instead of serving every request late.
+    slo: SLOConfig | None = None
 
     @model_validator(mode="after")
     def _one_batching_mode(self) -> ModelConfig:

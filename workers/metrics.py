@@ -11,6 +11,8 @@ _TOKEN_TIME = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1, 2.
 
 COMPLETED = Counter("sluice_requests_completed", "Requests finished, by final status", ["model", "status"])
 RUNNING = Gauge("sluice_num_requests_running", "Requests in the engine now", ["model", "worker"])
+ADMITTED_CONCURRENCY = Gauge("sluice_admitted_concurrency", "Requests the worker admits to the engine at once "
+                             "(below capacity where the model's TPOT target holds it)", ["model", "worker"])
 BATCH_SIZE = Histogram("sluice_batch_size", "Requests per batch handed to the engine", ["model", "mode"],
                        buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256))
 QUEUE_TIME = Histogram("sluice_request_queue_time_seconds", "Enqueued to started", ["model"], buckets=_LATENCY)

@@ -29,6 +29,7 @@ from sluice.protocol.states import State
 from sluice.workers import metrics
 from sluice.workers.engines.base import Engine
 from sluice.workers.generation import Generation, Running, final_result, log_records
+from sluice.workers.pace import Pace
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +70,7 @@ class Worker:
     def _policy(self, model: ModelConfig) -> BatchingPolicy:
         policy = make_policy(model)
         self.consumer.reserved_slots = min(self.settings.interactive_reserved_slots, max(0, policy.capacity - 1))
+        self.pace = Pace(model, policy, self.name)
         return policy
 
     # -- the Source the batching policy pulls from
@@ -201,6 +203,7 @@ class Worker:
         if not await self.consumer.commit(d, final):
             return []
         metrics.observe_final(self.model.name, final)
+        self.pace.finished(final, len(self.running))
         return log_records(d, final)
 
     # -- background duties
@@ -233,6 +236,7 @@ class Worker:
             in_flight=len(self.running), capacity=self.policy.capacity,
             started_at=self.started_at, heartbeat_at=0.0,
             state="draining" if self.stopping.is_set() else "running", metrics_url=self.metrics_url,
+            admitted=self.pace.admitted, service_rate=round(self.pace.service_rate, 3),
         ))
         await self.consumer.refresh_name(self.settings.worker_ttl_s)
         await self._check_version()
