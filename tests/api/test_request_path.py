@@ -66,8 +66,11 @@ async def test_events_stream_every_delta_then_done(api: httpx.AsyncClient, null_
     async with api.stream("GET", f"/v1/requests/{rid}/events") as response:
         assert response.status_code == 200
         events = [e async for e in sse_events(response)]
-    assert [e.event for e in events] == ["delta"] * 4 + ["done"]
-    assert [e.json()["index"] for e in events[:-1]] == [0, 1, 2, 3]
+    # One delta per token, except that the writer joins tokens that came while its last write
+    # was under way (a loaded machine): every token exactly once, in order, then done.
+    assert [e.event for e in events] == ["delta"] * (len(events) - 1) + ["done"] and len(events) >= 2
+    indexes = [e.json()["index"] for e in events[:-1]]
+    assert indexes[0] == 0 and indexes == sorted(set(indexes))
     final = events[-1].json()
     assert "".join(e.json()["text"] for e in events[:-1]) == final["output"]["text"] == " t0 t1 t2 t3"
     assert len({e.id for e in events}) == len(events)  # each resumable by its own id
