@@ -1,0 +1,95 @@
+"""What KEDA's redis-streams scaler reads for each trigger of a model's ScaledObject, read the way
+it reads it (pkg/scalers/redis_streams_scaler.go at KEDA v2.20.2) from a Redis that Sluice's own
+admission and consumer fill: the triggers count the requests they are meant to count."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+from redis.asyncio import Redis
+from redis.exceptions import ResponseError
+
+from sluice.broker.admission import Admission
+from sluice.broker.consumer import StreamConsumer
+from sluice.broker.keys import ModelKeys
+from sluice.config.settings import Settings
+from tests.broker.helpers import admission, done_result
+from tests.broker.helpers import message as make_message
+
+OVERLAYS = sorted((Path(__file__).resolve().parents[2] / "deploy" / "k8s" / "overlays").glob("*/scaledobject.yaml"))
+
+
+async def keda_reads(redis: Redis, meta: dict[str, str]) -> int:
+    """The value KEDA hands the HPA for one redis-streams trigger."""
+    stream, group = meta["stream"], meta.get("consumerGroup", "")
+    if not group:
+        return await redis.xlen(stream)
+    if int(meta.get("lagCount", "0")):  # lagCount set: the group's lag (Redis 7+)
+        try:
+            groups = await redis.xinfo_groups(stream)
+        except ResponseError as err:
+            if "no such key" in str(err):
+                return 0
+            raise
+        for found in groups:
+            if found["name"] == group:
+                return found["lag"] or 0  # a lag Redis cannot tell (nil) reads as 0 in go-redis
+        return await redis.xlen(stream)  # no group yet (no worker ever ran): the stream's length
+    return (await redis.xpending(stream, group))["pending"]
+
+
+def triggers(path: Path) -> dict[str, dict[str, str]]:
+    doc = yaml.safe_load(path.read_text())
+    return {t["name"]: t["metadata"] for t in doc["spec"]["triggers"]}
+
+
+async def submit(adm: Admission, model: str, n: int, lane: str = "interactive") -> None:
+    for _ in range(n):
+        m = make_message(lane=lane)
+        await adm.submit(m.model_copy(update={"model": model}), max_queued=1000)
+
+
+@pytest.mark.parametrize("path", OVERLAYS, ids=lambda p: p.parent.name)
+async def test_triggers_count_waiting_and_held_requests(path: Path, redis: Redis, settings: Settings) -> None:
+    model = path.parent.name
+    keys, found = ModelKeys(model), triggers(path)
+    assert {m["stream"] for m in found.values()} == {keys.requests, keys.bulk}
+    adm = admission(redis, settings)
+
+    # Before any worker ran there is no consumer group: KEDA falls back to the stream's length
+    # for the lag (what scales a model up from zero workers).
+    await submit(adm, model, 5)
+    assert await keda_reads(redis, found["interactive-lag"]) == 5
+    assert await keda_reads(redis, found["bulk-lag"]) == 0  # no such stream yet
+
+    worker = StreamConsumer(redis, model, "w1", status_ttl_s=settings.status_ttl_s,
+                            reply_ttl_s=settings.reply_ttl_s, log_max_len=settings.log_max_len)
+    await worker.ensure_groups()
+    await submit(adm, model, 5)
+    await submit(adm, model, 3, lane="bulk")
+    held = await worker.fetch(4, 100)
+    assert [d.stream for d in held] == [keys.requests] * 4
+    assert await keda_reads(redis, found["interactive-pending"]) == 4  # held by workers
+    assert await keda_reads(redis, found["interactive-lag"]) == 6  # no worker took them yet
+    assert await keda_reads(redis, found["bulk-lag"]) == 3
+
+    # A finished request leaves both counts (its entry is acknowledged and deleted).
+    oldest = held[0]
+    assert await worker.start(oldest) == "run"
+    assert await worker.commit(oldest, done_result()) is True
+    assert await keda_reads(redis, found["interactive-pending"]) == 3
+    assert await keda_reads(redis, found["interactive-lag"]) == 6
+
+    # The entry delivered last finishing while older ones run: Redis may not tell the lag then
+    # (a deleted entry at the group's last-delivered id), and KEDA reads 0 until the group reads
+    # on. The pending trigger still counts, and the HPA's scale-down window outlasts it.
+    newest = held[-1]
+    assert await worker.start(newest) == "run"
+    assert await worker.commit(newest, done_result()) is True
+    assert await keda_reads(redis, found["interactive-pending"]) == 2
+    assert await keda_reads(redis, found["interactive-lag"]) in (6, 0), (await redis.xinfo_groups(keys.requests))
+    await worker.fetch(1, 100)
+    assert await keda_reads(redis, found["interactive-lag"]) == 5
+    assert await keda_reads(redis, found["interactive-pending"]) == 3

@@ -1,0 +1,442 @@
+"""The Kubernetes manifests (deploy/k8s): rendered with `kubectl kustomize` (or `kustomize build`),
+every built-in kind checked against Kubernetes' own schemas (kubernetes-validate, strict), KEDA's
+kinds against KEDA's CRDs kept in tests/k8s_schemas, and all of it against the code: the stream
+keys and consumer group of sluice.broker.keys, the models file, the CLI's options."""
+
+from __future__ import annotations
+
+import copy
+import functools
+import math
+import re
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import pytest
+import typer
+import yaml
+
+from sluice.broker.keys import GROUP, ModelKeys
+from sluice.cli.main import app
+from sluice.config.deployment import memory_bytes
+from sluice.config.model import ModelConfig, load_models
+
+kv = pytest.importorskip("kubernetes_validate", reason="kubernetes-validate is not installed (the test extras)")
+
+ROOT = Path(__file__).resolve().parents[2]
+K8S = ROOT / "deploy" / "k8s"
+SCHEMAS = ROOT / "tests" / "k8s_schemas"
+OVERLAYS = sorted(p for p in (K8S / "overlays").iterdir() if (p / "kustomization.yaml").is_file())
+TARGETS = [K8S / "base", *OVERLAYS, K8S]
+# The oldest Kubernetes the manifests are checked against, and kubernetes-validate's newest.
+K8S_VERSIONS = ("1.29", kv.latest_version())
+CRDS = {"ScaledObject": "keda.sh_scaledobjects.yaml", "TriggerAuthentication": "keda.sh_triggerauthentications.yaml"}
+# The CEL rules of those CRDs (x-kubernetes-validations), which JSON Schema cannot evaluate:
+# each is checked by hand below, and a CRD update that brings a new one fails here until it is.
+KNOWN_CEL_RULES = {
+    "!has(self.minReplicaCount) || self.minReplicaCount <= (has(self.maxReplicaCount) ? self.maxReplicaCount : 100)",
+}
+DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+# What KEDA's Redis scalers read from a TriggerAuthentication (pkg/scalers/redis_scaler.go, authParams).
+REDIS_AUTH_PARAMS = {"address", "addresses", "host", "hosts", "port", "ports", "username", "password", "tls",
+                     "sentinelUsername", "sentinelPassword", "sentinelMaster", "cert", "key", "keyPassword", "ca"}
+SECRET_ENV = {"SLUICE_REDIS_URL", "SLUICE_API_KEYS"}
+METRICS_PORT = 9400
+
+
+# --- rendering --------------------------------------------------------------------------------
+
+def _kustomize() -> list[str]:
+    if kubectl := shutil.which("kubectl"):
+        return [kubectl, "kustomize"]
+    if kustomize := shutil.which("kustomize"):
+        return [kustomize, "build"]
+    pytest.skip("neither kubectl nor kustomize is installed: the manifests cannot be rendered "
+                "(Debian: apt-get install kubernetes-client; scripts/test-deps.sh installs it)")
+
+
+@functools.cache
+def _render(path: Path) -> tuple[dict, ...]:
+    done = subprocess.run([*_kustomize(), str(path)], capture_output=True, text=True, timeout=120)
+    if done.returncode != 0:
+        pytest.fail(f"{' '.join(_kustomize())} {path.relative_to(ROOT)} failed:\n{done.stderr}")
+    return tuple(doc for doc in yaml.safe_load_all(done.stdout) if doc)
+
+
+def render(path: Path) -> list[dict]:
+    return copy.deepcopy(list(_render(path)))
+
+
+def one(docs: list[dict], kind: str, name: str | None = None) -> dict:
+    found = [d for d in docs if d["kind"] == kind and (name is None or d["metadata"]["name"] == name)]
+    assert len(found) == 1, f"expected one {kind} {name or ''}, found {[d['metadata']['name'] for d in found]}"
+    return found[0]
+
+
+def container(deployment: dict) -> dict:
+    containers = deployment["spec"]["template"]["spec"]["containers"]
+    assert len(containers) == 1
+    return containers[0]
+
+
+def env(c: dict) -> dict[str, dict]:
+    return {e["name"]: e for e in c.get("env", [])}
+
+
+def shutdown_timeout(c: dict) -> float:
+    found = env(c).get("SLUICE_SHUTDOWN_TIMEOUT_S")
+    return float(found["value"]) if found else 30.0  # Settings' default
+
+
+def cpu_cores(quantity: str | int | float) -> float:
+    text = str(quantity)
+    return int(text[:-1]) / 1000 if text.endswith("m") else float(text)
+
+
+def models_file(docs: list[dict]) -> dict[str, ModelConfig]:
+    text = one(docs, "ConfigMap", "sluice-models")["data"]["models.yaml"]
+    return {m.name: m for m in _load_models_text(text)}
+
+
+@functools.cache
+def _load_models_text(text: str) -> tuple[ModelConfig, ...]:
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "models.yaml"
+        path.write_text(text)
+        return tuple(load_models(path))
+
+
+def worker_model(worker: dict) -> str:
+    args = container(worker)["args"]
+    assert args[0] == "worker" and "--model" in args, args
+    return args[args.index("--model") + 1]
+
+
+# --- KEDA's CRDs as JSON Schema ---------------------------------------------------------------
+
+def _strict(node: Any, rules: set[str]) -> Any:
+    """An OpenAPI v3 schema of a CRD as the JSON Schema the API server holds a request to:
+    unknown fields are errors (kubectl's default field validation, Strict) unless the schema
+    says x-kubernetes-preserve-unknown-fields; `nullable` allows null; other x-kubernetes-*
+    keys go (their CEL rules are collected into `rules`)."""
+    if isinstance(node, list):
+        return [_strict(item, rules) for item in node]
+    if not isinstance(node, dict):
+        return node
+    out = {k: _strict(v, rules) for k, v in node.items() if not k.startswith("x-kubernetes-") and k != "nullable"}
+    for rule in node.get("x-kubernetes-validations", []):
+        rules.add(rule["rule"])
+    if node.get("nullable") and "type" in out:
+        out["type"] = [out["type"], "null"]
+    if node.get("type") == "object" and "properties" in node and "additionalProperties" not in node \
+            and not node.get("x-kubernetes-preserve-unknown-fields"):
+        out["additionalProperties"] = False
+    return out
+
+
+@functools.cache
+def crd_validator(kind: str, version: str) -> tuple[jsonschema.Validator, frozenset[str]]:
+    crd = yaml.safe_load((SCHEMAS / CRDS[kind]).read_text())
+    assert crd["spec"]["names"]["kind"] == kind
+    served = {v["name"]: v for v in crd["spec"]["versions"] if v.get("served")}
+    assert version in served, f"KEDA's CRD for {kind} serves {sorted(served)}, not {version}"
+    rules: set[str] = set()
+    schema = _strict(served[version]["schema"]["openAPIV3Schema"], rules)
+    jsonschema.Draft4Validator.check_schema(schema)
+    return jsonschema.Draft4Validator(schema), frozenset(rules)
+
+
+def crd_errors(doc: dict) -> list[str]:
+    """What the API server with KEDA's CRDs installed would refuse in `doc` (schema and CEL)."""
+    group, _, version = doc["apiVersion"].partition("/")
+    assert group == "keda.sh", doc["apiVersion"]
+    validator, rules = crd_validator(doc["kind"], version)
+    errors = [f"{'.'.join(map(str, e.absolute_path)) or '<root>'}: {e.message}"
+              for e in sorted(validator.iter_errors(doc), key=lambda e: list(map(str, e.absolute_path)))]
+    unknown = rules - KNOWN_CEL_RULES
+    assert not unknown, f"KEDA's CRD has CEL rules this test does not check yet: {unknown}"
+    spec = doc.get("spec") or {}
+    if doc["kind"] == "ScaledObject" and isinstance(spec.get("minReplicaCount"), int):
+        if spec["minReplicaCount"] > spec.get("maxReplicaCount", 100):
+            errors.append("spec: minReplicaCount must be less than or equal to maxReplicaCount")
+    errors += metadata_errors(doc)
+    return errors
+
+
+def metadata_errors(doc: dict) -> list[str]:
+    """ObjectMeta as Kubernetes checks it (a CRD's schema leaves metadata to the API server)."""
+    meta = doc.get("metadata") or {}
+    name = meta.get("name", "")
+    errors = []
+    if len(name) > 253 or not DNS_SUBDOMAIN.match(name):
+        errors.append(f"metadata.name {name!r} is not a DNS subdomain")
+    for version in K8S_VERSIONS:
+        try:
+            kv.validate({"apiVersion": "v1", "kind": "ConfigMap", "metadata": meta}, version, strict=True)
+        except kv.ValidationError as err:
+            errors.append(f"metadata: {err.message}")
+    return errors
+
+
+def k8s_errors(doc: dict) -> list[str]:
+    errors = []
+    for version in K8S_VERSIONS:
+        try:
+            kv.validate(doc, version, strict=True)
+        except kv.ValidationError as err:
+            errors.append(f"{version}: {'.'.join(map(str, err.path))}: {err.message}")
+        except kv.SchemaNotFoundError as err:
+            errors.append(f"{version}: {err.message}")
+    return errors
+
+
+def validate(doc: dict) -> list[str]:
+    return crd_errors(doc) if doc["apiVersion"].startswith("keda.sh/") else k8s_errors(doc)
+
+
+# --- the rendered manifests are valid -----------------------------------------------------------
+
+@pytest.mark.parametrize("target", TARGETS, ids=lambda p: str(p.relative_to(K8S)) or "all")
+def test_renders_to_valid_objects(target: Path) -> None:
+    docs = render(target)
+    assert docs
+    for doc in docs:
+        assert validate(doc) == [], f"{doc['kind']}/{doc['metadata']['name']} from {target.relative_to(ROOT)}"
+    keys = [(d["kind"], d["metadata"]["name"]) for d in docs]
+    assert len(keys) == len(set(keys)), keys
+    # Secrets come from the cluster (`kubectl create secret`), never from the repository.
+    assert "Secret" not in {d["kind"] for d in docs}
+
+
+def test_the_whole_is_the_base_and_every_overlay() -> None:
+    whole = {(d["kind"], d["metadata"]["name"]) for d in render(K8S)}
+    parts = {(d["kind"], d["metadata"]["name"]) for t in TARGETS[:-1] for d in render(t)}
+    assert whole == parts
+    assert OVERLAYS, "no overlay under deploy/k8s/overlays"
+
+
+def test_every_model_has_its_overlay() -> None:
+    models = models_file(render(K8S / "base"))
+    served = {worker_model(one(render(o), "Deployment")) for o in OVERLAYS}
+    assert served == set(models), "each model of base/models.yaml needs an overlay (and each overlay a model)"
+    for overlay in OVERLAYS:
+        assert overlay.name == worker_model(one(render(overlay), "Deployment"))
+
+
+def test_the_check_can_fail() -> None:
+    """A ScaledObject KEDA's CRD refuses is refused here too, and so is a strict schema error."""
+    source = yaml.safe_load((OVERLAYS[0] / "scaledobject.yaml").read_text())
+    assert crd_errors(source) == []
+
+    bad = copy.deepcopy(source)
+    bad["spec"]["triggers"][1]["metadata"]["lagCount"] = 32  # metadata values are strings
+    assert any("lagCount" in e and "string" in e for e in crd_errors(bad)), crd_errors(bad)
+    bad = copy.deepcopy(source)
+    bad["spec"]["minReplicas"] = 1  # HPA's name, not KEDA's
+    assert any("minReplicas" in e for e in crd_errors(bad))
+    bad = copy.deepcopy(source)
+    bad["spec"]["triggers"][0]["authenticationRef"] = {"kind": "Secret", "name": "sluice"}
+    assert any("authenticationRef.kind" in e for e in crd_errors(bad))
+    bad = copy.deepcopy(source)
+    del bad["spec"]["scaleTargetRef"]
+    assert crd_errors(bad)
+    bad = copy.deepcopy(source)
+    bad["spec"]["minReplicaCount"], bad["spec"]["maxReplicaCount"] = 5, 2
+    assert any("minReplicaCount" in e for e in crd_errors(bad))
+    bad = copy.deepcopy(source)
+    bad["metadata"]["name"] = "Sluice_Worker"
+    assert crd_errors(bad)
+
+    auth = yaml.safe_load((K8S / "base" / "keda-auth.yaml").read_text())
+    assert crd_errors(auth) == []
+    auth["spec"]["secretTargetRef"][0]["secretName"] = "sluice"
+    assert crd_errors(auth)
+
+    worker = yaml.safe_load((K8S / "base" / "worker" / "worker.yaml").read_text())
+    assert k8s_errors(worker) == []
+    container(worker)["argz"] = container(worker).pop("args")
+    assert k8s_errors(worker)
+
+
+# --- the workers and their scaling agree with the code ---------------------------------------------
+
+@pytest.mark.parametrize("overlay", OVERLAYS, ids=lambda p: p.name)
+def test_scaledobject_watches_the_models_streams(overlay: Path) -> None:
+    docs = render(overlay)
+    worker = one(docs, "Deployment")
+    model = worker_model(worker)
+    keys = ModelKeys(model)
+    assert worker["metadata"]["name"] == f"sluice-worker-{model}"
+
+    scaled = one(docs, "ScaledObject")
+    target = scaled["spec"]["scaleTargetRef"]
+    assert target["name"] == worker["metadata"]["name"]
+    assert target.get("kind", "Deployment") == "Deployment" and target.get("apiVersion", "apps/v1") == "apps/v1"
+
+    triggers = scaled["spec"]["triggers"]
+    assert {t["type"] for t in triggers} == {"redis-streams"}
+    auths = {d["metadata"]["name"]: d for d in render(K8S / "base") if d["kind"] == "TriggerAuthentication"}
+    by_role: dict[tuple[str, str], dict] = {}
+    for t in triggers:
+        meta = t["metadata"]
+        assert meta["stream"] in (keys.requests, keys.bulk), meta["stream"]
+        assert meta["consumerGroup"] == GROUP
+        assert t["authenticationRef"]["name"] in auths and t["authenticationRef"].get("kind", "TriggerAuthentication") \
+            == "TriggerAuthentication"
+        # KEDA reads the lag when lagCount is set, the pending entries otherwise: never both in one.
+        role = "lag" if "lagCount" in meta else "pending"
+        if role == "lag":
+            assert "pendingEntriesCount" not in meta and int(meta["lagCount"]) > 0
+        else:
+            assert int(meta["pendingEntriesCount"]) > 0
+        assert "streamLength" not in meta and int(meta.get("databaseIndex", "0")) == 0
+        assert (meta["stream"], role) not in by_role
+        by_role[meta["stream"], role] = t
+    assert {(keys.requests, "pending"), (keys.requests, "lag"), (keys.bulk, "lag")} <= set(by_role)
+    # The hash tag puts every key of the model in one cluster slot: it is in the stream names.
+    assert all(f"{{m:{model}}}" in stream for stream, _ in by_role)
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS, ids=lambda p: p.name)
+def test_worker_gets_its_models_deployment(overlay: Path) -> None:
+    docs = render(overlay)
+    worker = one(docs, "Deployment")
+    model = models_file(render(K8S / "base"))[worker_model(worker)]
+    wanted = model.deployment
+    c = container(worker)
+    requests, limits = c["resources"].get("requests", {}), c["resources"].get("limits", {})
+
+    # Extended resources are asked for in limits (requests, when given, must be equal).
+    assert int(limits.get("nvidia.com/gpu", 0)) == wanted.gpus
+    assert int(requests.get("nvidia.com/gpu", limits.get("nvidia.com/gpu", 0))) == wanted.gpus
+    assert wanted.cpus is not None and wanted.memory is not None
+    assert cpu_cores(requests["cpu"]) == wanted.cpus == cpu_cores(limits["cpu"])
+    assert memory_bytes(requests["memory"]) == wanted.memory_bytes == memory_bytes(limits["memory"])
+
+    scaled = one(docs, "ScaledObject")["spec"]
+    assert scaled["minReplicaCount"] == wanted.replicas <= scaled["maxReplicaCount"]
+    assert "replicas" not in worker["spec"], "the ScaledObject owns the count: an apply must not reset it"
+    if model.continuous_batching_config is not None:  # the pending trigger can be reached
+        slots = model.continuous_batching_config.max_concurrent_batch_size
+        pending = [t for t in scaled["triggers"] if "pendingEntriesCount" in t["metadata"]]
+        assert all(int(t["metadata"]["pendingEntriesCount"]) <= slots for t in pending)
+
+    # Its own selector: two models' Deployments never claim each other's pods.
+    labels = worker["spec"]["template"]["metadata"]["labels"]
+    assert worker["spec"]["selector"]["matchLabels"].get("sluice/model") == model.name == labels["sluice/model"]
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS, ids=lambda p: p.name)
+def test_worker_drains_and_exposes_metrics(overlay: Path) -> None:
+    worker = one(render(overlay), "Deployment")
+    pod = worker["spec"]["template"]
+    c = container(worker)
+    args = c["args"]
+    assert args[args.index("--metrics-port") + 1] == str(METRICS_PORT)
+    assert {"name": "metrics", "containerPort": METRICS_PORT} in c["ports"]
+    annotations = pod["metadata"]["annotations"]
+    assert annotations["prometheus.io/scrape"] == "true" and annotations["prometheus.io/port"] == str(METRICS_PORT)
+    assert annotations["prometheus.io/path"] == "/metrics"
+    assert c["livenessProbe"]["httpGet"]["port"] in ("metrics", METRICS_PORT)
+    # SIGTERM drains running requests for SLUICE_SHUTDOWN_TIMEOUT_S: the kubelet waits longer.
+    assert pod["spec"]["terminationGracePeriodSeconds"] > shutdown_timeout(c)
+    assert env(c)["SLUICE_WORKER_METRICS_URL"]["value"] == f"http://$(POD_IP):{METRICS_PORT}/metrics"
+    assert env(c)["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+
+
+def test_worker_template_asks_for_a_gpu() -> None:
+    worker = yaml.safe_load((K8S / "base" / "worker" / "worker.yaml").read_text())
+    assert int(container(worker)["resources"]["limits"]["nvidia.com/gpu"]) >= 1
+    tolerations = worker["spec"]["template"]["spec"]["tolerations"]
+    assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in tolerations
+    # Not runnable as it is: an overlay names the model.
+    assert worker_model(worker) not in {m.name for m in load_models(K8S / "base" / "models.yaml")}
+
+
+def test_trigger_authentication_reads_the_secret() -> None:
+    auth = one(render(K8S / "base"), "TriggerAuthentication", "sluice-redis")
+    refs = auth["spec"]["secretTargetRef"]
+    assert {r["parameter"] for r in refs} <= REDIS_AUTH_PARAMS
+    assert {r["parameter"] for r in refs} >= {"address", "password"}
+    assert {r["name"] for r in refs} == {"sluice"}
+
+
+# --- the api, jobs and what every process gets ---------------------------------------------------
+
+def test_api_probes_and_shutdown() -> None:
+    docs = render(K8S / "base")
+    api = one(docs, "Deployment", "sluice-api")
+    pod = api["spec"]["template"]
+    c = container(api)
+    # /readyz is 503 until every model has a live worker: the api would leave its Service
+    # whenever a model has none (scaled to zero, waiting for a GPU), and nothing could queue.
+    for probe in ("livenessProbe", "readinessProbe", "startupProbe"):
+        assert c[probe]["httpGet"]["path"] == "/healthz", probe
+    pre_stop = c.get("lifecycle", {}).get("preStop", {}).get("exec", {}).get("command", ["sleep", "0"])
+    assert pre_stop[0] == "sleep"
+    # uvicorn waits SLUICE_SHUTDOWN_TIMEOUT_S + 2 s (cli/main.py), after the preStop pause.
+    assert pod["spec"]["terminationGracePeriodSeconds"] >= float(pre_stop[1]) + math.ceil(shutdown_timeout(c)) + 2
+
+    service = one(docs, "Service", "sluice-api")
+    assert service["spec"]["selector"].items() <= pod["metadata"]["labels"].items()
+    (port,) = service["spec"]["ports"]
+    assert port["targetPort"] in ("http", 8000) and {"name": "http", "containerPort": 8000} in c["ports"]
+    assert c["args"][c["args"].index("--port") + 1] == "8000"
+    pdb = one(docs, "PodDisruptionBudget", "sluice-api")
+    assert pdb["spec"]["selector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
+    assert pdb["spec"]["minAvailable"] < api["spec"]["replicas"]
+
+
+def test_secrets_come_from_the_secret_and_files_are_shared() -> None:
+    docs = render(K8S)
+    deployments = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Deployment"}
+    for name, d in deployments.items():
+        e = env(container(d))
+        assert "SLUICE_REDIS_URL" in e, name
+        for var in SECRET_ENV & set(e):
+            assert "value" not in e[var] and e[var]["valueFrom"]["secretKeyRef"]["name"] == "sluice", (name, var)
+    assert "SLUICE_API_KEYS" in env(container(deployments["sluice-api"]))  # it listens on 0.0.0.0
+
+    def files_claim(d: dict) -> str:
+        mounts = {m["mountPath"]: m["name"] for m in container(d)["volumeMounts"]}
+        volumes = {v["name"]: v for v in d["spec"]["template"]["spec"]["volumes"]}
+        return volumes[mounts["/data/files"]]["persistentVolumeClaim"]["claimName"]
+
+    claim = one(docs, "PersistentVolumeClaim")
+    shared = {files_claim(deployments[name]) for name in ("sluice-api", "sluice-jobs")}
+    assert shared == {claim["metadata"]["name"]}
+    assert claim["spec"]["accessModes"] == ["ReadWriteMany"]  # every api and jobs replica
+    for d in (deployments["sluice-api"], deployments["sluice-jobs"]):
+        data_dir = env(container(d))["SLUICE_DATA_DIR"]["value"]
+        assert "SLUICE_FILES_DIR" not in env(container(d)) and f"{data_dir}/files" == "/data/files"
+
+
+def test_every_process_reads_the_models_file_and_runs_unprivileged() -> None:
+    docs = render(K8S)
+    config = one(docs, "ConfigMap", "sluice-models")
+    assert list(config["data"]) == ["models.yaml"]
+    for d in (d for d in docs if d["kind"] == "Deployment"):
+        pod = d["spec"]["template"]["spec"]
+        c = container(d)
+        path = Path(env(c)["SLUICE_MODELS_FILE"]["value"])
+        mount = next(m for m in c["volumeMounts"] if m["mountPath"] == str(path.parent))
+        volume = next(v for v in pod["volumes"] if v["name"] == mount["name"])
+        assert volume["configMap"]["name"] == "sluice-models" and path.name in config["data"]
+        # The image has no USER: the pods say who they run as.
+        assert pod["securityContext"]["runAsNonRoot"] is True and pod["securityContext"]["runAsUser"] > 0
+        assert c["securityContext"]["allowPrivilegeEscalation"] is False
+        assert c["securityContext"]["capabilities"]["drop"] == ["ALL"]
+        assert c["image"].partition(":")[0] == "sluice"
+
+
+def test_commands_exist_in_the_cli() -> None:
+    cli = typer.main.get_command(app)
+    for d in (d for d in render(K8S) if d["kind"] == "Deployment"):
+        args = container(d)["args"]
+        sub = cli.commands[args[0]]  # type: ignore[attr-defined]
+        options = {opt for p in sub.params for opt in p.opts}
+        assert {a for a in args[1:] if a.startswith("--")} <= options, (d["metadata"]["name"], args)
