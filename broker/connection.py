@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import socket
+
 from redis.asyncio import BlockingConnectionPool, Redis
 from redis.asyncio.retry import Retry  # the asyncio one: redis.retry.Retry cannot await
 from redis.backoff import ExponentialBackoff
@@ -12,6 +14,14 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 # like any other): redis-py's plain pool raises at once past its bound (100 since redis-py 6),
 # which a worker running 256 requests at once reached.
 POOL_WAIT_S = 20.0
+# A host cut off from Redis (its link down, no reset) must find out in about a lease, not
+# after the kernel's 15 minutes of retransmits: its lease is taken over meanwhile, and what it
+# writes afterwards is refused anyway (fencing). Unacknowledged writes give up after
+# USER_TIMEOUT_S; an idle connection is probed after 10 s, three times 5 s apart.
+USER_TIMEOUT_S = 20
+_KEEPALIVE = {name: value for name, value in (("TCP_KEEPIDLE", 10), ("TCP_KEEPINTVL", 5), ("TCP_KEEPCNT", 3),
+                                              ("TCP_USER_TIMEOUT", USER_TIMEOUT_S * 1000))
+              if hasattr(socket, name)}
 
 
 def connect(url: str, *, name: str = "sluice", max_connections: int = 64, single: bool = False) -> Redis:
@@ -25,6 +35,8 @@ def connect(url: str, *, name: str = "sluice", max_connections: int = 64, single
         "client_name": name,
         "health_check_interval": 15,
         "socket_keepalive": True,
+        "socket_keepalive_options": {getattr(socket, k): v for k, v in _KEEPALIVE.items()},
+        "socket_connect_timeout": 10,
         "retry": Retry(ExponentialBackoff(cap=2.0, base=0.05), retries=5),
         "retry_on_error": [RedisConnectionError, RedisTimeoutError],
     }
