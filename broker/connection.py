@@ -19,6 +19,9 @@ POOL_WAIT_S = 20.0
 # writes afterwards is refused anyway (fencing). Unacknowledged writes give up after
 # USER_TIMEOUT_S; an idle connection is probed after 10 s, three times 5 s apart.
 USER_TIMEOUT_S = 20
+# No command of Sluice's blocks longer than a few seconds on the shared pool (XREADGROUP
+# BLOCK is under a second; the reply router's XREAD BLOCK runs on connections of its own).
+COMMAND_TIMEOUT_S = 30.0
 _KEEPALIVE = {name: value for name, value in (("TCP_KEEPIDLE", 10), ("TCP_KEEPINTVL", 5), ("TCP_KEEPCNT", 3),
                                               ("TCP_USER_TIMEOUT", USER_TIMEOUT_S * 1000))
               if hasattr(socket, name)}
@@ -31,6 +34,12 @@ def connect(url: str, *, name: str = "sluice", max_connections: int = 64, single
     itself to a bound however many requests it serves); `single`: one connection of its own
     (a reader that blocks on it)."""
     options = {
+        # redis-py 8 times out every read after 5 s by default, blocking ones included: a
+        # reader blocked in XREAD BLOCK 5000 then timed out, was retried (up to 5 times) and
+        # delivered the tokens it was waiting for tens of seconds late. A blocking reader
+        # waits as long as its command says; other commands give up after COMMAND_TIMEOUT_S.
+        # A dead peer is found by the keepalive and user timeout below either way.
+        "socket_timeout": None if single else COMMAND_TIMEOUT_S,
         "decode_responses": True,
         "client_name": name,
         "health_check_interval": 15,

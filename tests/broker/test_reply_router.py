@@ -142,3 +142,31 @@ async def test_a_reader_that_leaves_is_forgotten(redis: Redis, make_router: Call
     assert (await anext(stream)).delta.text == " hi"
     await stream.aclose()  # the client went away mid-stream
     assert router.following == 0
+
+
+async def test_a_read_blocked_past_the_clients_default_timeout_still_takes_in_new_streams(
+        redis: Redis, make_router: Callable[..., ReplyRouter]) -> None:
+    """redis-py 8 times out reads after 5 s unless told otherwise. A shard's read blocked for
+    longer then failed, reconnected (another client id: CLIENT UNBLOCK missed it) and was
+    retried with the streams it had, so a stream opened meanwhile waited out every retry and
+    got its tokens tens of seconds late."""
+    router = make_router(shards=1, block_ms=8000)  # blocks past redis-py's default 5 s
+    quiet = asyncio.create_task(texts(router, "req-quiet"))  # keeps the shard's read blocked
+    await asyncio.sleep(6.0)
+    loop = asyncio.get_running_loop()
+    got: list[float] = []
+
+    async def follow() -> None:
+        async for ev in router.follow(MODEL, "req-new"):
+            got.append(loop.time())
+            if ev.final is not None:
+                return
+
+    sent = loop.time()
+    task = asyncio.create_task(follow())
+    await delta(redis, "req-new", 0, " now")
+    await finish(redis, "req-new", "now")
+    await asyncio.wait_for(task, 30)
+    assert got[0] - sent < 1.0, f"first token {got[0] - sent:.1f} s late"
+    await finish(redis, "req-quiet", "")
+    await asyncio.wait_for(quiet, 15)
