@@ -106,6 +106,7 @@ def _worker(model: ModelConfig, base: dict[str, Any], variant: str,
             "interval": "10s", "timeout": "3s", "retries": 60, "start_period": "120s",
         },
         "stop_grace_period": "60s",  # SIGTERM drains running requests
+        "shm_size": "1gb",  # vLLM needs 160 MiB of /dev/shm; Docker gives 64 MiB
         "deploy": deploy,
     }
 

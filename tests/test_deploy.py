@@ -7,6 +7,7 @@ import os
 import re
 import shutil
 import subprocess
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -77,7 +78,9 @@ def test_docker_compose_config_accepts_the_files() -> None:
     if docker is None or subprocess.run([docker, "compose", "version"], capture_output=True).returncode != 0:
         pytest.skip("no docker compose client here; the YAML checks above still ran")
     keyed = {**os.environ, "SLUICE_API_KEYS": "admin:sha256:" + "0" * 64}
-    for files in (["docker-compose.yml"], ["docker-compose.yml", "docker-compose.cpu.yml"]):
+    for files in (["docker-compose.yml"], ["docker-compose.yml", "docker-compose.cpu.yml"],
+                  ["docker-compose.yml", "docker-compose.cpu.yml", "docker-compose.local.yml",
+                   "tests/deploy/compose.test.yml"]):
         args = [a for f in files for a in ("-f", str(ROOT / f))]
         # --env-file: not a .env of the checkout's own
         done = subprocess.run([docker, "compose", "--env-file", os.devnull, *args, "config", "--quiet"],
@@ -105,5 +108,42 @@ def test_compose_build_args_are_declared_in_the_dockerfile() -> None:
     args = compose()["x-sluice"]["build"]["args"]
     for name in args:
         assert re.search(rf"^ARG {name}\b", dockerfile, re.M), name
-    for variant in ("cpu", "gpu"):
-        assert f"AS base-{variant}" in dockerfile
+    # One base for every stage, a build argument (the classic builder builds every stage: a
+    # stage per variant would pull both bases), defaulting to an official image.
+    assert args["BASE_IMAGE"] == "${SLUICE_BASE_IMAGE:-python:3.11-slim}"
+    assert re.search(r"^ARG BASE_IMAGE=python:3\.11-slim$", dockerfile, re.M)
+    froms = re.findall(r"^FROM (\S+)", dockerfile, re.M)
+    assert froms[0] == "${BASE_IMAGE}" and all(f in ("${BASE_IMAGE}", "system") for f in froms), froms
+    assert "# syntax=" not in dockerfile  # BuildKit would pull the frontend image: not offline
+
+
+def test_the_dockerfile_copies_every_package_and_no_whole_context() -> None:
+    """Sluice's packages are copied by name (the context may hold a wheelhouse of a GB)."""
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    tops = {d.split("/")[0] for d in setuptools["package-dir"].values()}
+    copied = {m.group(1) for m in re.finditer(r"^COPY (\w+) \1/$", dockerfile, re.M)}
+    assert tops == copied, tops ^ copied
+    assert not re.search(r"^COPY \. ", dockerfile, re.M)
+    assert "COPY wheelhouse/ /wheelhouse/" in dockerfile and (ROOT / "wheelhouse" / "README.md").is_file()
+    assert "sluice models prepare" in dockerfile  # the default model, prepared at build time
+
+
+def test_the_local_override_builds_what_cannot_be_pulled() -> None:
+    """docker-compose.local.yml: redis and Prometheus from Debian's packages on the same base;
+    the default file keeps the official images; Grafana (no Debian package) leaves the profile."""
+    default, local = compose()["services"], compose("docker-compose.local.yml")["services"]
+    assert default["redis"]["image"] == "redis:7" and "build" not in default["redis"]
+    for name, binary in (("redis", "redis-server"), ("prometheus", "prometheus")):
+        build = local[name]["build"]
+        assert build["args"]["BASE_IMAGE"] == "${SLUICE_BASE_IMAGE:-debian:bookworm-slim}"
+        dockerfile = (ROOT / build["context"] / "Dockerfile").read_text()
+        assert re.search(r"^ARG BASE_IMAGE=", dockerfile, re.M)
+        assert f"install -y --no-install-recommends {binary}" in dockerfile
+        assert local[name]["image"].endswith(":local")
+    assert "grafana" in local and "monitoring" not in str(local["grafana"])
+    worker = default["worker"]
+    assert worker["shm_size"]  # vLLM's engine needs more /dev/shm than Docker's 64 MiB
+    assert "${SLUICE_WORKER_ENGINE:-vllm}" in worker["command"]
+    for name in ("api", "prometheus", "grafana"):
+        assert all(p.startswith("${SLUICE_PUBLISH_ADDRESS:-0.0.0.0}:") for p in default[name]["ports"]), name

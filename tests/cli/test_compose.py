@@ -82,6 +82,7 @@ def test_two_models_become_worker_services_with_their_deployments(models_file: P
         assert services[name]["depends_on"] == {"redis": {"condition": "service_healthy"},
                                                 "api": {"condition": "service_healthy"}}
         assert "container_name" not in services[name]  # replicas need distinct containers
+        assert services[name]["shm_size"] == "1gb"  # vLLM's shared memory: Docker's 64 MiB is too little
 
     for name in ("api", *workers, "jobs"):
         service = services[name]
