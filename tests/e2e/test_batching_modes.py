@@ -25,10 +25,18 @@ CAPITALS = [("The capital of France is", " Paris"), ("The capital of Germany is"
             ("The capital of Italy is", " Rome")]
 
 
-async def log_records(client: httpx.AsyncClient, model: str, request_ids: list[str]) -> list[dict]:
-    records = (await client.get(f"/v1/models/{model}/logs", params={"limit": 1000})).json()
+async def log_records(client: httpx.AsyncClient, model: str, request_ids: list[str],
+                      timeout_s: float = 15.0) -> list[dict]:
+    """The log records of these requests. The worker writes a batch's records after its
+    results are committed (a client can hold its result first): wait for all of them."""
     wanted = set(request_ids)
-    return [r for r in records if r["request_id"] in wanted]
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while True:
+        records = (await client.get(f"/v1/models/{model}/logs", params={"limit": 1000})).json()
+        found = [r for r in records if r["request_id"] in wanted]
+        if {r["request_id"] for r in found} >= wanted or asyncio.get_running_loop().time() > deadline:
+            return found
+        await asyncio.sleep(0.1)
 
 
 def arrow_body(rows: list[dict], schema: pa.Schema) -> bytes:
