@@ -86,6 +86,7 @@ def build_state(settings: Settings, models: list[ModelConfig]) -> ApiState:
     admission = Admission(redis, status_ttl_s=settings.status_ttl_s, reply_ttl_s=settings.reply_ttl_s,
                           cancel_ttl_s=settings.cancel_ttl_s, result_ttl_s=settings.result_ttl_s,
                           bulk_queue_share=settings.bulk_queue_share, strict=settings.durability == "strict")
+    workers = WorkerRegistry(redis)  # the live workers: /v1/workers, readiness and the SLO bound
     deployments = Deployments(ModelRegistry(redis), default_model=models[0].name if models else None,
                               configured=frozenset(m.name for m in models))
     return ApiState(
@@ -95,13 +96,13 @@ def build_state(settings: Settings, models: list[ModelConfig]) -> ApiState:
         deployments=deployments,
         models_sync=ModelsFileSync(deployments, models),
         intake=Intake(settings, admission, PromptLimits(settings.cache_dir),
-                      SloBounds(WorkerRegistry(redis), settings.worker_ttl_s)),
+                      SloBounds(workers, settings.worker_ttl_s)),
         lookup=RequestLookup(admission, DoneListener(redis), deployments, settings.result_ttl_s),
         replies=ReplyRouter(redis, lambda: connect(settings.redis_url, name="sluice-api-replies", single=True),
                             shards=readers),
         responses=ResponseRecords(redis, ttl_s=settings.status_ttl_s + settings.result_ttl_s),
         cancels=BackgroundCancels(admission),
-        workers=WorkerRegistry(redis),
+        workers=workers,
         key_digests=key_digests(settings.api_keys),
         files=FileStore(redis, settings.files_path, settings.max_file_bytes, settings.file_ttl_s),
         jobs=JobStore(redis, settings.batch_ttl_s, settings.result_ttl_s),

@@ -49,7 +49,7 @@ def _prepare(models: list[ModelConfig], settings: Settings) -> bool:
     return True
 
 
-def _live_workers(redis_url: str) -> dict[str, dict]:
+def _live_workers(redis_url: str, ttl_s: float) -> dict[str, dict]:
     import json
 
     import redis
@@ -62,10 +62,11 @@ def _live_workers(redis_url: str) -> dict[str, dict]:
     except (redis.RedisError, OSError):
         return {}
     now = time.time()
-    return {k: info for k, v in beats.items() if now - (info := json.loads(v)).get("heartbeat_at", 0) < 10}
+    return {k: info for k, v in beats.items() if now - (info := json.loads(v)).get("heartbeat_at", 0) <= ttl_s}
 
 
-def _wait_ready(stack: LocalStack, replicas: list[Replica], stop: dict, timeout_s: float = 900) -> bool:
+def _wait_ready(stack: LocalStack, replicas: list[Replica], stop: dict, ttl_s: float,
+                timeout_s: float = 900) -> bool:
     """Until every replica has registered and the api answers; says so for each worker."""
     t0 = time.monotonic()
     seen: set[str] = set()
@@ -77,7 +78,7 @@ def _wait_ready(stack: LocalStack, replicas: list[Replica], stop: dict, timeout_
             if p.poll() is not None:
                 raise RuntimeError(f"{' '.join(map(str, p.args[3:]))} exited with {p.returncode} while starting; "
                                    f"its log is in {stack.logs_dir or stack.data_dir / 'logs'}")
-        live = _live_workers(stack.redis_url or "")
+        live = _live_workers(stack.redis_url or "", ttl_s)  # as the api's WorkerRegistry.live counts them
         for r in replicas:
             if r.name in live and r.name not in seen:
                 seen.add(r.name)
@@ -148,7 +149,7 @@ def run_up(redis_url: str | None, host: str, port: int, models_file: Path | None
                                SLUICE_WORKER_METRICS_URL=f"http://127.0.0.1:{mport}/metrics", **r.env)
         stack.start_jobs()
         stack.start_api(port, *(["--allow-anonymous"] if allow_anonymous else []), log="api")
-        if _wait_ready(stack, replicas, stop):
+        if _wait_ready(stack, replicas, stop, settings.worker_ttl_s):
             served = ", ".join(f"{m.name} x{m.deployment.replicas}" for m in models)
             log.info("Sluice is up at %s serving %s (%.1fs); workers and their metrics: %s/v1/workers; "
                      "Ctrl-C stops it", stack.url, served, time.monotonic() - t0, stack.url)
