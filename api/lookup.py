@@ -23,7 +23,7 @@ class RequestLookup:
     async def wait_final(self, model: str, rid: str, wait_s: float) -> RequestStatus:
         """The status once the request is final, or as it is after `wait_s`."""
         deadline = time.monotonic() + wait_s
-        with self.done.watch(rid) as done:
+        with self.done.watch(model, rid) as done:
             while True:
                 status = await self.admission.status(model, rid)
                 if not status:

@@ -23,7 +23,7 @@ from sluice.api.lookup import RequestLookup
 from sluice.api.slo import SloBounds
 from sluice.api.tokens import PromptLimits
 from sluice.broker.admission import Admission
-from sluice.broker.connection import connect
+from sluice.broker.connection import Readers, celery_broker, connect
 from sluice.broker.files import FileStore
 from sluice.broker.jobs import JobStore
 from sluice.broker.notifications import DoneListener
@@ -80,12 +80,21 @@ class ApiState:
         await self.redis.aclose()
 
 
+def celery_client(settings: Settings) -> Celery:
+    """A Celery client only (the api sends jobs; `sluice jobs` runs them), on the jobs' broker."""
+    broker, transport = celery_broker(settings.redis_url, settings.jobs_broker_url)
+    app = Celery("sluice", broker=broker)
+    app.conf.broker_transport_options = transport
+    return app
+
+
 def build_state(settings: Settings, models: list[ModelConfig]) -> ApiState:
     readers = max(1, min(8, settings.api_redis_connections // 8))
     redis = connect(settings.redis_url, name="sluice-api", max_connections=settings.api_redis_connections - readers - 1)
     admission = Admission(redis, status_ttl_s=settings.status_ttl_s, reply_ttl_s=settings.reply_ttl_s,
                           cancel_ttl_s=settings.cancel_ttl_s, result_ttl_s=settings.result_ttl_s,
-                          bulk_queue_share=settings.bulk_queue_share, strict=settings.durability == "strict")
+                          bulk_queue_share=settings.bulk_queue_share, strict=settings.durability == "strict",
+                          wait_replicas=settings.redis_wait_replicas)
     workers = WorkerRegistry(redis)  # the live workers: /v1/workers, readiness and the SLO bound
     deployments = Deployments(ModelRegistry(redis), default_model=models[0].name if models else None,
                               configured=frozenset(m.name for m in models))
@@ -98,15 +107,14 @@ def build_state(settings: Settings, models: list[ModelConfig]) -> ApiState:
         intake=Intake(settings, admission, PromptLimits(settings.cache_dir),
                       SloBounds(workers, settings.worker_ttl_s)),
         lookup=RequestLookup(admission, DoneListener(redis), deployments, settings.result_ttl_s),
-        replies=ReplyRouter(redis, lambda: connect(settings.redis_url, name="sluice-api-replies", single=True),
-                            shards=readers),
+        replies=ReplyRouter(redis, Readers(settings.redis_url, redis, name="sluice-api-replies"), shards=readers),
         responses=ResponseRecords(redis, ttl_s=settings.status_ttl_s + settings.result_ttl_s),
         cancels=BackgroundCancels(admission),
         workers=workers,
         key_digests=key_digests(settings.api_keys),
         files=FileStore(redis, settings.files_path, settings.max_file_bytes, settings.file_ttl_s),
         jobs=JobStore(redis, settings.batch_ttl_s, settings.result_ttl_s),
-        celery=Celery("sluice", broker=settings.redis_url),
+        celery=celery_client(settings),
     )
 
 

@@ -9,7 +9,8 @@ from typing import Any
 from redis.asyncio import Redis
 
 from sluice.broker import keys
-from sluice.broker.keys import DONE_CHANNEL, ModelKeys
+from sluice.broker.connection import wait_for_copies
+from sluice.broker.keys import ModelKeys
 from sluice.broker.scripts import Scripts
 from sluice.broker.status import RequestStatus
 from sluice.protocol.messages import RequestMessage
@@ -34,7 +35,7 @@ class NotDurable(Exception):
 class Admission:
     def __init__(self, redis: Redis, *, status_ttl_s: int, reply_ttl_s: int, cancel_ttl_s: int,
                  result_ttl_s: int = 3600, bulk_queue_share: float = 0.5,
-                 strict: bool = False, fsync_timeout_ms: int = 1000):
+                 strict: bool = False, fsync_timeout_ms: int = 1000, wait_replicas: int = 0):
         self.redis = redis
         self.scripts = Scripts.register(redis)
         self.status_ttl_s = status_ttl_s  # while unfinished
@@ -44,6 +45,7 @@ class Admission:
         self.cancel_ttl_s = cancel_ttl_s
         self.strict = strict
         self.fsync_timeout_ms = fsync_timeout_ms
+        self.wait_replicas = wait_replicas  # replicas an admission must be on before it is accepted
         self._waitaof: bool | None = None  # whether the server has WAITAOF (Redis 7.2+), once known
 
     async def submit(self, message: RequestMessage, *, max_queued: int, result_ttl_s: int | None = None,
@@ -82,10 +84,15 @@ class Admission:
                 if here + len(messages) <= lane_max and here + there + len(messages) <= max_queued:
                     raise SloRefused(first.model, here, slo_max)
             raise QueueFull(first.model)
-        if self.strict and await self._has_waitaof():
-            local, _ = await self.redis.execute_command("WAITAOF", 1, 0, self.fsync_timeout_ms)
-            if int(local) < 1:
+        aof = self.strict and await self._has_waitaof()
+        if aof or self.wait_replicas:
+            local, copies = await wait_for_copies(self.redis, stream, replicas=self.wait_replicas, aof=aof,
+                                                  timeout_ms=self.fsync_timeout_ms)
+            if aof and local < 1:
                 raise NotDurable(f"request {first.id} was not on disk within {self.fsync_timeout_ms} ms")
+            if copies < self.wait_replicas:
+                raise NotDurable(f"request {first.id} was on {copies} of {self.wait_replicas} replicas "
+                                 f"(redis_wait_replicas) after {self.fsync_timeout_ms} ms")
         return list(entries)
 
     async def _has_waitaof(self) -> bool:
@@ -112,7 +119,7 @@ class Admission:
         keys = ModelKeys(model)
         return await self.scripts.cancel(
             keys=[keys.status(rid), keys.cancel(rid), keys.reply(rid)],
-            args=[time.time(), self.cancel_ttl_s, self.result_ttl_s, self.reply_ttl_s, DONE_CHANNEL, rid],
+            args=[time.time(), self.cancel_ttl_s, self.result_ttl_s, self.reply_ttl_s, keys.done, rid],
         )
 
     async def status(self, model: str, rid: str) -> RequestStatus | None:

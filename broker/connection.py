@@ -1,11 +1,27 @@
-"""Redis clients: redis-py's asyncio client, retrying briefly through connection blips."""
+"""Redis clients: redis-py's asyncio client, retrying briefly through connection blips.
+
+One URL names the deployment, and every process (api, workers, jobs) takes it as it is:
+- `redis://` / `rediss://` (TLS): one server;
+- `redis+cluster://[:password@]host:port,host:port,...`: a Redis Cluster, through redis-py's
+  cluster client (the nodes listed are where it starts; it learns the rest). Every key of a
+  model shares the hash tag `{m:<model>}`, so each script and pipeline of Sluice stays in
+  one slot;
+- `redis+sentinel://[:password@]host:port,host:port,.../<service>[/db]`: the primary that
+  Sentinel names for `service`, followed through a failover.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import socket
+from dataclasses import dataclass
+from urllib.parse import parse_qs, unquote, urlsplit
 
 from redis.asyncio import BlockingConnectionPool, Redis
+from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.asyncio.retry import Retry  # the asyncio one: redis.retry.Retry cannot await
+from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
 from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
@@ -27,13 +43,157 @@ _KEEPALIVE = {name: value for name, value in (("TCP_KEEPIDLE", 10), ("TCP_KEEPIN
               if hasattr(socket, name)}
 
 
+log = logging.getLogger(__name__)
+
+# A cluster client holds a pool per node that raises past its bound: the client as a whole is
+# held to the process's bound (_BoundedCluster), each node's pool to this many times that.
+_CLUSTER_POOL_FACTOR = 8
+
+
+@dataclass(frozen=True)
+class RedisTarget:
+    """What a URL names: one server, a cluster's seed nodes, or Sentinel's service."""
+    kind: str  # "single", "cluster" or "sentinel"
+    url: str
+    nodes: tuple[tuple[str, int], ...] = ()
+    service: str = ""
+    password: str | None = None
+    username: str | None = None
+    db: int = 0
+    tls: bool = False
+    tls_options: tuple[tuple[str, str], ...] = ()
+
+
+def parse_url(url: str) -> RedisTarget:
+    scheme, _, rest = url.partition("://")
+    base, _, kind = scheme.partition("+")
+    if not kind:
+        return RedisTarget("single", url)
+    if kind not in ("cluster", "sentinel") or base not in ("redis", "rediss"):
+        raise ValueError(f"redis url: unknown scheme {scheme!r} (redis, rediss, redis+cluster, redis+sentinel)")
+    parts = urlsplit(f"{base}://{rest}")
+    auth, _, hosts = parts.netloc.rpartition("@")
+    user, _, password = auth.partition(":")
+    nodes = []
+    for host in hosts.split(","):
+        name, _, port = host.rpartition(":")
+        if not name or not port.isdigit():
+            raise ValueError(f"redis url: {host!r} is not host:port")
+        nodes.append((name, int(port)))
+    path = [p for p in parts.path.split("/") if p]
+    service, db = "", 0
+    if kind == "sentinel":
+        if not path:
+            raise ValueError("redis url: redis+sentinel:// needs the service name as its path (/mymaster)")
+        service, path = path[0], path[1:]
+    if path:
+        db = int(path[0])
+    query = {k: v[-1] for k, v in parse_qs(parts.query).items()}
+    return RedisTarget(kind, url, tuple(nodes), service, unquote(password) or None, unquote(user) or None, db,
+                       base == "rediss", tuple(sorted(query.items())))
+
+
+def celery_broker(redis_url: str, jobs_broker_url: str | None) -> tuple[str, dict]:
+    """Celery's broker URL and transport options for bulk jobs: SLUICE_JOBS_BROKER_URL, else the
+    Redis of `redis_url` (Sentinel's service through kombu's sentinel transport). Celery cannot
+    use a Redis Cluster: with one, the jobs' broker must be named."""
+    if jobs_broker_url:
+        return jobs_broker_url, {}
+    target = parse_url(redis_url)
+    if target.kind == "cluster":
+        raise ValueError("SLUICE_REDIS_URL names a Redis Cluster, which Celery cannot use as its broker: "
+                         "set SLUICE_JOBS_BROKER_URL to a single Redis (or Sentinel) for bulk jobs")
+    if target.kind == "sentinel":
+        auth = f":{target.password}@" if target.password else ""
+        url = ";".join(f"sentinel://{auth}{h}:{p}/{target.db}" for h, p in target.nodes)
+        return url, {"master_name": target.service}
+    return redis_url, {}
+
+
+class _BoundedCluster(RedisCluster):
+    """redis-py's cluster client with the bound of a blocking pool: at most `bound` commands
+    (pipelines included) at once in the whole client, the rest waiting for one to end; its own
+    per-node pools only raise past their bound, as redis-py's plain pool did (a worker running
+    256 requests at once lost one to a whole lease that way)."""
+
+    def __init__(self, *args: object, bound: int, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)
+        self._bound = asyncio.Semaphore(bound)
+        self._ready = False
+        self._ready_lock = asyncio.Lock()
+
+    async def execute_command(self, *args: object, **kwargs: object) -> object:
+        if not self._ready:
+            await self.ready()
+        async with self._bound:
+            return await super().execute_command(*args, **kwargs)
+
+    async def ready(self) -> None:
+        """Learn the slots once before any command: many first commands at once on a new
+        client (redis-py 8.1) broke connections ('NoneType' object has no attribute 'writelines')."""
+        async with self._ready_lock:
+            if not self._ready:
+                await self.initialize()
+                self._ready = True
+
+
+class _SentinelBlockingPool(SentinelConnectionPool, BlockingConnectionPool):
+    """Sentinel's pool (the primary's address asked of Sentinel, a failover followed) with the
+    blocking bound of BlockingConnectionPool."""
+
+
+def is_cluster(client: object) -> bool:
+    return isinstance(client, RedisCluster)
+
+
 def connect(url: str, *, name: str = "sluice", max_connections: int = 64, single: bool = False) -> Redis:
-    """A client for `url` (redis://, rediss:// with TLS, passwords in the URL).
+    """A client for `url` (see the module's docstring; passwords in the URL).
 
     At most `max_connections` connections, a command waiting for a free one (a process holds
     itself to a bound however many requests it serves); `single`: one connection of its own
-    (a reader that blocks on it)."""
-    options = {
+    (a reader that blocks on it; not for a cluster: see `node_client`)."""
+    target = parse_url(url)
+    options = _options(name, single)
+    if target.kind == "cluster":
+        if single:
+            raise ValueError("a cluster has no single connection: use node_client for the node of a key")
+        return _BoundedCluster(startup_nodes=[ClusterNode(h, p) for h, p in target.nodes], password=target.password,
+                            username=target.username, ssl=target.tls, **dict(target.tls_options),
+                            max_connections=max_connections * _CLUSTER_POOL_FACTOR, bound=max_connections,
+                            **_cluster_options(options))
+    if target.kind == "sentinel":
+        sentinel = Sentinel(list(target.nodes), sentinel_kwargs={"password": target.password,
+                                                                 "socket_connect_timeout": 5},
+                            password=target.password, username=target.username, db=target.db, ssl=target.tls,
+                            **dict(target.tls_options), **options)
+        if single:
+            client = sentinel.master_for(target.service)
+            return Redis(connection_pool=client.connection_pool, single_connection_client=True)
+        return sentinel.master_for(target.service, connection_pool_class=_SentinelBlockingPool,
+                                   max_connections=max_connections, timeout=POOL_WAIT_S)
+    if single:
+        return Redis.from_url(url, single_connection_client=True, **options)
+    pool = BlockingConnectionPool.from_url(url, max_connections=max_connections, timeout=POOL_WAIT_S, **options)
+    return Redis.from_pool(pool)
+
+
+def node_client(cluster: RedisCluster, key: str, *, name: str, single: bool = True) -> Redis:
+    """A plain client to the primary that serves `key`'s slot now (a blocking reader of that
+    slot's keys, or a control connection beside one). After a failover it is stale: its
+    commands fail (connection refused, or MOVED), and the caller asks again."""
+    node = cluster.get_node_from_key(key)
+    kw = node.connection_kwargs
+    options = _options(name, single)
+    return Redis(host=node.host, port=node.port, password=kw.get("password"), username=kw.get("username"),
+                 single_connection_client=single, **options)
+
+
+def _cluster_options(options: dict) -> dict:
+    return {k: v for k, v in options.items() if k not in ("health_check_interval",)}
+
+
+def _options(name: str, single: bool) -> dict:
+    return {
         # redis-py 8 times out every read after 5 s by default, blocking ones included: a
         # reader blocked in XREAD BLOCK 5000 then timed out, was retried (up to 5 times) and
         # delivered the tokens it was waiting for tens of seconds late. A blocking reader
@@ -49,7 +209,80 @@ def connect(url: str, *, name: str = "sluice", max_connections: int = 64, single
         "retry": Retry(ExponentialBackoff(cap=2.0, base=0.05), retries=5),
         "retry_on_error": [RedisConnectionError, RedisTimeoutError],
     }
-    if single:
-        return Redis.from_url(url, single_connection_client=True, **options)
-    pool = BlockingConnectionPool.from_url(url, max_connections=max_connections, timeout=POOL_WAIT_S, **options)
-    return Redis.from_pool(pool)
+
+
+class Readers:
+    """Connections of their own for blocking readers (the api's reply router): to the server
+    (or Sentinel's primary), or in a cluster to the primary that serves a key's slot now, with
+    the CLIENT UNBLOCK that interrupts one sent to that same node."""
+
+    def __init__(self, url: str, client: Redis, *, name: str) -> None:
+        self.url = url
+        self.client = client
+        self.name = name
+        self.cluster = is_cluster(client)
+        self._controls: dict[tuple[str, int], Redis] = {}
+
+    async def open(self, key: str) -> Redis:
+        if self.cluster:
+            await self.client.initialize()  # the slots, before the first command has learnt them
+            return node_client(self.client, key, name=self.name)
+        return connect(self.url, name=self.name, single=True)
+
+    async def unblock(self, reader: Redis, client_id: int) -> None:
+        if not self.cluster:
+            await self.client.client_unblock(client_id)
+            return
+        kw = reader.connection_pool.connection_kwargs
+        address = (kw["host"], kw["port"])
+        control = self._controls.get(address)
+        if control is None:
+            control = self._controls[address] = Redis(
+                host=address[0], port=address[1], password=kw.get("password"), username=kw.get("username"),
+                **_options(f"{self.name}-unblock", False))
+        await control.client_unblock(client_id)
+
+    async def refresh(self) -> None:
+        """After a reader's node failed: learn the cluster's slots again (a replica took over)."""
+        if self.cluster:
+            await self.client.nodes_manager.initialize()
+
+    async def aclose(self) -> None:
+        for control in self._controls.values():
+            await control.aclose()
+        self._controls.clear()
+
+
+async def wait_for_copies(redis: Redis, key: str, *, replicas: int, aof: bool = False,
+                          timeout_ms: int = 1000) -> tuple[int, int]:
+    """Wait until the writes made so far to `key`'s node are on `replicas` replicas (WAIT) or,
+    with `aof`, also fsynced locally (WAITAOF, Redis 7.2+). Returns (fsynced locally: 1 or 0,
+    -1 without `aof`; replicas that have them).
+
+    WAIT and WAITAOF count the writes of the connection they run on, and a pool hands each
+    command any connection. So they run in one pipeline (one connection, in a cluster the one
+    to `key`'s node) behind a marker write to `key`'s slot: a node replicates and appends in
+    order, so once the marker is copied, every earlier write of that node is too."""
+    tag = key[key.index("{"):key.index("}") + 1] if "{" in key and "}" in key else key
+    marker = f"sluice:{tag}:sync"
+    target = {"target_nodes": redis.get_node_from_key(marker)} if is_cluster(redis) else {}
+    async with redis.pipeline(transaction=False) as pipe:
+        pipe.set(marker, "1", ex=3600)
+        if aof:
+            pipe.execute_command("WAITAOF", 1, replicas, timeout_ms, **target)
+        else:
+            pipe.execute_command("WAIT", replicas, timeout_ms, **target)
+        _, got = await pipe.execute()
+    if aof:
+        local, copies = got
+        return int(local), int(copies)
+    return -1, int(got)
+
+
+async def copied(redis: Redis, key: str, replicas: int, what: str, timeout_ms: int = 1000) -> bool:
+    """Wait for `replicas` replicas to hold what was written to `key`'s node; False (logged)
+    when fewer did within the timeout: the write stands on the primary alone."""
+    _, got = await wait_for_copies(redis, key, replicas=replicas, timeout_ms=timeout_ms)
+    if got < replicas:
+        log.warning("%s is on %d of %d replicas after %d ms", what, got, replicas, timeout_ms)
+    return got >= replicas

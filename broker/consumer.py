@@ -12,8 +12,9 @@ from typing import Literal
 from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
+from sluice.broker.connection import copied
 from sluice.broker.housekeeping import bounded_record, prune_consumers
-from sluice.broker.keys import DONE_CHANNEL, GROUP, ModelKeys
+from sluice.broker.keys import GROUP, ModelKeys
 from sluice.broker.scripts import Scripts
 from sluice.protocol.messages import FinalResult, RequestMessage
 
@@ -38,8 +39,7 @@ class Delivery:
 
     @property
     def isolated(self) -> bool:
-        """A redelivered entry may be the one that brought its last worker down: it runs alone
-        (in the quarantine slot), so that a crash is charged to it and to nothing beside it."""
+        """A redelivered entry may have brought its last worker down: it runs alone (quarantined)."""
         return self.attempt > 1
 
     @property
@@ -50,8 +50,9 @@ class Delivery:
 class StreamConsumer:
     def __init__(self, redis: Redis, model: str, consumer: str, *, status_ttl_s: int, reply_ttl_s: int,
                  log_max_len: int, lease_timeout_s: float = 30.0, max_deliveries: int = 3, dlq_max_len: int = 10_000,
-                 result_ttl_s: int = 3600, log_max_record_bytes: int = 4096):
+                 result_ttl_s: int = 3600, log_max_record_bytes: int = 4096, wait_replicas: int = 0):
         self.redis = redis
+        self.wait_replicas = wait_replicas  # replicas a commit waits for (WAIT) before it returns
         self.keys = ModelKeys(model)
         self.consumer = consumer
         self.scripts = Scripts.register(redis)
@@ -66,17 +67,13 @@ class StreamConsumer:
         self._token = uuid.uuid4().hex
         self.held: dict[tuple[str, str], Delivery] = {}
         self.reserved_slots = 0  # of a fetch's count, what the bulk lane leaves to interactive work
-        self.reclaimed = 0  # running totals, for the worker's metrics
-        self.dead_lettered = 0
+        self.reclaimed = self.dead_lettered = 0  # running totals, for the worker's metrics
         # Own pending entries are re-read once after a (re)start, following a cursor.
         self._pending_cursor: dict[str, str] = {s: "0" for s in self.streams}
 
     async def claim_name(self, ttl_s: float) -> str:
-        """Take the consumer name, or the first free `<name>-<k>` if a live worker holds it.
-
-        A restarted worker gets its old name back (and with it its pending entries);
-        two live workers never share one.
-        """
+        """Take the consumer name, or the first free `<name>-<k>` if a live worker holds it. A
+        restarted worker gets its old name back (and its pending entries); two never share one."""
         base = self.consumer
         for k in range(1000):
             name = base if k == 0 else f"{base}-{k}"
@@ -189,7 +186,7 @@ class StreamConsumer:
         written = await self.scripts.dead_letter(
             keys=[stream, self.keys.dead_letters, self.keys.status(rid), self.keys.reply(rid)],
             args=[GROUP, self.consumer, entry_id, rid, data, error, attempts, time.time(), self.result_ttl_s,
-                  self.reply_ttl_s, DONE_CHANNEL, self.dlq_max_len],
+                  self.reply_ttl_s, self.keys.done, self.dlq_max_len],
         )
         if written == 1:
             self.dead_lettered += 1
@@ -247,7 +244,7 @@ class StreamConsumer:
         return await self.scripts.start(
             keys=[d.stream, self.keys.status(rid), self.keys.cancel(rid), self.keys.reply(rid)],
             args=[GROUP, self.consumer, d.entry_id, time.time(), d.message.deadline, d.attempt,
-                  self.status_ttl_s, self.reply_ttl_s, DONE_CHANNEL, rid, int(d.isolated), self.result_ttl_s],
+                  self.status_ttl_s, self.reply_ttl_s, self.keys.done, rid, int(d.isolated), self.result_ttl_s],
         )
 
     async def lease_held(self) -> list[Delivery]:
@@ -271,9 +268,11 @@ class StreamConsumer:
         written = await self.scripts.commit(
             keys=[d.stream, self.keys.status(rid), self.keys.reply(rid)],
             args=[GROUP, self.consumer, d.entry_id, result.status.value, result.model_dump_json(exclude_none=True),
-                  time.time(), self.result_ttl_s, self.reply_ttl_s, DONE_CHANNEL, rid],
+                  time.time(), self.result_ttl_s, self.reply_ttl_s, self.keys.done, rid],
         )
         self.release(d)
+        if written and self.wait_replicas:  # before the worker counts it done: on the replicas too
+            await copied(self.redis, d.stream, self.wait_replicas, f"the final of request {rid}")
         if not written:
             log.warning("request %s: entry %s was reclaimed by another worker; result dropped", rid, d.entry_id)
         elif written == 2:

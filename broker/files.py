@@ -1,4 +1,6 @@
-"""Files (OpenAI Files API): content in a local folder, metadata in Redis (`sluice:file:<id>`)."""
+"""Files (OpenAI Files API): content in a local folder, metadata in Redis (`sluice:file:<id>`),
+listed through one index (`sluice:files`, ids by expiry time): no SCAN or multi-key read
+across slots, so it works on a Redis Cluster as on one server."""
 
 from __future__ import annotations
 
@@ -30,6 +32,9 @@ class FileError(Exception):
 
 def _key(file_id: str) -> str:
     return f"{PREFIX}:file:{file_id}"
+
+
+_INDEX = f"{PREFIX}:files"
 
 
 class FileStore:
@@ -66,6 +71,9 @@ class FileStore:
         meta = {"id": file_id, "object": "file", "bytes": size, "created_at": now, "expires_at": now + ttl,
                 "filename": filename, "purpose": purpose, "status": "processed", "owner": owner}
         await self.redis.set(_key(file_id), json.dumps(meta), ex=ttl)
+        await self.redis.zadd(_INDEX, {file_id: now + ttl})
+        if await self.redis.ttl(_INDEX) < ttl:  # the index outlives every file it lists, no longer
+            await self.redis.expire(_INDEX, ttl)
         if time.monotonic() >= self._next_sweep:
             self._next_sweep = time.monotonic() + self.sweep_every_s
             await self.sweep()
@@ -123,11 +131,21 @@ class FileStore:
         return await asyncio.to_thread(self.path(file_id).read_bytes)
 
     async def list(self, purpose: str | None = None) -> list[dict[str, Any]]:
-        keys = [k async for k in self.redis.scan_iter(match=_key("*"), count=500)]
-        metas = [json.loads(v) for v in await self.redis.mget(keys) if v] if keys else []
+        now = time.time()
+        await self.redis.zremrangebyscore(_INDEX, "-inf", now)
+        ids = await self.redis.zrangebyscore(_INDEX, now, "+inf")
+        async with self.redis.pipeline(transaction=False) as pipe:  # one GET per key: each its own slot
+            for file_id in ids:
+                pipe.get(_key(file_id))
+            raws = await pipe.execute() if ids else []
+        gone = [i for i, raw in zip(ids, raws) if raw is None]
+        if gone:
+            await self.redis.zrem(_INDEX, *gone)
+        metas = [json.loads(raw) for raw in raws if raw]
         return sorted((m for m in metas if purpose in (None, m["purpose"])), key=lambda m: m["created_at"])
 
     async def delete(self, file_id: str) -> None:
         await self.get(file_id)
         await self.redis.delete(_key(file_id))
+        await self.redis.zrem(_INDEX, file_id)
         await asyncio.to_thread(self.path(file_id).unlink, missing_ok=True)

@@ -33,7 +33,10 @@ class LockLost(Exception):
 
 
 def _key(job_id: str, part: str = "") -> str:
-    return f"{PREFIX}:batch:{job_id}" + (f":{part}" if part else "")
+    """The batch hash `sluice:batch:<id>`; its parts (lock, out, rids) take that whole name as
+    their hash tag, so a job's scripts touch one cluster slot."""
+    base = f"{PREFIX}:batch:{job_id}"
+    return f"{{{base}}}:{part}" if part else base
 
 
 class JobStore:
@@ -58,7 +61,9 @@ class JobStore:
                   "completion_window": completion_window, "status": "validating", "created_at": now,
                   "expires_at": now + 24 * 3600, "total": 0, "completed": 0, "failed": 0, "output_tokens": 0,
                   "metadata": json.dumps(metadata or {}), "owner": owner or ""}
-        async with self.redis.pipeline(transaction=True) as pipe:
+        # Not a transaction: the index is another slot. The hash is written first; a listing
+        # skips an id whose hash is not there.
+        async with self.redis.pipeline(transaction=False) as pipe:
             pipe.hset(_key(job_id), mapping=fields)
             pipe.expire(_key(job_id), self.lifetime_s)
             pipe.zadd(_INDEX, {job_id: now})

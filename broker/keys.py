@@ -8,8 +8,6 @@ PREFIX = "sluice"
 GROUP = "workers"
 MODELS = f"{PREFIX}:models"
 WORKERS = f"{PREFIX}:workers"
-# Pub/sub channel announcing request ids whose final result was just written.
-DONE_CHANNEL = f"{PREFIX}:done"
 
 
 def idempotency(key: str) -> str:
@@ -39,6 +37,12 @@ class ModelKeys:
     @property
     def log(self) -> str:
         return f"{self.tag}:log"
+
+    @property
+    def done(self) -> str:
+        """Sharded pub/sub channel (SPUBLISH) announcing the model's requests whose final was
+        just written: in a cluster it lives on the node of the model's slot, not on every node."""
+        return f"{self.tag}:done"
 
     def reply(self, rid: str) -> str:
         return f"{self.tag}:reply:{rid}"

@@ -1,9 +1,12 @@
-"""Wake long-polling readers when a request's final result lands (pub/sub on sluice:done).
+"""Wake long-polling readers when a request's final result lands: sharded pub/sub
+(SSUBSCRIBE) on each model's `done` channel, which the scripts that write a final SPUBLISH to.
 
-One subscription per process (an api process, a bulk job's runner) fans the announcements
-out to waiters, so a long poll costs nothing while tokens stream. A lost announcement (a
-reconnect) costs at most one re-check interval: waiters re-read the status at least every
-`recheck_s`.
+One subscriber per process (an api process, a bulk job's runner) fans the announcements out
+to waiters, so a long poll costs nothing while tokens stream. A model's channel is subscribed
+when a request of it is first watched. In a cluster, the channel lives on the node of the
+model's slot (redis-py's cluster pubsub holds a connection per node and follows a failover);
+classic pub/sub would be broadcast to every node. A lost announcement (a reconnect) costs at
+most one re-check interval: waiters re-read the status at least every `recheck_s`.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from collections.abc import Callable, Iterable, Iterator
 
 from redis.asyncio import Redis
 
-from sluice.broker.keys import DONE_CHANNEL
+from sluice.broker.keys import ModelKeys
 
 log = logging.getLogger(__name__)
 
@@ -29,6 +32,8 @@ class DoneListener:
         self.redis = redis
         self.recheck_s = recheck_s
         self._waiters: dict[str, set[Waiter]] = defaultdict(set)
+        self._channels: set[str] = set()  # every model channel watched so far (models are few)
+        self._new_channel = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._closing = False
 
@@ -44,7 +49,7 @@ class DoneListener:
             await asyncio.wait([self._task], timeout=2 * _READ_S)
 
     @contextlib.contextmanager
-    def watch(self, rid: str) -> Iterator[asyncio.Future]:
+    def watch(self, model: str, rid: str) -> Iterator[asyncio.Future]:
         """A future set when `rid` is announced done. Watch before reading the status,
         so that an announcement between the read and the wait is not missed."""
         fut = asyncio.get_running_loop().create_future()
@@ -53,7 +58,7 @@ class DoneListener:
             if not fut.done():
                 fut.set_result(None)
 
-        self._add(rid, announced)
+        self._add(model, rid, announced)
         try:
             yield fut
         finally:
@@ -64,8 +69,12 @@ class DoneListener:
         them were announced done since the last look."""
         return Inbox(self)
 
-    def _add(self, rid: str, waiter: Waiter) -> None:
+    def _add(self, model: str, rid: str, waiter: Waiter) -> None:
         self._waiters[rid].add(waiter)
+        channel = ModelKeys(model).done
+        if channel not in self._channels:
+            self._channels.add(channel)
+            self._new_channel.set()
 
     def _discard(self, rid: str, waiter: Waiter) -> None:
         waiters = self._waiters.get(rid)
@@ -82,10 +91,21 @@ class DoneListener:
         while not self._closing:
             try:
                 async with self.redis.pubsub(ignore_subscribe_messages=True) as pubsub:
-                    await pubsub.subscribe(DONE_CHANNEL)
+                    # The cluster's pubsub reads each node's connection; a single server's is one.
+                    read = getattr(pubsub, "get_sharded_message", pubsub.get_message)
+                    subscribed: set[str] = set()
                     while not self._closing:
-                        message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=_READ_S)
-                        if message is None:
+                        if self._new_channel.is_set() or not subscribed:
+                            self._new_channel.clear()
+                            for channel in sorted(self._channels - subscribed):
+                                await pubsub.ssubscribe(channel)
+                                subscribed.add(channel)
+                        if not subscribed:
+                            with contextlib.suppress(TimeoutError):
+                                await asyncio.wait_for(self._new_channel.wait(), _READ_S)
+                            continue
+                        message = await read(ignore_subscribe_messages=True, timeout=_READ_S)
+                        if message is None or message.get("type") != "smessage":
                             continue
                         rid = message["data"]
                         for waiter in list(self._waiters.get(rid, ())):
@@ -107,11 +127,11 @@ class Inbox:
         self._announced: set[str] = set()
         self._event = asyncio.Event()
 
-    def watch(self, rids: Iterable[str]) -> None:
+    def watch(self, model: str, rids: Iterable[str]) -> None:
         for rid in rids:
             if rid not in self._watched:
                 self._watched.add(rid)
-                self._listener._add(rid, self._on_done)
+                self._listener._add(model, rid, self._on_done)
 
     def forget(self, rid: str) -> None:
         self._watched.discard(rid)

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 from redis.asyncio import Redis
 
+from sluice.broker.connection import is_cluster
 from sluice.broker.keys import GROUP, ModelKeys
 from sluice.broker.scripts import Scripts
 from sluice.protocol.messages import DeltaEvent, FinalResult, TokenLogprob
@@ -59,13 +60,16 @@ class ReplyWriter:
             for d, ev in batch:
                 by_entry.setdefault((d.stream, d.entry_id), (d, []))[1].append(ev.model_dump_json(exclude_none=True))
             try:
-                async with self.redis.pipeline(transaction=False) as pipe:
-                    for d, events in by_entry.values():
-                        rid = d.message.id
-                        await self.scripts.reply(keys=[d.stream, self.keys.reply(rid), self.keys.status(rid)],
-                                                 args=[GROUP, d.consumer, d.entry_id, self.reply_ttl_s, *events],
-                                                 client=pipe)
-                    await pipe.execute()
+                calls = [([d.stream, self.keys.reply(d.message.id), self.keys.status(d.message.id)],
+                          [GROUP, d.consumer, d.entry_id, self.reply_ttl_s, *events])
+                         for d, events in by_entry.values()]
+                if is_cluster(self.redis):  # redis-py's cluster pipeline refuses scripts: one call each
+                    await asyncio.gather(*(self.scripts.reply(keys=k, args=a) for k, a in calls))
+                else:  # one round trip for the flush
+                    async with self.redis.pipeline(transaction=False) as pipe:
+                        for k, a in calls:
+                            await self.scripts.reply(keys=k, args=a, client=pipe)
+                        await pipe.execute()
             except BaseException:
                 # Not known to be written (Redis away, or restarted without its scripts): keep
                 # the deltas for the next flush. reply.lua drops what did land, so a resend

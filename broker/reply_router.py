@@ -7,6 +7,10 @@ followers of that stream. A new follower must be in its shard's next read: it un
 shard's read (`CLIENT UNBLOCK`) until the shard has taken it in, so its first token never
 waits out a block. So an api process holds `shards` reading connections however many
 streams are open, and one XREAD carries a flush's tokens for every stream of a shard.
+
+In a Redis Cluster one XREAD cannot span slots: shards are then per model (its keys share one
+slot) and lazily made, each reading from the primary that serves the model's slot; a reader
+whose node failed asks the cluster again where the slot is now.
 """
 
 from __future__ import annotations
@@ -16,12 +20,13 @@ import logging
 import random
 import time
 import zlib
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
+from sluice.broker.connection import Readers
 from sluice.broker.keys import ModelKeys
 from sluice.broker.replies import ReplyDecoder, ReplyEvent, final_status
 
@@ -45,8 +50,10 @@ class _Follower:
 
 
 class _Shard:
-    def __init__(self, reader: Redis, block_ms: int) -> None:
-        self.reader = reader  # one connection, blocked in XREAD most of the time
+    def __init__(self, readers: Readers, slot_key: str, block_ms: int) -> None:
+        self.readers = readers
+        self.slot_key = slot_key  # a key of the slot it reads (a cluster's reader goes to its node)
+        self.reader: Redis | None = None  # one connection, blocked in XREAD most of the time
         self.block_ms = block_ms
         self.followers: dict[str, set[_Follower]] = {}
         self.client_id: int | None = None
@@ -79,12 +86,14 @@ class _Shard:
                 for f in fs:
                     f.taken_in.set()
             try:
+                if self.reader is None:
+                    self.reader = await self.readers.open(self.slot_key)
                 if self.client_id is None:
                     self.client_id = await self.reader.client_id()
                 got = await self.reader.xread(streams, count=256, block=self.block_ms)
-            except RedisError as err:
+            except Exception as err:  # noqa: BLE001 - Redis away, a cluster mid-failover: the shard lives on
                 log.warning("reading reply streams failed (%s); retrying", err)
-                self.client_id = None  # a new connection has another id
+                await self._reopen()
                 await asyncio.sleep(0.2)
                 continue
             for key, entries in got or []:
@@ -94,35 +103,66 @@ class _Shard:
                             f.after = entry[0]
                             f.entries.put_nowait(entry)
 
+    async def _reopen(self) -> None:
+        self.client_id = None  # a new connection has another id
+        if self.readers.cluster and self.reader is not None:  # its node may be gone: ask the cluster again
+            reader, self.reader = self.reader, None
+            await reader.aclose()
+            try:
+                await self.readers.refresh()
+            except RedisError as err:
+                log.debug("refreshing the cluster's slots failed (%s)", err)
+
+    async def aclose(self) -> None:
+        if self.reader is not None:
+            await self.reader.aclose()
+
 
 class ReplyRouter:
-    def __init__(self, redis: Redis, reader: Callable[[], Redis], *, shards: int = 4, block_ms: int = 5000,
+    def __init__(self, redis: Redis, readers: Readers, *, shards: int = 4, block_ms: int = 5000,
                  recheck_s: float = 30.0) -> None:
-        """`redis`: the process's client, for short commands; `reader()`: a client with one
-        connection of its own, called once per shard. `recheck_s`: how often a quiet follower
-        asks whether its request is final without a final on its stream (the stream expired
-        before it was read): a command per open stream each time, so not often."""
+        """`redis`: the process's client, for short commands; `readers`: connections of their
+        own, one per shard. `recheck_s`: how often a quiet follower asks whether its request
+        is final without a final on its stream (the stream expired before it was read): a
+        command per open stream each time, so not often."""
         self.redis = redis
+        self.readers = readers
         self.recheck_s = recheck_s
-        self._shards = [_Shard(reader(), block_ms) for _ in range(shards)]
+        self.block_ms = block_ms
+        self.shard_count = shards
+        self._shards: dict[tuple[str, int], _Shard] = {}
         self._tasks: list[asyncio.Task[None]] = []
 
     def start(self) -> None:
-        self._tasks = [asyncio.create_task(s.run(), name=f"reply-router-{i}") for i, s in enumerate(self._shards)]
+        if not self.readers.cluster:  # every model's streams in one read: the shards start now
+            for i in range(self.shard_count):
+                self._shard("", i)
+
+    def _shard(self, tag: str, i: int) -> _Shard:
+        shard = self._shards.get((tag, i))
+        if shard is None:
+            shard = self._shards[(tag, i)] = _Shard(self.readers, tag or "sluice", self.block_ms)
+            self._tasks.append(asyncio.create_task(shard.run(), name=f"reply-router-{tag}-{i}"))
+        return shard
+
+    def _shard_for(self, keys: ModelKeys, rid: str) -> _Shard:
+        i = zlib.crc32(rid.encode()) % self.shard_count
+        return self._shard(keys.tag if self.readers.cluster else "", i)
 
     async def close(self) -> None:
-        for shard in self._shards:
+        for shard in self._shards.values():
             shard.closing = True
         for task in self._tasks:
             task.cancel()
         if self._tasks:
             await asyncio.wait(self._tasks, timeout=2.0)
-        for shard in self._shards:
-            await shard.reader.aclose()
+        for shard in self._shards.values():
+            await shard.aclose()
+        await self.readers.aclose()
 
     @property
     def following(self) -> int:
-        return sum(len(fs) for s in self._shards for fs in s.followers.values())
+        return sum(len(fs) for s in self._shards.values() for fs in s.followers.values())
 
     async def follow(self, model: str, rid: str, *, after: str = "0", next_index: int = 0,
                      idle_timeout_s: float | None = None) -> AsyncIterator[ReplyEvent]:
@@ -132,7 +172,7 @@ class ReplyRouter:
         keys = ModelKeys(model)
         decoder = ReplyDecoder(next_index)
         follower = _Follower(keys.reply(rid), after)
-        shard = self._shards[zlib.crc32(rid.encode()) % len(self._shards)]
+        shard = self._shard_for(keys, rid)
         shard.add(follower)
         try:
             await self._taken_in(shard, follower)
@@ -176,7 +216,8 @@ class ReplyRouter:
         while not follower.taken_in.is_set():
             if shard.client_id is not None and not shard.unblocked:
                 shard.unblocked = True
-                await self.redis.client_unblock(shard.client_id)
+                if shard.reader is not None:
+                    await self.readers.unblock(shard.reader, shard.client_id)
             try:
                 await asyncio.wait_for(follower.taken_in.wait(), _PICKUP_S)
             except TimeoutError:

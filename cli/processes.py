@@ -48,10 +48,13 @@ def free_port(preferred: int | None = None) -> int:
 
 class EmbeddedRedis:
     def __init__(self, data_dir: Path, port: int | None = None, *, appendonly: bool = True,
-                 password: str | None = None, tls: tuple[Path, Path] | None = None, strict: bool = False):
+                 password: str | None = None, tls: tuple[Path, Path] | None = None, strict: bool = False,
+                 extra: tuple[str, ...] = ()):
         """`tls`: (certificate, key) files; the server then listens for TLS only. `strict`:
         every write is on disk before it is answered (appendfsync always), so a kill -9 loses
-        nothing that was acknowledged; the default fsyncs once a second."""
+        nothing that was acknowledged; the default fsyncs once a second. `extra`: more
+        redis-server options (a cluster node's, a replica's)."""
+        self.extra = extra
         self.data_dir = Path(data_dir)
         # A port of our choosing may be taken in between (tests start many servers at once):
         # the first start chooses again; a restart keeps its port, its clients know it.
@@ -90,7 +93,8 @@ class EmbeddedRedis:
              "--dir", str(self.data_dir), "--appendonly", "yes" if self.appendonly else "no",
              "--appendfsync", "always" if self.strict else "everysec", "--maxmemory-policy", "noeviction", "--save", "",
              "--logfile", str(self.data_dir / "redis.log"),
-             *(["--requirepass", self.password] if self.password else [])],
+             *(["--requirepass", self.password, "--masterauth", self.password] if self.password else []),
+             *self.extra],
             stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
         )
         deadline = time.monotonic() + timeout_s

@@ -14,7 +14,10 @@ class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="SLUICE_", extra="ignore")
 
     # Where things are
-    redis_url: str = "redis://127.0.0.1:6379/0"
+    redis_url: str = "redis://127.0.0.1:6379/0"  # also redis+cluster:// and redis+sentinel://
+    # Celery's broker for bulk jobs (Celery cannot use a Redis Cluster): default redis_url
+    # when that is one server or Sentinel's primary; required with a cluster.
+    jobs_broker_url: str | None = None
     models_file: Path | None = None
     cache_dir: Path = Field(default_factory=lambda: Path(user_cache_dir("sluice")))
     data_dir: Path = Field(default_factory=lambda: Path(user_data_dir("sluice")))
@@ -50,6 +53,10 @@ class Settings(BaseSettings):
     # "strict": the embedded Redis fsyncs every write (appendfsync always) and, on a server with
     # WAITAOF (Redis 7.2+), a 202 is given only once the admission is on disk.
     durability: Literal["default", "strict"] = "default"
+    # With replicas (a cluster's, or Sentinel's primary's): a 202 only once the admission is on
+    # this many replicas (else 503 not_durable), and a worker's commit waits for them too
+    # (WAIT): what a failover can lose (README, "Scaling out").
+    redis_wait_replicas: int = Field(default=0, ge=0)
     max_queued: int = Field(default=1000, gt=0)  # entries of both lanes together, per model
     # The part of max_queued the bulk lane may hold: the rest is always left to interactive.
     bulk_queue_share: float = Field(default=0.5, gt=0, lt=1)

@@ -36,6 +36,7 @@ command -v chromium >/dev/null 2>&1 || want+=(chromium)
 command -v docker-compose >/dev/null 2>&1 || want+=(docker-compose)
 command -v dockerd >/dev/null 2>&1 || want+=(docker.io)
 command -v debootstrap >/dev/null 2>&1 || want+=(debootstrap)
+command -v redis-sentinel >/dev/null 2>&1 || want+=(redis-sentinel)  # tests/broker/test_sentinel.py
 # `kubectl kustomize` renders deploy/k8s (tests/deploy_k8s); Google's kubectl, where one is
 # installed, already has it (Debian's package would write the same path)
 command -v kubectl >/dev/null 2>&1 || command -v kustomize >/dev/null 2>&1 || want+=(kubernetes-client)

@@ -14,6 +14,7 @@ from redis.asyncio import Redis
 from sluice.broker.connection import connect
 from sluice.cli.processes import EmbeddedRedis
 from sluice.config.settings import Settings
+from tests.topologies import LocalCluster
 
 # One cache for every run on this machine: the default model is prepared once.
 os.environ.setdefault("SLUICE_CACHE_DIR", str(Path.home() / ".cache" / "sluice"))
@@ -54,16 +55,36 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     items.sort(key=lambda i: i.get_closest_marker("xdist_group") is None)
 
 
+# SLUICE_TEST_REDIS=cluster runs the tests that use the shared server against a Redis Cluster
+# of their own (3 primaries, 3 replicas) instead; tests that need one server (they restart or
+# kill it) take `single_redis`.
+TOPOLOGY = os.environ.get("SLUICE_TEST_REDIS", "single")
+
+
 @pytest.fixture(scope="session")
-def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedRedis]:
-    server = EmbeddedRedis(tmp_path_factory.mktemp("redis")).start()
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedRedis | LocalCluster]:
+    server = (LocalCluster(tmp_path_factory.mktemp("cluster")) if TOPOLOGY == "cluster"
+              else EmbeddedRedis(tmp_path_factory.mktemp("redis")))
+    server.start()
     yield server
     server.stop()
 
 
 @pytest.fixture(scope="session")
-def redis_url(redis_server: EmbeddedRedis) -> str:
+def redis_url(redis_server: EmbeddedRedis | LocalCluster) -> str:
     return redis_server.url
+
+
+@pytest.fixture(scope="session")
+def jobs_broker_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str | None]:
+    """Celery's broker: the shared server itself, or beside a cluster (Celery cannot use one) a
+    single server of its own."""
+    if TOPOLOGY != "cluster":
+        yield None
+        return
+    server = EmbeddedRedis(tmp_path_factory.mktemp("jobs-broker")).start()
+    yield server.url
+    server.stop()
 
 
 @pytest.fixture
@@ -76,6 +97,6 @@ async def redis(redis_url: str) -> AsyncIterator[Redis]:
 
 
 @pytest.fixture
-def settings(redis_url: str, tmp_path: Path) -> Settings:
-    return Settings(redis_url=redis_url, data_dir=tmp_path / "data", lease_timeout_s=3.0,
-                    heartbeat_interval_s=0.5, cancel_poll_s=0.05, shutdown_timeout_s=5.0)
+def settings(redis_url: str, jobs_broker_url: str | None, tmp_path: Path) -> Settings:
+    return Settings(redis_url=redis_url, jobs_broker_url=jobs_broker_url, data_dir=tmp_path / "data",
+                    lease_timeout_s=3.0, heartbeat_interval_s=0.5, cancel_poll_s=0.05, shutdown_timeout_s=5.0)

@@ -60,7 +60,7 @@ class LineFeed:
         # Resume: a line bound to a request that exists is waited for, not submitted again.
         for x in todo:
             if x.index in bound:
-                inbox.watch([bound[x.index]])
+                inbox.watch(x.model, [bound[x.index]])
                 if await self.admission.status(x.model, bound[x.index]) is not None:
                     self.outstanding[x.index] = (x, bound[x.index])
                 else:
@@ -76,7 +76,7 @@ class LineFeed:
                 # A line keeps its first id, so a submission lost with its runner is not run twice.
                 rid = bound.setdefault(line.index, new_request_id())
                 await self.store.bind(self.job_id, self.token, line.index, rid)
-                inbox.watch([rid])
+                inbox.watch(line.model, [rid])
                 try:
                     await self._submit(line, rid)
                 except QueueFull:

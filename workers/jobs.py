@@ -17,7 +17,7 @@ from collections.abc import Callable
 from celery import Celery
 from celery.signals import worker_ready
 
-from sluice.broker.connection import connect
+from sluice.broker.connection import celery_broker, connect
 from sluice.broker.jobs import JobStore
 from sluice.config.settings import Settings
 from sluice.protocol.tasks import JOB_QUEUE, JOB_TASK
@@ -29,8 +29,10 @@ QUEUE, RUN_BATCH = JOB_QUEUE, JOB_TASK
 
 
 def celery_app(settings: Settings) -> Celery:
-    app = Celery("sluice", broker=settings.redis_url)
+    broker, transport = celery_broker(settings.redis_url, settings.jobs_broker_url)
+    app = Celery("sluice", broker=broker)
     app.conf.update(
+        broker_transport_options=transport,
         task_acks_late=True,
         task_reject_on_worker_lost=True,
         worker_prefetch_multiplier=1,

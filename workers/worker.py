@@ -49,7 +49,7 @@ class Worker:
             log_max_len=settings.log_max_len, lease_timeout_s=settings.lease_timeout_s,
             max_deliveries=model.max_deliveries or settings.max_deliveries, dlq_max_len=settings.dlq_max_len,
             result_ttl_s=model.result_ttl_s or settings.result_ttl_s,
-            log_max_record_bytes=settings.log_max_record_bytes,
+            log_max_record_bytes=settings.log_max_record_bytes, wait_replicas=settings.redis_wait_replicas,
         )
         # An unfinished request's reply stream lives as long as its status: a retry resumes
         # from it. The final shortens it to reply_ttl_s.

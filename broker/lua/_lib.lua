@@ -41,7 +41,7 @@ local function write_final(status, reply, state, final, now, result_ttl, reply_t
   redis.call('HDEL', status, unpack(dropped))
   redis.call('HSET', status, 'state', state, 'result', final, 'finished_at', now)
   redis.call('EXPIRE', status, redis.call('HGET', status, 'retain_s') or result_ttl)
-  redis.call('PUBLISH', channel, rid)
+  redis.call('SPUBLISH', channel, rid)
   return true
 end
 

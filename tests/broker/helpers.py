@@ -9,7 +9,7 @@ from typing import Any
 from redis.asyncio import Redis
 
 from sluice.broker.admission import Admission
-from sluice.broker.connection import connect
+from sluice.broker.connection import Readers, is_cluster
 from sluice.broker.consumer import Delivery, StreamConsumer
 from sluice.broker.keys import GROUP, ModelKeys
 from sluice.broker.replies import ReplyEvent
@@ -28,13 +28,18 @@ MODEL = "t"
 KEYS = ModelKeys(MODEL)
 
 
+def url_of(redis: Redis) -> str:
+    """The URL of `redis`'s server (a cluster's readers find their nodes from the client)."""
+    if is_cluster(redis):
+        return ""
+    pool = redis.connection_pool.connection_kwargs
+    return f"redis://{pool.get('host', '127.0.0.1')}:{pool['port']}/{pool.get('db', 0)}"
+
+
 async def read_events(redis: Redis, rid: str, *, model: str = MODEL, **kw: Any) -> list[ReplyEvent]:
     """A request's reply events as the api reads them (through a reply router on `redis`'s
     server), until the final, or `idle_timeout_s` without an entry."""
-    pool = redis.connection_pool.connection_kwargs
-    url = f"redis://{pool.get('host', '127.0.0.1')}:{pool['port']}/{pool.get('db', 0)}"
-    router = ReplyRouter(redis, lambda: connect(url, name="sluice-test-replies", single=True), shards=1,
-                         block_ms=1000)
+    router = ReplyRouter(redis, Readers(url_of(redis), redis, name="sluice-test-replies"), shards=1, block_ms=1000)
     router.start()
     try:
         return [ev async for ev in router.follow(model, rid, **kw)]

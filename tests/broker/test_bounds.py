@@ -29,8 +29,8 @@ async def test_a_finished_batch_and_its_records_expire(redis: Redis) -> None:
     await store.move(batch["id"], "completed", ["in_progress"], "runner", output_file_id="file-out")
     await store.unlock(batch["id"], "runner")
     assert 900 < await redis.ttl(f"sluice:batch:{batch['id']}") <= 1000
-    assert 0 < await redis.ttl(f"sluice:batch:{batch['id']}:out") <= 100
-    assert 0 < await redis.ttl(f"sluice:batch:{batch['id']}:rids") <= 100
+    assert 0 < await redis.ttl(f"{{sluice:batch:{batch['id']}}}:out") <= 100
+    assert 0 < await redis.ttl(f"{{sluice:batch:{batch['id']}}}:rids") <= 100
     await assert_request_keys_expire(redis)
 
 

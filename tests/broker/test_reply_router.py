@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator, Callable
 import pytest
 from redis.asyncio import Redis
 
-from sluice.broker.connection import connect
+from sluice.broker.connection import Readers, connect, is_cluster
 from sluice.broker.reply_router import ReplyRouter
 from sluice.protocol.messages import DeltaEvent, FinalResult, RowOutput, State
 from tests.broker.helpers import KEYS, MODEL
@@ -24,7 +24,7 @@ async def make_router(redis: Redis, redis_url: str) -> AsyncIterator[Callable[..
     shared = connect(redis_url, name="sluice-test-shared", max_connections=8)  # as the api's own client
 
     def make(**kw: object) -> ReplyRouter:
-        router = ReplyRouter(shared, lambda: connect(redis_url, name=READER, single=True), **kw)
+        router = ReplyRouter(shared, Readers(redis_url, shared, name=READER), **kw)
         router.start()
         routers.append(router)
         return router
@@ -58,7 +58,12 @@ async def texts(router: ReplyRouter, rid: str, **kw: object) -> list[str]:
 
 
 async def connections(redis: Redis, name: str = READER) -> int:
-    return sum(1 for c in await redis.client_list() if c.get("name") == name)
+    return sum(1 for c in await redis.client_list(**on_models_node(redis)) if c.get("name") == name)
+
+
+def on_models_node(redis: Redis) -> dict:
+    """Where the model's readers are: the server, or in a cluster the node of its slot."""
+    return {"target_nodes": redis.get_node_from_key(KEYS.requests)} if is_cluster(redis) else {}
 
 
 async def test_many_streams_are_followed_on_as_many_connections_as_shards(
@@ -68,7 +73,7 @@ async def test_many_streams_are_followed_on_as_many_connections_as_shards(
     followers = [asyncio.create_task(texts(router, rid)) for rid in rids[:2]]
     await eventually(lambda: router.following == 2, what="the shards blocked in their reads")
     await asyncio.sleep(0.2)
-    await redis.config_resetstat()
+    await redis.config_resetstat(**on_models_node(redis))
     followers += [asyncio.create_task(texts(router, rid)) for rid in rids[2:]]
     await eventually(lambda: router.following == len(rids), what="every stream followed")
     async def both_connected() -> bool:
@@ -84,7 +89,8 @@ async def test_many_streams_are_followed_on_as_many_connections_as_shards(
     assert got == [[f" a{n}", f" b{n}", f"final: a{n} b{n}"] for n in range(len(rids))]
     # 298 streams opening at once unblocked each shard's read a few times, not once each
     # (one CLIENT UNBLOCK per read under way).
-    unblocks = (await redis.info("commandstats")).get("cmdstat_client|unblock", {"calls": 0})["calls"]
+    stats = await redis.info("commandstats", **on_models_node(redis))
+    unblocks = stats.get("cmdstat_client|unblock", {"calls": 0})["calls"]
     assert 0 < unblocks <= 20, unblocks
     assert router.following == 0 and await connections(redis) == 2
 

@@ -107,8 +107,11 @@ def cluster(tmp_path: Path) -> Iterator[Cluster]:
 
 
 def audit(c: Cluster, rids: list[str]) -> dict[str, int]:
+    return audit_on(c.sync(), rids)
+
+
+def audit_on(r: redis_sync.Redis, rids: list[str]) -> dict[str, int]:
     """Completed, duplicated (more than one final event) and lost (no final state) requests."""
-    r = c.sync()
     done = duplicated = lost = 0
     for rid in rids:
         finals = [f for _, f in r.xrange(KEYS.reply(rid)) if f.get("kind") == "final"]

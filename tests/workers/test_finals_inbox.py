@@ -8,14 +8,16 @@ import time
 
 from redis.asyncio import Redis
 
-from sluice.broker.keys import DONE_CHANNEL
+from sluice.broker.keys import ModelKeys
 from sluice.broker.notifications import DoneListener
+
+CHANNEL = ModelKeys("m").done
 
 
 async def announce_until(redis: Redis, rid: str, seen: asyncio.Future | None = None) -> None:
     # The subscription starts in the background: announce until it is heard.
     for _ in range(200):
-        await redis.publish(DONE_CHANNEL, rid)
+        await redis.spublish(CHANNEL, rid)
         if seen is not None and seen.done():
             return
         await asyncio.sleep(0.01)
@@ -26,10 +28,11 @@ async def test_an_inbox_reports_announced_requests_once_and_forgets_on_request(r
     done.start()
     inbox = done.inbox()
     try:
-        inbox.watch(["a", "b", "c"])
+        inbox.watch("m", ["a", "b", "c"])
         inbox.forget("c")
         for rid in ("a", "b", "c", "zzz"):
-            await redis.publish(DONE_CHANNEL, rid)
+            await redis.spublish(CHANNEL, rid)
+        await redis.spublish(ModelKeys("other").done, "a")  # another model's channel: not watched
         deadline = time.monotonic() + 5
         taken: set[str] = set()
         while taken != {"a", "b"}:
@@ -38,7 +41,7 @@ async def test_an_inbox_reports_announced_requests_once_and_forgets_on_request(r
             taken |= inbox.take()
             if not taken:  # subscribed late: announce again
                 for rid in ("a", "b", "c"):
-                    await redis.publish(DONE_CHANNEL, rid)
+                    await redis.spublish(CHANNEL, rid)
         await asyncio.sleep(0.05)
         assert "c" not in inbox.take()  # forgotten, and unknown ids are never reported
     finally:
@@ -52,7 +55,7 @@ async def test_wait_returns_after_the_recheck_interval_without_announcements(red
     done = DoneListener(redis, recheck_s=0.05)
     done.start()
     inbox = done.inbox()
-    inbox.watch(["never"])
+    inbox.watch("m", ["never"])
     started = time.monotonic()
     await inbox.wait(10.0)
     assert 0.04 <= time.monotonic() - started < 1.0 and inbox.take() == set()
@@ -64,7 +67,7 @@ async def test_a_single_watch_still_wakes_its_waiter(redis: Redis) -> None:
     done = DoneListener(redis, recheck_s=5.0)
     done.start()
     try:
-        with done.watch("r") as fut:
+        with done.watch("m", "r") as fut:
             await announce_until(redis, "r", fut)
             await asyncio.wait_for(fut, 2)
         assert "r" not in done._waiters  # nothing left behind

@@ -36,7 +36,7 @@ def job_settings(settings: Settings) -> Settings:
 
 
 def lock_key(batch_id: str) -> str:
-    return f"sluice:batch:{batch_id}:lock"
+    return f"{{sluice:batch:{batch_id}}}:lock"
 
 
 async def new_batch(redis: Redis, settings: Settings, n: int) -> str:
@@ -86,7 +86,7 @@ async def until(check: Callable[[], Awaitable[bool]], timeout_s: float = 10.0) -
 
 
 async def recorded(redis: Redis, batch_id: str) -> int:
-    return await redis.hlen(f"sluice:batch:{batch_id}:out")
+    return await redis.hlen(f"{{sluice:batch:{batch_id}}}:out")
 
 
 def runner(redis: Redis, settings: Settings, batch_id: str) -> JobRunner:
@@ -147,7 +147,7 @@ async def assert_completed_once(redis: Redis, settings: Settings, batch_id: str,
     assert batch["status"] == "completed", batch
     assert batch["request_counts"] == {"total": n, "completed": n, "failed": 0}
     assert len(seen) == n and len(set(seen)) == n  # every row submitted once
-    rids = await redis.hgetall(f"sluice:batch:{batch_id}:rids")
+    rids = await redis.hgetall(f"{{sluice:batch:{batch_id}}}:rids")
     assert set(rids.values()) == set(seen)
     out = FileStore(redis, settings.files_path, settings.max_file_bytes).path(batch["output_file_id"])
     assert sorted(json.loads(x)["custom_id"] for x in out.read_text().splitlines()) == sorted(
