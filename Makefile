@@ -9,9 +9,11 @@ install:
 up: install
 	$(VENV)/bin/sluice up
 
+# Then the broker, api and worker tests again against a local Redis Cluster (3 + 3 nodes).
 test: install
 	@bash scripts/test-deps.sh
 	$(VENV)/bin/python -m pytest
+	SLUICE_TEST_REDIS=cluster $(VENV)/bin/python -m pytest tests/broker tests/api tests/workers
 
 # The suite under coverage (api and worker processes included), then the line report.
 coverage: install

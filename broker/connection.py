@@ -237,9 +237,9 @@ class Readers:
         address = (kw["host"], kw["port"])
         control = self._controls.get(address)
         if control is None:
-            control = self._controls[address] = Redis(
+            control = self._controls[address] = Redis.from_pool(BlockingConnectionPool(  # few: many wait
                 host=address[0], port=address[1], password=kw.get("password"), username=kw.get("username"),
-                **_options(f"{self.name}-unblock", False))
+                max_connections=2, timeout=POOL_WAIT_S, **_options(f"{self.name}-unblock", False)))
         await control.client_unblock(client_id)
 
     async def refresh(self) -> None:
