@@ -23,13 +23,14 @@ from sluice.api.lookup import RequestLookup
 from sluice.api.slo import SloBounds
 from sluice.api.tokens import PromptLimits
 from sluice.broker.admission import Admission
-from sluice.broker.connection import Readers, celery_broker, connect
+from sluice.broker.connection import Readers, connect
 from sluice.broker.files import FileStore
 from sluice.broker.jobs import JobStore
 from sluice.broker.notifications import DoneListener
 from sluice.broker.registry import ModelRegistry, WorkerRegistry
 from sluice.broker.reply_router import ReplyRouter
 from sluice.broker.responses import ResponseRecords
+from sluice.broker.urls import celery_broker
 from sluice.config.model import ModelConfig
 from sluice.config.settings import Settings
 

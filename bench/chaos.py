@@ -1,9 +1,11 @@
 """`sluice bench chaos`: steady load on two apis and two models while workers, apis (and
 Redis) are killed with SIGKILL and restarted; then an audit of every accepted request.
 
-The stack is private: one redis-server, a continuous and a dynamic model, two api
-processes and null-engine workers that stream tokens slowly, so kills land mid-generation.
-Leases are short so that reclaims happen within the run.
+The stack is private: one redis-server (or with --redis-cluster a local Redis Cluster of
+three primaries and three replicas), a continuous and a dynamic model, two api processes and
+null-engine workers that stream tokens slowly, so kills land mid-generation. Leases are short
+so that reclaims happen within the run. On a cluster, a Redis kill is a SIGKILL of the primary
+that holds a model's slot: its replica takes over, and the killed node comes back as a replica.
 """
 
 from __future__ import annotations
@@ -23,8 +25,10 @@ from rich.console import Console
 from rich.table import Table
 
 from sluice.bench.chaos_load import Load, audit
+from sluice.broker.keys import ModelKeys
 from sluice.cli.processes import free_port, wait_ready
 from sluice.cli.stack import LocalStack
+from sluice.cli.topologies import LocalCluster
 
 MODELS = """models:
   - name: chaos-cont
@@ -40,19 +44,25 @@ class ChaosStack:
     """Redis, two apis and `workers_per_model` workers per model; every process can be killed
     and started again. Process output goes to `logs/` (one file per api or worker slot)."""
 
-    def __init__(self, tmp: Path, logs: Path, *, workers_per_model: int, token_delay_s: float, strict: bool):
+    def __init__(self, tmp: Path, logs: Path, *, workers_per_model: int, token_delay_s: float, strict: bool,
+                 cluster: bool = False):
         self.logs = logs
+        self.rng = random.Random(1)
+        self.cluster = LocalCluster(tmp / "cluster").start() if cluster else None
         env = {"SLUICE_LEASE_TIMEOUT_S": "2",
                "SLUICE_WORKER_TTL_S": str(WORKER_TTL_S), "SLUICE_HEARTBEAT_INTERVAL_S": "0.3",
                "SLUICE_CANCEL_POLL_S": "0.1", "SLUICE_SHUTDOWN_TIMEOUT_S": "5", "SLUICE_REPLY_TTL_S": "3600",
                "SLUICE_NULL_TOKEN_DELAY_S": str(token_delay_s), "SLUICE_NULL_COMPOSITION": "1",
                # Ten deliveries: a request killed three times by bad luck is no finding.
                "SLUICE_LOG_LEVEL": "WARNING", "SLUICE_MAX_DELIVERIES": "10",
-               **({"SLUICE_DURABILITY": "strict"} if strict else {})}
-        self.local = LocalStack(tmp, MODELS, env=env, strict=strict, output="logs", logs_dir=logs)
-        self.local.start_redis()
-        assert self.local.redis is not None
-        self.redis = self.local.redis
+               **({"SLUICE_DURABILITY": "strict"} if strict and not cluster else {}),
+               # On a cluster: an admission is answered once it is on a replica, so that the
+               # replica that takes over has it (no bulk jobs here: their broker is never used).
+               **({"SLUICE_REDIS_WAIT_REPLICAS": "1", "SLUICE_JOBS_BROKER_URL": "redis://127.0.0.1:1/0"}
+                  if cluster else {})}
+        self.local = LocalStack(tmp, MODELS, env=env, strict=strict, output="logs", logs_dir=logs,
+                                redis_url=self.cluster.url if self.cluster else None)
+        self.redis_url = self.local.start_redis()
         self.ports = [free_port(), free_port()]
         self.apis: dict[int, subprocess.Popen] = {}
         self.workers: dict[str, subprocess.Popen] = {}  # slot -> process
@@ -88,7 +98,14 @@ class ChaosStack:
         self.local.kill(proc)
 
     def restart_redis(self) -> None:
-        self.local.restart_redis(down_s=0.5)
+        if self.cluster is None:
+            self.local.restart_redis(down_s=0.5)
+            return
+        key = ModelKeys(self.rng.choice(MODEL_NAMES)).requests
+        victim = self.cluster.primary_of(key)
+        victim.stop(kill=True)
+        self.cluster.wait_failover(victim, key)
+        victim.start()  # back as a replica of the node that took over
 
     def check_exits(self, expected: set[int]) -> None:
         """Restart a process that died without being killed here (and say so in the report)."""
@@ -108,6 +125,8 @@ class ChaosStack:
 
     def stop(self) -> None:
         self.local.stop(timeout_s=15)
+        if self.cluster is not None:
+            self.cluster.stop()
 
 
 class Chaos(threading.Thread):
@@ -203,7 +222,10 @@ def chaos(
     clients: int = typer.Option(12, help="Concurrent clients (each: submit, follow to the end, again)."),
     kill_every: float = typer.Option(3.0, help="Mean seconds between worker kills."),
     api_kill_every: float = typer.Option(15.0, help="Mean seconds between api kills."),
-    kill_redis: bool = typer.Option(False, "--kill-redis", help="Also kill -9 Redis now and then (strict durability)."),
+    kill_redis: bool = typer.Option(False, "--kill-redis", help="Also kill -9 Redis now and then (strict durability;"
+                                    " on a cluster, the primary of a model's slot)."),
+    redis_cluster: bool = typer.Option(False, "--redis-cluster", help="Run on a local Redis Cluster (3 primaries, "
+                                       "3 replicas; admissions wait for a replica)."),
     redis_kill_every: float = typer.Option(20.0, help="Mean seconds between Redis kills (with --kill-redis)."),
     workers_per_model: int = typer.Option(2, help="Null-engine workers per model."),
     token_delay: float = typer.Option(0.02, help="Seconds per streamed token of the null engine."),
@@ -219,7 +241,7 @@ def chaos(
     rng = random.Random(seed)
     with tempfile.TemporaryDirectory() as tmp:
         stack = ChaosStack(Path(tmp), logs or Path(tmp) / "logs", workers_per_model=workers_per_model,
-                           token_delay_s=token_delay, strict=kill_redis)
+                           token_delay_s=token_delay, strict=kill_redis, cluster=redis_cluster)
         try:
             stack.start()
             t0 = time.monotonic()
@@ -232,11 +254,12 @@ def chaos(
             loaded = asyncio.run(load.run(seconds, t0 + seconds + drain_timeout))
             chaos_thread.done.set()
             chaos_thread.join()
-            result = audit(stack.redis.url, loaded.tracked)
+            result = audit(stack.redis_url, loaded.tracked)
             f = {"seconds": seconds, "clients": clients, **result["figures"], "kills": chaos_thread.kills,
                  "reclaims": stack.reclaims(), "queue_full": loaded.queue_full, "submit_retries": loaded.submit_retries,
                  "submit_gave_up": loaded.submit_gave_up, "unexpected_exits": stack.unexpected_exits,
-                 "client_errors": loaded.client_errors[:20], "strict_durability": kill_redis}
+                 "client_errors": loaded.client_errors[:20], "strict_durability": kill_redis,
+                 "redis": "cluster" if redis_cluster else "single"}
             f["requests_per_s"] = f["done"] / seconds
         finally:
             stack.stop()

@@ -19,6 +19,7 @@ import httpx
 import redis as redis_sync
 
 from sluice.broker.keys import ModelKeys, idempotency
+from sluice.broker.urls import sync_connect
 
 FINAL_STATES = ("done", "failed", "expired", "cancelled")
 SUBMIT_TIMEOUT_S = 60.0  # a submit still unanswered after this long is given up (never counted as accepted)
@@ -254,7 +255,7 @@ def audit_one(r: redis_sync.Redis, t: Tracked) -> dict:
 
 
 def audit(redis_url: str, tracked: list[Tracked]) -> dict:
-    r = redis_sync.Redis.from_url(redis_url, decode_responses=True)
+    r = sync_connect(redis_url)
     rows = [audit_one(r, t) for t in tracked]
     figures = {"accepted": len(tracked), "done": 0, "failed": 0, "expired": 0, "cancelled": 0,
                "lost": 0, "duplicated": 0, "text_mismatch": 0, "retried": 0, "readers_unfinished": 0,

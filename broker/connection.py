@@ -15,8 +15,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
-from dataclasses import dataclass
-from urllib.parse import parse_qs, unquote, urlsplit
 
 from redis.asyncio import BlockingConnectionPool, Redis
 from redis.asyncio.cluster import ClusterNode, RedisCluster
@@ -25,6 +23,8 @@ from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
 from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from sluice.broker.urls import parse_url
 
 # Commands waiting for a connection wait at most this long (then a ConnectionError, retried
 # like any other): redis-py's plain pool raises at once past its bound (100 since redis-py 6),
@@ -48,66 +48,6 @@ log = logging.getLogger(__name__)
 # A cluster client holds a pool per node that raises past its bound: the client as a whole is
 # held to the process's bound (_BoundedCluster), each node's pool to this many times that.
 _CLUSTER_POOL_FACTOR = 8
-
-
-@dataclass(frozen=True)
-class RedisTarget:
-    """What a URL names: one server, a cluster's seed nodes, or Sentinel's service."""
-    kind: str  # "single", "cluster" or "sentinel"
-    url: str
-    nodes: tuple[tuple[str, int], ...] = ()
-    service: str = ""
-    password: str | None = None
-    username: str | None = None
-    db: int = 0
-    tls: bool = False
-    tls_options: tuple[tuple[str, str], ...] = ()
-
-
-def parse_url(url: str) -> RedisTarget:
-    scheme, _, rest = url.partition("://")
-    base, _, kind = scheme.partition("+")
-    if not kind:
-        return RedisTarget("single", url)
-    if kind not in ("cluster", "sentinel") or base not in ("redis", "rediss"):
-        raise ValueError(f"redis url: unknown scheme {scheme!r} (redis, rediss, redis+cluster, redis+sentinel)")
-    parts = urlsplit(f"{base}://{rest}")
-    auth, _, hosts = parts.netloc.rpartition("@")
-    user, _, password = auth.partition(":")
-    nodes = []
-    for host in hosts.split(","):
-        name, _, port = host.rpartition(":")
-        if not name or not port.isdigit():
-            raise ValueError(f"redis url: {host!r} is not host:port")
-        nodes.append((name, int(port)))
-    path = [p for p in parts.path.split("/") if p]
-    service, db = "", 0
-    if kind == "sentinel":
-        if not path:
-            raise ValueError("redis url: redis+sentinel:// needs the service name as its path (/mymaster)")
-        service, path = path[0], path[1:]
-    if path:
-        db = int(path[0])
-    query = {k: v[-1] for k, v in parse_qs(parts.query).items()}
-    return RedisTarget(kind, url, tuple(nodes), service, unquote(password) or None, unquote(user) or None, db,
-                       base == "rediss", tuple(sorted(query.items())))
-
-
-def celery_broker(redis_url: str, jobs_broker_url: str | None) -> tuple[str, dict]:
-    """Celery's broker URL and transport options for bulk jobs: SLUICE_JOBS_BROKER_URL, else the
-    Redis of `redis_url` (Sentinel's service through kombu's sentinel transport). Celery cannot
-    use a Redis Cluster: with one, the jobs' broker must be named."""
-    if jobs_broker_url:
-        return jobs_broker_url, {}
-    target = parse_url(redis_url)
-    if target.kind == "cluster":
-        raise ValueError("SLUICE_REDIS_URL names a Redis Cluster, which Celery cannot use as its broker: "
-                         "set SLUICE_JOBS_BROKER_URL to a single Redis (or Sentinel) for bulk jobs")
-    if target.kind == "sentinel":
-        auth = f":{target.password}@" if target.password else ""
-        url = ";".join(f"sentinel://{auth}{h}:{p}/{target.db}" for h, p in target.nodes)
-        return url, {"master_name": target.service}
-    return redis_url, {}
 
 
 class _BoundedCluster(RedisCluster):

@@ -28,8 +28,10 @@ log = logging.getLogger("sluice.up")
 def _reachable(url: str) -> bool:
     import redis
 
+    from sluice.broker.urls import sync_connect
+
     try:
-        return bool(redis.Redis.from_url(url, socket_connect_timeout=3, socket_timeout=3).ping())
+        return bool(sync_connect(url, socket_connect_timeout=3, socket_timeout=3).ping())
     except (redis.RedisError, OSError):
         return False
 
@@ -55,9 +57,10 @@ def _live_workers(redis_url: str, ttl_s: float) -> dict[str, dict]:
     import redis
 
     from sluice.broker.keys import WORKERS
+    from sluice.broker.urls import sync_connect
 
     try:
-        with redis.Redis.from_url(redis_url, socket_timeout=3, decode_responses=True) as r:
+        with sync_connect(redis_url, socket_timeout=3) as r:
             beats = r.hgetall(WORKERS)
     except (redis.RedisError, OSError):
         return {}

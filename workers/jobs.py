@@ -17,8 +17,9 @@ from collections.abc import Callable
 from celery import Celery
 from celery.signals import worker_ready
 
-from sluice.broker.connection import celery_broker, connect
+from sluice.broker.connection import connect
 from sluice.broker.jobs import JobStore
+from sluice.broker.urls import celery_broker
 from sluice.config.settings import Settings
 from sluice.protocol.tasks import JOB_QUEUE, JOB_TASK
 from sluice.workers.job_runner import JobRunner

@@ -16,12 +16,13 @@ from redis.exceptions import ReadOnlyError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from sluice.broker.admission import NotDurable
-from sluice.broker.connection import Readers, celery_broker, connect, parse_url
+from sluice.broker.connection import Readers, connect
 from sluice.broker.reply_router import ReplyRouter
+from sluice.broker.urls import celery_broker, parse_url
+from sluice.cli.topologies import LocalSentinel
 from sluice.config.settings import Settings
 from sluice.protocol.messages import FinalResult, State
 from tests.broker.helpers import KEYS, MODEL, admission, message
-from tests.topologies import LocalSentinel
 
 pytestmark = pytest.mark.skipif(not shutil.which("redis-sentinel"), reason="redis-sentinel is not installed")
 

@@ -14,10 +14,16 @@ import pytest
 pytestmark = pytest.mark.chaos
 
 
-def test_chaos_run_loses_and_duplicates_nothing(tmp_path: Path) -> None:
+# On a local Redis Cluster (3 + 3), the primary of a model's slot is SIGKILLed too, about every
+# 10 s: its replica takes over and the killed node comes back as a replica.
+ON_CLUSTER = ["--seconds", "30", "--redis-cluster", "--kill-redis", "--redis-kill-every", "10"]
+
+
+@pytest.mark.parametrize("topology", [[], ON_CLUSTER], ids=["single", "cluster"])
+def test_chaos_run_loses_and_duplicates_nothing(tmp_path: Path, topology: list[str]) -> None:
     out = tmp_path / "chaos.json"
     run = subprocess.run([sys.executable, "-m", "sluice.cli", "bench", "chaos", "--seconds", "40", "--kill-every", "2",
-                          "--api-kill-every", "8",
+                          "--api-kill-every", "8", *topology,
                           "--json", str(out), "--logs", str(tmp_path / "logs")],
                          capture_output=True, text=True, timeout=540)
     assert out.exists(), run.stdout[-3000:] + run.stderr[-3000:]
@@ -28,6 +34,7 @@ def test_chaos_run_loses_and_duplicates_nothing(tmp_path: Path) -> None:
     # suite, 108 alone; 40 once when other test runs loaded the machine too.
     assert figures["accepted"] >= 20, run.stdout[-3000:]
     assert figures["kills"]["workers"] >= 10 and figures["kills"]["apis"] >= 2, figures["kills"]
+    assert figures["kills"]["redis"] >= (2 if topology else 0), figures["kills"]
     assert figures["lost"] == 0, broken
     assert figures["duplicated"] == 0, broken
     # With 10 deliveries allowed and no poison request in the load, nothing accepted may fail either.

@@ -16,8 +16,8 @@ import redis
 
 from sluice.cli.processes import free_port
 from sluice.cli.stack import LocalStack
+from sluice.cli.topologies import LocalCluster
 from tests.faults.conftest import KEYS, MODEL, MODELS_YAML, audit_on, record
-from tests.topologies import LocalCluster
 
 pytestmark = pytest.mark.xdist_group("redis-cluster")
 

@@ -1,6 +1,7 @@
-"""Real Redis topologies started by the tests on free ports: a Redis Cluster (three primaries,
-three replicas: `redis-server --cluster-enabled` and `redis-cli --cluster create`) and a
-primary with a replica watched by Sentinel (`redis-sentinel`, Debian's package)."""
+"""Real Redis topologies on free ports, for the tests and `sluice bench chaos --redis-cluster`:
+a Redis Cluster (three primaries, three replicas: `redis-server --cluster-enabled` and
+`redis-cli --cluster create`) and a primary with a replica watched by Sentinel
+(`redis-sentinel`, Debian's package)."""
 
 from __future__ import annotations
 
