@@ -17,6 +17,11 @@ from sluice.config.model import load_models
 from sluice.config.settings import Settings
 
 
+def app_from_environment() -> FastAPI:
+    """The app of one of several api processes (`sluice api --workers N`): settings from SLUICE_*."""
+    return create_app(Settings())
+
+
 def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or Settings()
     models = load_models(settings.models_file)

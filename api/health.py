@@ -4,10 +4,9 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Depends
 from fastapi.responses import JSONResponse, Response
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from sluice.api.auth import require_admin
-from sluice.api.metrics import OLDEST_AGE, QUEUE_DEPTH
+from sluice.api.metrics import OLDEST_AGE, QUEUE_DEPTH, exposition
 from sluice.api.state import ApiState, state
 
 router = APIRouter(tags=["health"])
@@ -51,4 +50,5 @@ async def metrics(s: ApiState = Depends(state)) -> Response:
         for lane, (depth, age) in (await s.admission.queue_stats(m.name)).items():
             QUEUE_DEPTH.labels(m.name, lane).set(depth)
             OLDEST_AGE.labels(m.name, lane).set(age)
-    return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+    body, media_type = exposition()
+    return Response(body, media_type=media_type)

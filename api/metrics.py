@@ -1,11 +1,29 @@
-"""The api's Prometheus metrics: admissions, rejections, and each model's queues (read at scrape)."""
+"""The api's Prometheus metrics: admissions, rejections, and each model's queues (read at scrape).
+
+With several api processes on one port (`sluice api --workers N`), PROMETHEUS_MULTIPROC_DIR is
+set before any of them starts: each process writes its samples there, and whichever process
+answers a scrape reports them all (counters summed; the queue gauges, read from Redis by the
+scraping process, as it last set them).
+"""
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Gauge
+import os
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest, multiprocess
 
 ADMITTED = Counter("sluice_requests_admitted", "Requests put on a model's stream", ["model", "lane"])
 REJECTED = Counter("sluice_requests_rejected", "Requests refused at admission, by reason", ["model", "reason"])
-QUEUE_DEPTH = Gauge("sluice_queue_depth", "Entries on a model's stream (waiting plus running)", ["model", "lane"])
+QUEUE_DEPTH = Gauge("sluice_queue_depth", "Entries on a model's stream (waiting plus running)", ["model", "lane"],
+                    multiprocess_mode="mostrecent")
 OLDEST_AGE = Gauge("sluice_queue_oldest_age_seconds", "Age of the oldest entry on a model's stream",
-                   ["model", "lane"])
+                   ["model", "lane"], multiprocess_mode="mostrecent")
+
+
+def exposition() -> tuple[bytes, str]:
+    """The text a scrape gets: this process's registry, or every api process's samples."""
+    if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        registry = CollectorRegistry()
+        multiprocess.MultiProcessCollector(registry)
+        return generate_latest(registry), CONTENT_TYPE_LATEST
+    return generate_latest(), CONTENT_TYPE_LATEST

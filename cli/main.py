@@ -49,9 +49,13 @@ def api(
     port: int | None = typer.Option(None, "--port", envvar="SLUICE_API_PORT"),
     models_file: Path | None = ModelsFile,
     allow_anonymous: bool = AllowAnonymous,
+    workers: int = typer.Option(1, "--workers", envvar="SLUICE_API_WORKERS", min=1,
+                                help="api processes sharing the port (one per core is the most that helps)"),
 ) -> None:
-    """Start one api process."""
+    """Start the api: one process, or `--workers N` on one port."""
     import math
+    import shutil
+    import tempfile
 
     import uvicorn
 
@@ -69,8 +73,21 @@ def api(
     # SIGTERM closes the listening socket at once; open SSE streams run on for up to
     # shutdown_timeout_s (their own grace), and uvicorn waits a little longer so the streams,
     # not uvicorn, end what is left (an OpenAI stream then aborts its request).
-    uvicorn.run(create_app(settings), host=settings.api_host, port=settings.api_port,
-                log_level="info", timeout_graceful_shutdown=math.ceil(settings.shutdown_timeout_s) + 2)
+    options = {"host": settings.api_host, "port": settings.api_port, "log_level": "info",
+               "timeout_graceful_shutdown": math.ceil(settings.shutdown_timeout_s) + 2}
+    if workers == 1:
+        uvicorn.run(create_app(settings), **options)
+        return
+    # Each process builds its app from SLUICE_* (the options above go there too), and writes its
+    # metrics where every process's scrape reads them (api/metrics.py).
+    os.environ.update({k: str(v) for k, v in (("SLUICE_REDIS_URL", settings.redis_url),
+                                              ("SLUICE_MODELS_FILE", settings.models_file)) if v is not None})
+    metrics_dir = Path(tempfile.mkdtemp(prefix="sluice-api-metrics-"))
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(metrics_dir)
+    try:
+        uvicorn.run("sluice.api.app:app_from_environment", factory=True, workers=workers, **options)
+    finally:
+        shutil.rmtree(metrics_dir, ignore_errors=True)
 
 
 @app.command()

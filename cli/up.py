@@ -9,6 +9,7 @@ engine's load, the access log) to a file under <data dir>/logs, or to the consol
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import time
 from pathlib import Path
@@ -151,7 +152,11 @@ def run_up(redis_url: str | None, host: str, port: int, models_file: Path | None
                                SLUICE_WORKER_METRICS_HOST=metrics_host,
                                SLUICE_WORKER_METRICS_URL=f"http://127.0.0.1:{mport}/metrics", **r.env)
         stack.start_jobs()
-        stack.start_api(port, *(["--allow-anonymous"] if allow_anonymous else []), log="api")
+        # One api process per four cores, up to four (SLUICE_API_WORKERS overrides): the workers'
+        # engines and Redis need the rest.
+        api_processes = os.environ.get("SLUICE_API_WORKERS") or str(max(1, min(4, (os.cpu_count() or 1) // 4)))
+        stack.start_api(port, "--workers", api_processes, *(["--allow-anonymous"] if allow_anonymous else []),
+                        log="api")
         if _wait_ready(stack, replicas, stop, settings.worker_ttl_s):
             served = ", ".join(f"{m.name} x{m.deployment.replicas}" for m in models)
             log.info("Sluice is up at %s serving %s (%.1fs); workers and their metrics: %s/v1/workers; "
