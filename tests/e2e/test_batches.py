@@ -112,7 +112,7 @@ def test_the_job_survives_a_killed_celery_worker(stack: NullStack, sdk: openai.O
     batch = wait_batch(sdk, batch.id, {"completed", "failed"}, timeout_s=120)
     assert batch.status == "completed" and batch.request_counts.completed == 120
     r = redis_sync.Redis.from_url(stack.redis.url, decode_responses=True)
-    rids = r.hgetall(f"sluice:batch:{batch.id}:rids")
+    rids = r.hgetall(f"{{sluice:batch:{batch.id}}}:rids")
     assert len(rids) == 120 and len(set(rids.values())) == 120
     logged = [json.loads(e[1]["data"])["request_id"] for e in r.xrange(ModelKeys(MODEL).log)]
     ran = [rid for rid in logged if rid in set(rids.values())]
@@ -135,7 +135,7 @@ def test_interactive_requests_overtake_bulk_rows_queued_before_them(stack: NullS
         # look below takes, so the ones left waiting are still waiting when it looks.
         f = sdk.files.create(file=("in.jsonl", io.BytesIO(batch_file(8, max_tokens=300))), purpose="batch")
         batch = sdk.batches.create(input_file_id=f.id, endpoint="/v1/completions", completion_window="24h")
-        rids_key = f"sluice:batch:{batch.id}:rids"
+        rids_key = f"{{sluice:batch:{batch.id}}}:rids"
         # SLUICE_BULK_OUTSTANDING=8: the whole job is on the bulk stream before anything interactive
         wait_until(lambda: len(r.hgetall(rids_key)) == 8
                    and set(r.hgetall(rids_key).values()) <= {e["id"] for _, e in r.xrange(keys.bulk)},
