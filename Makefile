@@ -13,7 +13,7 @@ up: install
 test: install
 	@bash scripts/test-deps.sh
 	$(VENV)/bin/python -m pytest
-	SLUICE_TEST_REDIS=cluster $(VENV)/bin/python -m pytest tests/broker tests/api tests/workers
+	SLUICE_TEST_REDIS=cluster $(VENV)/bin/python -m pytest -n 2 tests/broker tests/api tests/workers
 
 # The suite under coverage (api and worker processes included), then the line report.
 coverage: install

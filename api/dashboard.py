@@ -70,9 +70,10 @@ def _reader(request: Request, s: ApiState) -> ActivityReader:
 
 
 async def _model(request: Request, s: ApiState, m: ModelConfig, live: list[WorkerInfo], now: float) -> dict[str, Any]:
-    letters = DeadLetters(s.redis, m.name)
+    letters = DeadLetters(s.redis, m.name, shards=m.shards)
     queue, (dead, newest), found = await asyncio.gather(
-        s.admission.queue_stats(m.name), letters.recent(DEAD_LETTERS_SHOWN), _reader(request, s).read(m.name, now))
+        s.admission.queue_stats(m.name, m.shards), letters.recent(DEAD_LETTERS_SHOWN),
+        _reader(request, s).read(m.name, now))
     mine = [w for w in live if w.model == m.name]
     return {
         "name": m.name, "version": m.version, "mode": m.mode.value,

@@ -47,7 +47,7 @@ async def workers(s: ApiState = Depends(state)) -> dict:
 async def metrics(s: ApiState = Depends(state)) -> Response:
     """Prometheus text format; the queue gauges are read from Redis at each scrape."""
     for m in (await s.deployments.all(fresh=True)).values():
-        for lane, (depth, age) in (await s.admission.queue_stats(m.name)).items():
+        for lane, (depth, age) in (await s.admission.queue_stats(m.name, m.shards)).items():
             QUEUE_DEPTH.labels(m.name, lane).set(depth)
             OLDEST_AGE.labels(m.name, lane).set(age)
     body, media_type = exposition()

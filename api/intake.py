@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import random
 import secrets
 import time
 from collections.abc import Mapping, Sequence
@@ -55,6 +56,16 @@ class Sampling:
         return SamplingSpec.model_validate({**chosen, "max_tokens": max_tokens, "seed": seed})
 
 
+def pick_shard(model: ModelConfig, priority: int = 0) -> int:
+    """Where a new request of `model` goes: a shard drawn at random when the model is sharded
+    and the request is interactive (the bulk lane is shard 0's)."""
+    return random.randrange(model.shards) if model.shards > 1 and priority <= 0 else 0
+
+
+def request_id(model: ModelConfig, priority: int = 0) -> str:
+    return new_request_id(pick_shard(model, priority))
+
+
 class Intake:
     def __init__(self, settings: Settings, admission: Admission, prompt_limits: PromptLimits,
                  slo: SloBounds | None = None) -> None:
@@ -79,8 +90,9 @@ class Intake:
         now = time.time()
         seed = sampling.seed if sampling.seed is not None else secrets.randbits(31)
         timeout_s = sampling.timeout_s or model.request_timeout_s or self.settings.request_timeout_s
+        shard = pick_shard(model, sampling.priority)  # one call's requests: one shard
         messages = [RequestMessage(
-            id=rids[i] if rids else new_request_id(),
+            id=rids[i] if rids else new_request_id(shard),
             model=model.name,
             rows=rows,
             sampling=sampling.spec(rows[0]["max_tokens"], seed + i),
@@ -90,7 +102,7 @@ class Intake:
             priority=sampling.priority,
             lane="bulk" if sampling.priority > 0 else "interactive",
         ) for i, rows in enumerate(checked)]
-        bound = {"max_queued": model.max_queued or self.settings.max_queued,
+        bound = {"max_queued": model.max_queued or self.settings.max_queued, "shards": model.shards,
                  "result_ttl_s": model.result_ttl_s or self.settings.result_ttl_s}
         slo = await self.slo.bound(model) if self.slo and messages[0].lane == "interactive" else None
         if slo is not None:

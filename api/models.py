@@ -38,7 +38,7 @@ async def list_models(s: ApiState = Depends(state)) -> dict:
 @router.get("/{model}")
 async def get_model(model: str, s: ApiState = Depends(state), caller: Caller = Depends(require_key)) -> dict:
     m = await s.deployments.get(model)
-    depth, bulk_depth = await s.admission.depth(m.name)
+    depth, bulk_depth = await s.admission.depth(m.name, m.shards)
     live = [w for w in await s.workers.live(s.settings.worker_ttl_s) if w.model == m.name]
     return {
         **describe(m),

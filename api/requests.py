@@ -11,12 +11,11 @@ from sse_starlette.sse import EventSourceResponse
 
 from sluice.api.auth import Caller, require_key
 from sluice.api.errors import ApiError
-from sluice.api.intake import Sampling
+from sluice.api.intake import Sampling, request_id
 from sluice.api.schemas import RequestView, SubmitRequest, Submitted
 from sluice.api.state import ApiState, state
 from sluice.broker.replies import resume_index
 from sluice.broker.status import RequestStatus
-from sluice.protocol.ids import new_request_id
 from sluice.protocol.states import State
 
 router = APIRouter(prefix="/v1/requests", tags=["requests"])
@@ -68,7 +67,7 @@ async def submit(
 
 async def _submit(body: SubmitRequest, s: ApiState, caller: Caller, idempotency_key: str | None) -> Submitted:
     model = await s.deployments.get(body.model)
-    rid = new_request_id()
+    rid = request_id(model, body.priority)
     # Without API keys every caller is one anonymous caller, and shares idempotency keys.
     key = f"{caller.digest or 'anonymous'}:{idempotency_key}" if idempotency_key else None
     if key:

@@ -19,10 +19,10 @@ from sse_starlette.sse import EventSourceResponse
 from sluice.api.auth import Caller, require_key
 from sluice.api.errors import ApiError
 from sluice.api.intake import Sampling
+from sluice.api.intake import request_id as new_id
 from sluice.api.requests import visible_model
 from sluice.api.schemas import require_unicode
 from sluice.api.state import ApiState, state
-from sluice.protocol.ids import new_request_id
 from sluice.protocol.responses import EventSequence, ResponseRequest, request_id, response_object
 
 router = APIRouter(prefix="/v1/responses", tags=["openai"])
@@ -86,7 +86,7 @@ async def create(body: ResponseRequest, s: ApiState = Depends(state), caller: Ca
         raise ApiError(400, "; ".join(message for _, message in problems), param=problems[0][0])
     require_unicode([body.instructions, *[m["content"] for m in body.messages()]], "input")
     model = await s.deployments.get(body.model)
-    rid, meta = new_request_id(), body.meta(int(time.time()))
+    rid, meta = new_id(model), body.meta(int(time.time()))
     await s.responses.save(model.name, rid, meta)  # before the request: a worker may finish it at once
     sampling = Sampling(temperature=body.temperature, top_p=body.top_p, seed=body.seed,
                         structured=body.structured(), **body.extras())

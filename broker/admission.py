@@ -49,13 +49,14 @@ class Admission:
         self._waitaof: bool | None = None  # whether the server has WAITAOF (Redis 7.2+), once known
 
     async def submit(self, message: RequestMessage, *, max_queued: int, result_ttl_s: int | None = None,
-                     slo_max: int | None = None) -> str:
+                     slo_max: int | None = None, shards: int = 1) -> str:
         """XADD the request unless the bound is reached; returns the stream entry id."""
         return (await self.submit_many([message], max_queued=max_queued, result_ttl_s=result_ttl_s,
-                                       slo_max=slo_max))[0]
+                                       slo_max=slo_max, shards=shards))[0]
 
     async def submit_many(self, messages: list[RequestMessage], *, max_queued: int,
-                          result_ttl_s: int | None = None, slo_max: int | None = None) -> list[str]:
+                          result_ttl_s: int | None = None, slo_max: int | None = None,
+                          shards: int = 1) -> list[str]:
         """XADD all the requests (one model, one lane, one owner) or none of them: they count
         against max_queued, both lanes together, and bulk against its share of it; `slo_max`
         bounds this lane further (the entries that can start within the model's TTFT target;
@@ -67,9 +68,12 @@ class Admission:
         disk before this returns (WAITAOF where the server has it; a server without it must
         run with appendfsync always, as the embedded one does in strict mode)."""
         first = messages[0]
-        keys = ModelKeys(first.model)
+        keys = ModelKeys(first.model).for_request(first.id)  # one call's requests share a shard
         stream, other = (keys.bulk, keys.requests) if first.lane == "bulk" else (keys.requests, keys.bulk)
         lane_max = max(int(max_queued * self.bulk_queue_share), 1) if first.lane == "bulk" else max_queued
+        if shards > 1 and first.lane != "bulk":  # each shard holds its part of the bounds (one slot each)
+            lane_max = -(-max_queued // shards)
+            slo_max = None if slo_max is None else -(-slo_max // shards)
         bound = lane_max if slo_max is None else min(lane_max, slo_max)
         entries = await self.scripts.admit(
             keys=[stream, other, *(keys.status(m.id) for m in messages)],
@@ -119,38 +123,37 @@ class Admission:
         keys = ModelKeys(model)
         return await self.scripts.cancel(
             keys=[keys.status(rid), keys.cancel(rid), keys.reply(rid)],
-            args=[time.time(), self.cancel_ttl_s, self.result_ttl_s, self.reply_ttl_s, keys.done, rid],
+            args=[time.time(), self.cancel_ttl_s, self.result_ttl_s, self.reply_ttl_s,
+                  keys.for_request(rid).done, rid],
         )
 
     async def status(self, model: str, rid: str) -> RequestStatus | None:
         """The request's status; None when Redis holds none (unknown, or expired)."""
         return RequestStatus.from_hash(rid, model, await self.redis.hgetall(ModelKeys(model).status(rid)))
 
-    async def depth(self, model: str) -> tuple[int, int]:
-        """Entries on the interactive and bulk streams (waiting plus running)."""
-        k = ModelKeys(model)
-        async with self.redis.pipeline(transaction=False) as pipe:
-            pipe.xlen(k.requests)
-            pipe.xlen(k.bulk)
-            interactive, bulk = await pipe.execute()
-        return interactive, bulk
+    async def depth(self, model: str, shards: int = 1) -> tuple[int, int]:
+        """Entries on the interactive (every shard's) and bulk streams (waiting plus running)."""
+        stats = await self.queue_stats(model, shards)
+        return stats["interactive"][0], stats["bulk"][0]
 
-    async def queue_stats(self, model: str) -> dict[str, tuple[int, float]]:
-        """Per lane: entries on the stream, and the age in seconds of the oldest one (0 if none)."""
+    async def queue_stats(self, model: str, shards: int = 1) -> dict[str, tuple[int, float]]:
+        """Per lane: entries on the streams (interactive: summed over the shards), and the age in
+        seconds of the oldest one (0 if none)."""
         k = ModelKeys(model)
-        lanes = {"interactive": k.requests, "bulk": k.bulk}
+        streams = [("interactive", s.requests) for s in k.shards(shards)] + [("bulk", k.bulk)]
         async with self.redis.pipeline(transaction=False) as pipe:
-            for stream in lanes.values():
+            for _, stream in streams:
                 pipe.xlen(stream)
                 pipe.xrange(stream, count=1)
             answers = await pipe.execute()
         now_ms = time.time() * 1000
-        out = {}
-        for i, lane in enumerate(lanes):
-            depth, first = answers[2 * i], answers[2 * i + 1]
-            oldest_ms = int(first[0][0].split("-")[0]) if first else now_ms
-            out[lane] = (depth, max(now_ms - oldest_ms, 0.0) / 1000)
-        return out
+        depth = {"interactive": 0, "bulk": 0}
+        oldest = {"interactive": now_ms, "bulk": now_ms}
+        for i, (lane, _) in enumerate(streams):
+            depth[lane] += answers[2 * i]
+            if answers[2 * i + 1]:
+                oldest[lane] = min(oldest[lane], int(answers[2 * i + 1][0][0].split("-")[0]))
+        return {lane: (depth[lane], max(now_ms - oldest[lane], 0.0) / 1000) for lane in depth}
 
     async def inference_log(self, model: str, limit: int) -> list[dict[str, Any]]:
         """The newest `limit` records of the model's inference log, oldest first."""

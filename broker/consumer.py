@@ -13,7 +13,7 @@ from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
 from sluice.broker.connection import copied
-from sluice.broker.housekeeping import bounded_record, prune_consumers
+from sluice.broker.housekeeping import append_log, cancel_flags, prune_consumers
 from sluice.broker.keys import GROUP, ModelKeys
 from sluice.broker.scripts import Scripts
 from sluice.protocol.messages import FinalResult, RequestMessage
@@ -50,9 +50,12 @@ class Delivery:
 class StreamConsumer:
     def __init__(self, redis: Redis, model: str, consumer: str, *, status_ttl_s: int, reply_ttl_s: int,
                  log_max_len: int, lease_timeout_s: float = 30.0, max_deliveries: int = 3, dlq_max_len: int = 10_000,
-                 result_ttl_s: int = 3600, log_max_record_bytes: int = 4096, wait_replicas: int = 0):
+                 result_ttl_s: int = 3600, log_max_record_bytes: int = 4096, wait_replicas: int = 0,
+                 shards: int = 1):
         self.redis = redis
         self.wait_replicas = wait_replicas  # replicas a commit waits for (WAIT) before it returns
+        self.shards = shards  # interactive streams read (a sharded model's; more while old ones drain)
+        self._blocked = 0  # the interactive stream the next blocking read waits on (they take turns)
         self.keys = ModelKeys(model)
         self.consumer = consumer
         self.scripts = Scripts.register(redis)
@@ -97,8 +100,8 @@ class StreamConsumer:
 
     @property
     def streams(self) -> list[str]:
-        """Interactive first: bulk rows are taken only with capacity to spare."""
-        return [self.keys.requests, self.keys.bulk]
+        """Interactive first (every shard's): bulk rows are taken only with capacity to spare."""
+        return [k.requests for k in self.keys.shards(self.shards)] + [self.keys.bulk]
 
     async def ensure_groups(self) -> None:
         """Create the consumer group on each stream (and the stream) unless it exists."""
@@ -134,14 +137,18 @@ class StreamConsumer:
         # alone (one stream: COUNT bounds the whole read, so nothing is taken that cannot start;
         # a bulk row arriving meanwhile waits at most block_ms).
         for stream in self.streams:
-            n = count if stream == self.keys.requests else count - self.reserved_slots
+            n = count if stream != self.keys.bulk else count - self.reserved_slots
             if n <= 0:
                 continue
             got = await self.redis.xreadgroup(GROUP, self.consumer, {stream: ">"}, count=n)
             if got:
                 return self._hold(await self._deliveries(stream, got[0][1], redelivered=False))
-        got = await self.redis.xreadgroup(GROUP, self.consumer, {self.keys.requests: ">"}, count=count, block=block_ms)
-        return self._hold(await self._deliveries(self.keys.requests, got[0][1], redelivered=False) if got else [])
+        # Shards are slots of their own (no read spans them): the blocking read takes turns.
+        self._blocked = (self._blocked + 1) % self.shards
+        stream = self.keys.at(self._blocked).requests
+        got = await self.redis.xreadgroup(GROUP, self.consumer, {stream: ">"}, count=count,
+                                          block=block_ms if self.shards == 1 else max(block_ms // self.shards, 10))
+        return self._hold(await self._deliveries(stream, got[0][1], redelivered=False) if got else [])
 
     def _hold(self, deliveries: list[Delivery]) -> list[Delivery]:
         self.held.update((d.key, d) for d in deliveries)
@@ -184,9 +191,9 @@ class StreamConsumer:
 
     async def dead_letter(self, stream: str, entry_id: str, rid: str, data: str, error: str, attempts: int) -> bool:
         written = await self.scripts.dead_letter(
-            keys=[stream, self.keys.dead_letters, self.keys.status(rid), self.keys.reply(rid)],
+            keys=[stream, self.keys.for_request(rid).dead_letters, self.keys.status(rid), self.keys.reply(rid)],
             args=[GROUP, self.consumer, entry_id, rid, data, error, attempts, time.time(), self.result_ttl_s,
-                  self.reply_ttl_s, self.keys.done, self.dlq_max_len],
+                  self.reply_ttl_s, self.keys.for_request(rid).done, self.dlq_max_len],
         )
         if written == 1:
             self.dead_lettered += 1
@@ -244,7 +251,8 @@ class StreamConsumer:
         return await self.scripts.start(
             keys=[d.stream, self.keys.status(rid), self.keys.cancel(rid), self.keys.reply(rid)],
             args=[GROUP, self.consumer, d.entry_id, time.time(), d.message.deadline, d.attempt,
-                  self.status_ttl_s, self.reply_ttl_s, self.keys.done, rid, int(d.isolated), self.result_ttl_s],
+                  self.status_ttl_s, self.reply_ttl_s, self.keys.for_request(rid).done, rid, int(d.isolated),
+                  self.result_ttl_s],
         )
 
     async def lease_held(self) -> list[Delivery]:
@@ -268,7 +276,7 @@ class StreamConsumer:
         written = await self.scripts.commit(
             keys=[d.stream, self.keys.status(rid), self.keys.reply(rid)],
             args=[GROUP, self.consumer, d.entry_id, result.status.value, result.model_dump_json(exclude_none=True),
-                  time.time(), self.result_ttl_s, self.reply_ttl_s, self.keys.done, rid],
+                  time.time(), self.result_ttl_s, self.reply_ttl_s, self.keys.for_request(rid).done, rid],
         )
         self.release(d)
         if written and self.wait_replicas:  # before the worker counts it done: on the replicas too
@@ -281,18 +289,12 @@ class StreamConsumer:
 
     async def append_log(self, records: list[dict]) -> None:
         """The inference log, in batched order; capped in records (approximate MAXLEN) and bytes each."""
-        if not records:
-            return
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for record in records:
-                pipe.xadd(self.keys.log, {"data": bounded_record(record, self.log_max_record_bytes)},
-                          maxlen=self.log_max_len, approximate=True)
-            await pipe.execute()
+        await append_log(self.redis, self.keys.log, records, self.log_max_len, self.log_max_record_bytes)
 
     async def prune_consumers(self) -> list[str]:  # dead workers' consumers holding nothing
-        return await prune_consumers(self.redis, self.scripts, self.keys, self.streams)
+        shards = self.keys.shards(self.shards)
+        groups = [(k, [k.requests] + ([k.bulk] if k.shard == 0 else [])) for k in shards]
+        return await prune_consumers(self.redis, self.scripts, self.keys, groups)
 
-    async def cancelled(self, rids: list[str]) -> set[str]:
-        """Which of these requests have their cancel flag set."""
-        flags = await self.redis.mget([self.keys.cancel(r) for r in rids]) if rids else []
-        return {r for r, f in zip(rids, flags) if f is not None}
+    async def cancelled(self, rids: list[str]) -> set[str]:  # which have their cancel flag set
+        return await cancel_flags(self.redis, self.keys, rids)

@@ -1,4 +1,5 @@
-"""The dead-letter stream of a model: list, retry (re-enqueue) and drop requests in it."""
+"""The dead-letter stream of a model (one per shard of a sharded model: a request's dead letter
+is written in its own slot): list, retry (re-enqueue) and drop requests in it."""
 
 from __future__ import annotations
 
@@ -29,24 +30,29 @@ class DeadLetter:
 
 
 class DeadLetters:
-    def __init__(self, redis: Redis, model: str, *, status_ttl_s: int = 86400, bulk_queue_share: float = 0.5):
+    def __init__(self, redis: Redis, model: str, *, status_ttl_s: int = 86400, bulk_queue_share: float = 0.5,
+                 shards: int = 1):
         self.redis = redis
         self.keys = ModelKeys(model)
+        self.shards = shards
+        self.streams = [k.dead_letters for k in self.keys.shards(shards)]
         self.scripts = Scripts.register(redis)
         self.status_ttl_s = status_ttl_s
         self.bulk_queue_share = bulk_queue_share
 
     async def list(self, count: int = 1000) -> list[DeadLetter]:
-        entries = await self.redis.xrange(self.keys.dead_letters, count=count)
-        return [self._letter(eid, f) for eid, f in entries]
+        entries = [e for stream in self.streams for e in await self.redis.xrange(stream, count=count)]
+        return [self._letter(eid, f) for eid, f in sorted(entries, key=lambda e: _order(e[0]))[:count]]
 
     async def recent(self, count: int = 10) -> tuple[int, list[DeadLetter]]:
-        """How many letters the stream holds, and the newest `count` of them, newest first."""
+        """How many letters the streams hold, and the newest `count` of them, newest first."""
         async with self.redis.pipeline(transaction=False) as pipe:
-            pipe.xlen(self.keys.dead_letters)
-            pipe.xrevrange(self.keys.dead_letters, count=count)
-            total, entries = await pipe.execute()
-        return total, [self._letter(eid, f) for eid, f in entries]
+            for stream in self.streams:
+                pipe.xlen(stream)
+                pipe.xrevrange(stream, count=count)
+            got = await pipe.execute()
+        entries = sorted((e for found in got[1::2] for e in found), key=lambda e: _order(e[0]), reverse=True)
+        return sum(got[::2]), [self._letter(eid, f) for eid, f in entries[:count]]
 
     def _letter(self, eid: str, f: dict[str, str]) -> DeadLetter:
         return DeadLetter(eid, f.get("id", ""), f.get("error", ""), int(f.get("attempts", 0)),
@@ -73,10 +79,11 @@ class DeadLetters:
             msg = d.message.model_copy(update={
                 "enqueued_at": now, "deadline": now + (d.message.deadline - d.message.enqueued_at)})
             bulk = d.stream == self.keys.bulk
-            lane_max = max(int(max_queued * self.bulk_queue_share), 1) if bulk else max_queued
+            lane_max = max(int(max_queued * self.bulk_queue_share), 1) if bulk else -(-max_queued // self.shards)
+            shard = self.keys.for_request(d.request_id)  # the request's slot: its stream and dead letters
             entry = await self.scripts.requeue(
-                keys=[d.stream, self.keys.status(d.request_id), self.keys.reply(d.request_id),
-                      self.keys.dead_letters, self.keys.requests if bulk else self.keys.bulk],
+                keys=[d.stream, shard.status(d.request_id), shard.reply(d.request_id),
+                      shard.dead_letters, shard.requests if bulk else shard.bulk],
                 args=[max_queued, d.request_id, msg.model_dump_json(), now, self.status_ttl_s, d.entry_id,
                       lane_max],
             )
@@ -88,9 +95,16 @@ class DeadLetters:
 
     async def drop(self, request_ids: list[str] | None) -> list[str]:
         letters = await self._select(request_ids)
-        if letters:
-            await self.redis.xdel(self.keys.dead_letters, *(d.entry_id for d in letters))
+        for stream in self.streams:
+            mine = [d.entry_id for d in letters if self.keys.for_request(d.request_id).dead_letters == stream]
+            if mine:
+                await self.redis.xdel(stream, *mine)
         return [d.request_id for d in letters]
+
+
+def _order(entry_id: str) -> tuple[int, int]:
+    ms, _, seq = entry_id.partition("-")
+    return int(ms), int(seq or 0)
 
 
 def _message(data: str) -> RequestMessage | None:

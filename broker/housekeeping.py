@@ -1,5 +1,5 @@
-"""What keeps a model's Redis keys bounded beyond their TTLs: log records with a byte budget,
-and consumers of dead workers removed from the group."""
+"""What keeps a model's Redis keys bounded beyond their TTLs (log records with a byte budget,
+consumers of dead workers removed from the group), and the cancel flags a worker polls."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from redis.exceptions import ResponseError
 
 from sluice.broker.keys import GROUP, ModelKeys
 from sluice.broker.scripts import Scripts
+from sluice.protocol.ids import request_shard
 
 log = logging.getLogger(__name__)
 
@@ -48,23 +49,69 @@ def bounded_record(record: dict[str, Any], max_bytes: int) -> str:
     return json.dumps({k: record[k] for k in ("request_id", "row", "status") if k in record} | {"truncated": True})
 
 
-async def prune_consumers(redis: Redis, scripts: Scripts, keys: ModelKeys, streams: list[str]) -> list[str]:
+async def prune_consumers(redis: Redis, scripts: Scripts, keys: ModelKeys,
+                          groups: list[tuple[ModelKeys, list[str]]]) -> list[str]:
     """Remove from the group the consumers whose worker is gone (its name's lock expired) and
     that hold nothing; one that still holds entries stays until they are reclaimed. Returns
-    the names removed. The check and the removal are one script: a worker taking the name
-    meanwhile would first take its lock."""
+    the names removed. `groups`: each shard's keys and streams (one slot each). The check and
+    the removal are one script per shard: a worker taking the name meanwhile would first take
+    its lock (shard 0's), and one that has fetched on a shard holds an entry there."""
     names: set[str] = set()
-    grouped = []
-    for stream in streams:
-        try:
-            names.update(c["name"] for c in await redis.xinfo_consumers(stream, GROUP))
-        except ResponseError:  # no stream or no group yet: nothing to prune there
-            continue
-        grouped.append(stream)
+    present: list[tuple[ModelKeys, list[str]]] = []
+    for shard, streams in groups:
+        grouped = []
+        for stream in streams:
+            try:
+                names.update(c["name"] for c in await redis.xinfo_consumers(stream, GROUP))
+            except ResponseError:  # no stream or no group yet: nothing to prune there
+                continue
+            grouped.append(stream)
+        if grouped:
+            present.append((shard, grouped))
     removed = []
     for name in sorted(names):
-        if await scripts.consumer_drop(keys=[keys.consumer_lock(name), *grouped], args=[GROUP, name]):
+        if await redis.exists(keys.consumer_lock(name)):
+            continue
+        dropped = [await scripts.consumer_drop(keys=[shard.consumer_lock(name), *streams], args=[GROUP, name])
+                   for shard, streams in present]
+        if all(dropped):
             removed.append(name)
     if removed:
         log.info("removed %d consumer(s) of dead workers from %s: %s", len(removed), keys.model, removed)
     return removed
+
+
+async def append_log(redis: Redis, key: str, records: list[dict], max_len: int, max_record_bytes: int) -> None:
+    if not records:
+        return
+    async with redis.pipeline(transaction=False) as pipe:
+        for record in records:
+            pipe.xadd(key, {"data": bounded_record(record, max_record_bytes)}, maxlen=max_len, approximate=True)
+        await pipe.execute()
+
+
+async def cancel_flags(redis: Redis, keys: ModelKeys, rids: list[str]) -> set[str]:
+    """Which of these requests have their cancel flag set: one MGET per shard (one slot each)."""
+    by_shard: dict[int, list[str]] = {}
+    for rid in rids:
+        by_shard.setdefault(request_shard(rid), []).append(rid)
+    out = set()
+    for group in by_shard.values():
+        flags = await redis.mget([keys.cancel(r) for r in group])
+        out.update(r for r, f in zip(group, flags) if f is not None)
+    return out
+
+
+MAX_SHARDS = 64  # config/model.py's bound on `shards`
+
+
+async def shards_in_use(redis: Redis, keys: ModelKeys, configured: int) -> int:
+    """How many interactive shards a worker reads: the configured ones, and beyond them any
+    shard a larger `shards` left entries on (so that lowering it drains the old shards)."""
+    extra = [keys.at(k).requests for k in range(configured, MAX_SHARDS)]
+    async with redis.pipeline(transaction=False) as pipe:
+        for stream in extra:
+            pipe.xlen(stream)
+        lengths = await pipe.execute()
+    used = [configured + i + 1 for i, n in enumerate(lengths) if n]
+    return max([configured, *used])

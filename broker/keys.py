@@ -1,8 +1,11 @@
-"""Redis key names. All keys of one model share the hash tag {m:<model>} (one cluster slot)."""
+"""Redis key names. All keys of one model share the hash tag {m:<model>} (one cluster slot), or
+{m:<model>:<k>} on shard k of a sharded model."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from sluice.protocol.ids import request_shard
 
 PREFIX = "sluice"
 GROUP = "workers"
@@ -16,18 +19,38 @@ def idempotency(key: str) -> str:
 
 @dataclass(frozen=True)
 class ModelKeys:
+    """A model's keys on one shard. Shard 0 is the model's tag `{m:<model>}` and holds the
+    interactive and bulk streams, the dead letters, the log and the consumer locks; shard k of a
+    model with `shards: K` is `{m:<model>:<k>}` and holds an interactive stream of its own. A
+    request's keys (status, reply, cancel, response) live in the slot of the shard its id
+    names (protocol/ids.py), beside the stream entry its scripts touch."""
+
     model: str
+    shard: int = 0
+
+    def at(self, shard: int) -> ModelKeys:
+        return self if shard == self.shard else ModelKeys(self.model, shard)
+
+    def for_request(self, rid: str) -> ModelKeys:
+        """The keys of the shard that holds request `rid`."""
+        return self.at(request_shard(rid))
+
+    def shards(self, count: int) -> list[ModelKeys]:
+        return [self.at(k) for k in range(count)]
 
     @property
     def tag(self) -> str:
-        return f"{PREFIX}:{{m:{self.model}}}"
+        return f"{PREFIX}:{{m:{self.model}}}" if self.shard == 0 else f"{PREFIX}:{{m:{self.model}:{self.shard}}}"
 
     @property
     def requests(self) -> str:
+        """This shard's interactive stream."""
         return f"{self.tag}:req"
 
     @property
     def bulk(self) -> str:
+        """The bulk stream: only shard 0's is written (on another shard: the empty key the
+        admission script counts as the other lane, in the same slot)."""
         return f"{self.tag}:bulk"
 
     @property
@@ -36,26 +59,31 @@ class ModelKeys:
 
     @property
     def log(self) -> str:
-        return f"{self.tag}:log"
+        return f"{self.at(0).tag}:log"
 
     @property
     def done(self) -> str:
-        """Sharded pub/sub channel (SPUBLISH) announcing the model's requests whose final was
-        just written: in a cluster it lives on the node of the model's slot, not on every node."""
+        """Sharded pub/sub channel (SPUBLISH) announcing the shard's requests whose final was
+        just written: in a cluster it lives on the node of the shard's slot, not on every node."""
         return f"{self.tag}:done"
 
+    def _rtag(self, rid: str) -> str:
+        return self.for_request(rid).tag
+
     def reply(self, rid: str) -> str:
-        return f"{self.tag}:reply:{rid}"
+        return f"{self._rtag(rid)}:reply:{rid}"
 
     def status(self, rid: str) -> str:
-        return f"{self.tag}:status:{rid}"
+        return f"{self._rtag(rid)}:status:{rid}"
 
     def response(self, rid: str) -> str:
         """What a Responses API response repeats of its request (instructions, metadata ...)."""
-        return f"{self.tag}:resp:{rid}"
+        return f"{self._rtag(rid)}:resp:{rid}"
 
     def cancel(self, rid: str) -> str:
-        return f"{self.tag}:cancel:{rid}"
+        return f"{self._rtag(rid)}:cancel:{rid}"
 
     def consumer_lock(self, consumer: str) -> str:
+        """The lock of a consumer name (shard 0's; another shard's is never set, and stands in
+        for it in that slot's scripts)."""
         return f"{self.tag}:consumer:{consumer}"

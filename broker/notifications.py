@@ -24,6 +24,7 @@ from sluice.broker.keys import ModelKeys
 log = logging.getLogger(__name__)
 
 _READ_S = 0.5  # longest wait for one announcement: bounds how long close() takes
+_POLL_S = 0.005  # on a cluster: how often the nodes' subscriptions are read
 Waiter = Callable[[str], None]  # called with the id of a request announced done
 
 
@@ -71,7 +72,7 @@ class DoneListener:
 
     def _add(self, model: str, rid: str, waiter: Waiter) -> None:
         self._waiters[rid].add(waiter)
-        channel = ModelKeys(model).done
+        channel = ModelKeys(model).for_request(rid).done  # the shard of the request
         if channel not in self._channels:
             self._channels.add(channel)
             self._new_channel.set()
@@ -91,8 +92,12 @@ class DoneListener:
         while not self._closing:
             try:
                 async with self.redis.pubsub(ignore_subscribe_messages=True) as pubsub:
-                    # The cluster's pubsub reads each node's connection; a single server's is one.
-                    read = getattr(pubsub, "get_sharded_message", pubsub.get_message)
+                    # A single server's pubsub is one connection: a read waits on it. A cluster's
+                    # holds one per node and reads them in turn, each for the whole timeout: a
+                    # message on one node waited out the others' (0.5 s each). So each is asked
+                    # without waiting, every _POLL_S.
+                    cluster = hasattr(pubsub, "get_sharded_message")
+                    read = pubsub.get_sharded_message if cluster else pubsub.get_message
                     subscribed: set[str] = set()
                     while not self._closing:
                         if self._new_channel.is_set() or not subscribed:
@@ -104,7 +109,9 @@ class DoneListener:
                             with contextlib.suppress(TimeoutError):
                                 await asyncio.wait_for(self._new_channel.wait(), _READ_S)
                             continue
-                        message = await read(ignore_subscribe_messages=True, timeout=_READ_S)
+                        message = await read(ignore_subscribe_messages=True, timeout=0.0 if cluster else _READ_S)
+                        if message is None and cluster:
+                            await asyncio.sleep(_POLL_S)
                         if message is None or message.get("type") != "smessage":
                             continue
                         rid = message["data"]

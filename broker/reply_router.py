@@ -147,7 +147,7 @@ class ReplyRouter:
 
     def _shard_for(self, keys: ModelKeys, rid: str) -> _Shard:
         i = zlib.crc32(rid.encode()) % self.shard_count
-        return self._shard(keys.tag if self.readers.cluster else "", i)
+        return self._shard(keys.for_request(rid).tag if self.readers.cluster else "", i)
 
     async def close(self) -> None:
         for shard in self._shards.values():

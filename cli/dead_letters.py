@@ -25,20 +25,16 @@ def _dead_letters(model: str, redis_url: str | None, action):
     async def run():
         redis = connect(settings.redis_url, name="sluice-cli")
         try:
-            return await action(DeadLetters(redis, model, status_ttl_s=settings.status_ttl_s),
-                                await _bound(redis, model, settings))
+            from sluice.broker.registry import ModelRegistry
+
+            deployed = await ModelRegistry(redis).get(model)
+            letters = DeadLetters(redis, model, status_ttl_s=settings.status_ttl_s,
+                                  shards=deployed.shards if deployed else 1)
+            return await action(letters, (deployed.max_queued if deployed else None) or settings.max_queued)
         finally:
             await redis.aclose()
 
     return asyncio.run(run())
-
-
-async def _bound(redis, model: str, settings) -> int:
-    """The model's queue bound (a retried dead letter is admitted within it like any request)."""
-    from sluice.broker.registry import ModelRegistry
-
-    deployed = await ModelRegistry(redis).get(model)
-    return (deployed.max_queued if deployed else None) or settings.max_queued
 
 
 def _selection(ids: list[str] | None, all_: bool) -> list[str] | None:

@@ -68,6 +68,9 @@ class ModelConfig(BaseModel):
     deployment: DeploymentConfig = Field(default_factory=DeploymentConfig)
     # Latency targets: admission holds to them instead of serving every request late.
     slo: SLOConfig | None = None
+    # A hot model's interactive stream split over this many streams, each its own cluster slot
+    # ({m:<model>:<k>}): the api spreads requests over them, workers read them all.
+    shards: int = Field(default=1, ge=1, le=64)
 
     @model_validator(mode="after")
     def _one_batching_mode(self) -> ModelConfig:

@@ -7,13 +7,20 @@ import re
 import time
 import uuid
 
-_RID = re.compile(r"req-(\d{13})-[0-9a-f]{32}")
+_RID = re.compile(r"req-(\d{13})-[0-9a-f]{32}(?:-s(\d+))?")
 
 
-def new_request_id() -> str:
-    """`req-<unix ms>-<uuid>`: the creation time lets the api tell a result that expired (410)
-    from an id that never existed (404) once the status hash is gone."""
-    return f"req-{time.time_ns() // 1_000_000}-{uuid.uuid4().hex}"
+def new_request_id(shard: int = 0) -> str:
+    """`req-<unix ms>-<uuid>`, and `-s<k>` for a request on shard k of a sharded model (its keys
+    live in that shard's slot, so the id must say which). The creation time lets the api tell
+    a result that expired (410) from an id that never existed (404) once the status is gone."""
+    return f"req-{time.time_ns() // 1_000_000}-{uuid.uuid4().hex}" + (f"-s{shard}" if shard else "")
+
+
+def request_shard(rid: str) -> int:
+    """The shard a request id was made for (0 for an unsharded model, or an id of another form)."""
+    head, sep, tail = rid.rpartition("-s")
+    return int(tail) if sep and tail.isdigit() and _RID.fullmatch(rid) else 0
 
 
 def request_created_at(rid: str) -> float | None:

@@ -20,6 +20,7 @@ from redis.asyncio import Redis
 from sluice.batching.base import BatchingPolicy
 from sluice.batching.registry import make_policy
 from sluice.broker.consumer import Delivery, StreamConsumer
+from sluice.broker.housekeeping import shards_in_use
 from sluice.broker.registry import ModelRegistry, WorkerInfo, WorkerRegistry
 from sluice.broker.replies import ReplyWriter, delivered
 from sluice.config.model import ModelConfig
@@ -50,6 +51,7 @@ class Worker:
             max_deliveries=model.max_deliveries or settings.max_deliveries, dlq_max_len=settings.dlq_max_len,
             result_ttl_s=model.result_ttl_s or settings.result_ttl_s,
             log_max_record_bytes=settings.log_max_record_bytes, wait_replicas=settings.redis_wait_replicas,
+            shards=model.shards,
         )
         # An unfinished request's reply stream lives as long as its status: a retry resumes
         # from it. The final shortens it to reply_ttl_s.
@@ -66,6 +68,11 @@ class Worker:
         self._batches = 0
         self._counted = (0, 0)  # the consumer's reclaims and dead letters already in the metrics
         self._background: list[asyncio.Task] = []
+
+    async def _read_shards(self) -> None:
+        """Read the model's shards, and those a smaller `shards` left with entries (they drain)."""
+        self.consumer.shards = await shards_in_use(self.redis, self.consumer.keys, self.model.shards)
+        await self.consumer.ensure_groups()
 
     def _policy(self, model: ModelConfig) -> BatchingPolicy:
         policy = make_policy(model)
@@ -86,7 +93,7 @@ class Worker:
 
     async def run(self) -> None:
         self.name = await self.consumer.claim_name(self.settings.worker_ttl_s)
-        await self.consumer.ensure_groups()
+        await self._read_shards()
         await self.engine.start()
         self.replies.start()
         self._background = [
@@ -112,6 +119,7 @@ class Worker:
                 if self.stopping.is_set():
                     break
                 self.policy = self._policy(self.model)
+                await self._read_shards()
                 self._switch.clear()
             await self._drain()
         finally:

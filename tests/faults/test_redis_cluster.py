@@ -5,6 +5,7 @@ Its replica takes over; every accepted request ends done once. Run with and with
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
 import time
@@ -17,6 +18,7 @@ import redis
 from sluice.cli.processes import free_port
 from sluice.cli.stack import LocalStack
 from sluice.cli.topologies import LocalCluster
+from sluice.protocol.ids import request_shard
 from tests.faults.conftest import KEYS, MODEL, MODELS_YAML, audit_on, record
 
 pytestmark = pytest.mark.xdist_group("redis-cluster")
@@ -140,5 +142,49 @@ def test_sigkill_the_primary_of_a_models_slot_under_load(tmp_path: Path, wait_re
             for rid in stream_ids:  # each stream ended, with a text that is the final's
                 final = json.loads(r.hget(KEYS.status(rid), "result") or "{}")
                 assert streamed.get(rid) == final.get("output", {}).get("text"), (rid, streamed.get(rid), final)
+    finally:
+        cluster.stop()
+
+
+async def _one_calls(url: str, n: int, concurrency: int) -> list[dict]:
+    limits = httpx.Limits(max_connections=concurrency)
+    async with httpx.AsyncClient(base_url=url, timeout=60, limits=limits) as client:
+        gate = asyncio.Semaphore(concurrency)
+
+        async def one(i: int) -> dict:
+            async with gate:
+                r = await client.post("/v1/requests", json={"prompt": f"s {i}", "max_tokens": 4},
+                                      headers={"Prefer": "wait=30"})
+                assert r.status_code == 200, r.text
+                return r.json()
+
+        return await asyncio.gather(*(one(i) for i in range(n)))
+
+
+def test_a_sharded_model_on_the_cluster(tmp_path: Path) -> None:
+    """`shards: 1` and `shards: 3`, one after the other on the same cluster, the same load
+    (null worker, one-call requests): every request done once, spread over the shards' slots,
+    and the round trips per second of each (printed: a functional check on 2 cores)."""
+    cluster = LocalCluster(tmp_path / "cluster").start()
+    figures = {}
+    try:
+        for shards in (1, 3):
+            with cluster.client() as r:  # the last run's model is not this one's to wait for
+                r.flushall(target_nodes=redis.RedisCluster.PRIMARIES)
+            name = f"hot{shards}"
+            yaml = (f"models:\n  - name: {name}\n    shards: {shards}\n"
+                    f"    continuous_batching_config: {{max_concurrent_batch_size: 64}}\n")
+            env = {"SLUICE_JOBS_BROKER_URL": "redis://127.0.0.1:1/0", "SLUICE_LOG_LEVEL": "WARNING"}
+            with LocalStack(tmp_path / name, yaml, redis_url=cluster.url, env=env, output="quiet") as local:
+                local.up([name], engine="null", timeout_s=90)
+                asyncio.run(_one_calls(local.url, 20, 8))  # warm
+                started = time.monotonic()
+                results = asyncio.run(_one_calls(local.url, 300, 16))
+                wall = time.monotonic() - started
+            assert [r["status"] for r in results] == ["done"] * 300
+            used = {request_shard(r["id"]) for r in results}
+            assert used == set(range(shards)), used
+            figures[shards] = round(300 / wall, 1)
+        print(json.dumps({"round_trips_per_s_by_shards": figures}))
     finally:
         cluster.stop()
