@@ -20,8 +20,11 @@ import pytest
 import redis as redis_sync
 
 from sluice.broker.keys import ModelKeys
+from sluice.broker.urls import sync_connect
 from sluice.cli.processes import EmbeddedRedis, free_port
 from sluice.cli.stack import LocalStack
+from sluice.cli.topologies import LocalCluster
+from tests.conftest import TOPOLOGY
 
 MODEL = "echo"
 KEYS = ModelKeys(MODEL)
@@ -38,11 +41,11 @@ class Cluster:
     """A LocalStack whose api and workers a test starts, kills and restarts. `env` is the whole
     environment of the processes started from now on (a test may change it)."""
 
-    def __init__(self, local: LocalStack) -> None:
+    def __init__(self, local: LocalStack, topology: LocalCluster | None = None) -> None:
         self.local = local
         self.tmp = local.data_dir
-        assert local.redis is not None
-        self.redis: EmbeddedRedis = local.redis
+        self.topology = topology  # SLUICE_TEST_REDIS=cluster: a local Redis Cluster instead
+        self.redis: EmbeddedRedis = local.redis  # type: ignore[assignment]
         self.env = local.child_env
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -74,10 +77,18 @@ class Cluster:
 
     def restart_redis(self) -> float:
         """kill -9 Redis and start it again on the same port and data; returns the seconds it was down."""
+        if self.topology is not None:
+            pytest.skip("restarts the one Redis server (a cluster's failover: test_redis_cluster.py)")
         return self.local.restart_redis()
 
+    def one_server(self) -> EmbeddedRedis:
+        """The Redis server, for a test that stops it (not a cluster's node: see restart_redis)."""
+        if self.topology is not None:
+            pytest.skip("stops the one Redis server (a cluster's failover: test_redis_cluster.py)")
+        return self.redis
+
     def sync(self) -> redis_sync.Redis:
-        return redis_sync.Redis.from_url(self.redis.url, decode_responses=True)
+        return sync_connect(self.local.redis_url or "")
 
 
 @contextlib.contextmanager
@@ -88,12 +99,20 @@ def make_cluster(tmp_path: Path, models_yaml: str = MODELS_YAML, *, strict: bool
            "SLUICE_CANCEL_POLL_S": "0.1", "SLUICE_SHUTDOWN_TIMEOUT_S": "30",
            "SLUICE_NULL_TOKEN_DELAY_S": "0.02", "SLUICE_LOG_LEVEL": "INFO",
            "SLUICE_DURABILITY": "strict" if strict else "default", **env}
-    with LocalStack(tmp_path, models_yaml, strict=strict, env=env, output="inherit") as local:
-        local.start_redis()
-        c = Cluster(local)
-        c.start_api()
-        local.wait_ready(60, probe="healthz")
-        yield c
+    topology = LocalCluster(tmp_path / "redis-cluster").start() if TOPOLOGY == "cluster" else None
+    if topology is not None:  # bulk jobs are not run here: their broker is never used
+        env = {**env, "SLUICE_JOBS_BROKER_URL": "redis://127.0.0.1:1/0"}
+    try:
+        with LocalStack(tmp_path, models_yaml, strict=strict, env=env, output="inherit",
+                        redis_url=topology.url if topology else None) as local:
+            local.start_redis()
+            c = Cluster(local, topology)
+            c.start_api()
+            local.wait_ready(60, probe="healthz")
+            yield c
+    finally:
+        if topology is not None:
+            topology.stop()
 
 
 def _wait_api(c: Cluster) -> None:

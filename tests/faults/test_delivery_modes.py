@@ -120,11 +120,11 @@ def test_kill_9_redis_in_strict_durability_loses_no_acknowledged_request(tmp_pat
 
 
 def test_a_worker_started_while_redis_is_down_waits_for_it(cluster: Cluster) -> None:
-    cluster.redis.stop(kill=True)
+    cluster.one_server().stop(kill=True)
     worker = cluster.start_worker("a")
     time.sleep(3)  # longer than the client's own reconnect retries
     assert worker.poll() is None, "the worker gave up on Redis"
-    cluster.redis.start()
+    cluster.one_server().start()
     cluster.wait_workers(1)
     rids, _ = submit(cluster, 3, max_tokens=3)
     wait_final(cluster, rids, timeout_s=30)
