@@ -68,6 +68,20 @@ class _BoundedCluster(RedisCluster):
         async with self._bound:
             return await super().execute_command(*args, **kwargs)
 
+    def pipeline(self, *args: object, **kwargs: object):  # type: ignore[override]
+        """A pipeline whose execution takes one of the bound's places, as a command does."""
+        pipe = super().pipeline(*args, **kwargs)
+        execute = pipe.execute
+
+        async def bounded(*a: object, **kw: object) -> object:
+            if not self._ready:
+                await self.ready()
+            async with self._bound:
+                return await execute(*a, **kw)
+
+        pipe.execute = bounded  # type: ignore[method-assign]
+        return pipe
+
     async def ready(self) -> None:
         """Learn the slots once before any command: many first commands at once on a new
         client (redis-py 8.1) broke connections ('NoneType' object has no attribute 'writelines')."""
