@@ -15,6 +15,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+import time
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 from redis.asyncio import BlockingConnectionPool, Redis
 from redis.asyncio.cluster import ClusterNode, RedisCluster
@@ -44,6 +47,7 @@ _KEEPALIVE = {name: value for name, value in (("TCP_KEEPIDLE", 10), ("TCP_KEEPIN
 
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 # A cluster client holds a pool per node that raises past its bound: the client as a whole is
 # held to the process's bound (_BoundedCluster), each node's pool to this many times that.
@@ -240,3 +244,17 @@ async def copied(redis: Redis, key: str, replicas: int, what: str, timeout_ms: i
     if got < replicas:
         log.warning("%s is on %d of %d replicas after %d ms", what, got, replicas, timeout_ms)
     return got >= replicas
+
+
+async def until_redis_answers(call: Callable[[], Awaitable[T]], timeout_s: float = 60.0) -> T:
+    """`call()`, again while Redis does not answer (restarting, or a cluster failing over: one
+    node answers a ping while the one that holds a key's slot is being replaced)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return await call()
+        except (RedisConnectionError, RedisTimeoutError) as err:
+            if time.monotonic() > deadline:
+                raise
+            log.warning("waiting for Redis (%s)", err)
+            await asyncio.sleep(1.0)

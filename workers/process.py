@@ -6,13 +6,10 @@ import asyncio
 import logging
 import signal
 import socket
-import time
 
 from redis.asyncio import Redis
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from sluice.broker.connection import connect
+from sluice.broker.connection import connect, until_redis_answers
 from sluice.broker.registry import ModelRegistry
 from sluice.config.model import ConfigError, load_models
 from sluice.config.settings import Settings
@@ -31,9 +28,9 @@ async def serve(settings: Settings, model_name: str, name: str | None, engine: E
         await _wait_for_redis(redis)
         registry = ModelRegistry(redis)
         if model_name in models:  # a deployment changed at run time is kept
-            model = await registry.deploy(models[model_name], keep_existing=True)
+            model = await until_redis_answers(lambda: registry.deploy(models[model_name], keep_existing=True))
         else:
-            found = await registry.get(model_name)
+            found = await until_redis_answers(lambda: registry.get(model_name))
             if found is None:
                 raise ConfigError(f"model {model_name!r} is neither in {settings.models_file or 'the models file'} "
                                   f"nor deployed ({', '.join(models) or 'none'} are known)")
@@ -56,16 +53,7 @@ async def serve(settings: Settings, model_name: str, name: str | None, engine: E
 async def _wait_for_redis(redis: Redis, timeout_s: float = 60.0) -> None:
     """A worker started while Redis restarts waits for it (as a Celery worker waits for its
     broker) instead of exiting for its supervisor to try again."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            await redis.ping()
-            return
-        except (RedisConnectionError, RedisTimeoutError) as err:
-            if time.monotonic() > deadline:
-                raise
-            log.warning("waiting for Redis (%s)", err)
-            await asyncio.sleep(1.0)
+    await until_redis_answers(redis.ping, timeout_s)
 
 
 def _stop_handler(worker: Worker, sig: signal.Signals):

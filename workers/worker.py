@@ -19,6 +19,7 @@ from redis.asyncio import Redis
 
 from sluice.batching.base import BatchingPolicy
 from sluice.batching.registry import make_policy
+from sluice.broker.connection import until_redis_answers
 from sluice.broker.consumer import Delivery, StreamConsumer
 from sluice.broker.housekeeping import shards_in_use
 from sluice.broker.registry import ModelRegistry, WorkerInfo, WorkerRegistry
@@ -92,8 +93,8 @@ class Worker:
             return []
 
     async def run(self) -> None:
-        self.name = await self.consumer.claim_name(self.settings.worker_ttl_s)
-        await self._read_shards()
+        self.name = await until_redis_answers(lambda: self.consumer.claim_name(self.settings.worker_ttl_s))
+        await until_redis_answers(self._read_shards)
         await self.engine.start()
         self.replies.start()
         self._background = [
