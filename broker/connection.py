@@ -13,10 +13,12 @@ One URL names the deployment, and every process (api, workers, jobs) takes it as
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import contextvars
 import logging
 import socket
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TypeVar
 
 from redis.asyncio import BlockingConnectionPool, Redis
@@ -48,6 +50,7 @@ _KEEPALIVE = {name: value for name, value in (("TCP_KEEPIDLE", 10), ("TCP_KEEPIN
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+_HOLDING: contextvars.ContextVar[bool] = contextvars.ContextVar("sluice_cluster_place", default=False)
 
 # A cluster client holds a pool per node that raises past its bound: the client as a whole is
 # held to the process's bound (_BoundedCluster), each node's pool to this many times that.
@@ -66,10 +69,25 @@ class _BoundedCluster(RedisCluster):
         self._ready = False
         self._ready_lock = asyncio.Lock()
 
-    async def execute_command(self, *args: object, **kwargs: object) -> object:
+    @contextlib.asynccontextmanager
+    async def _place(self) -> AsyncIterator[None]:
+        """One of the bound's places, held by a command or a pipeline. Re-entrant: a pipeline
+        that resends a redirected command (MOVED, ASK during a failover) through
+        execute_command already holds its place, and would otherwise wait for itself."""
         if not self._ready:
             await self.ready()
+        if _HOLDING.get():
+            yield
+            return
         async with self._bound:
+            token = _HOLDING.set(True)
+            try:
+                yield
+            finally:
+                _HOLDING.reset(token)
+
+    async def execute_command(self, *args: object, **kwargs: object) -> object:
+        async with self._place():
             return await super().execute_command(*args, **kwargs)
 
     def pipeline(self, *args: object, **kwargs: object):  # type: ignore[override]
@@ -78,9 +96,7 @@ class _BoundedCluster(RedisCluster):
         execute = pipe.execute
 
         async def bounded(*a: object, **kw: object) -> object:
-            if not self._ready:
-                await self.ready()
-            async with self._bound:
+            async with self._place():
                 return await execute(*a, **kw)
 
         pipe.execute = bounded  # type: ignore[method-assign]

@@ -16,6 +16,7 @@ from sluice.broker.files import FileError, FileStore
 from sluice.broker.jobs import JobStore
 from sluice.config.settings import Settings
 from tests.broker.helpers import KEYS, assert_request_keys_expire, ready_consumer
+from tests.conftest import TOPOLOGY
 
 
 async def test_a_finished_batch_and_its_records_expire(redis: Redis) -> None:
@@ -101,5 +102,20 @@ async def test_more_commands_at_once_than_connections_wait_for_one(redis: Redis,
         assert got == [None] * 150
         held = [c for c in await redis.client_list() if c.get("name") == "sluice-test-bounded"]
         assert 0 < len(held) <= 16
+    finally:
+        await client.aclose()
+
+
+@pytest.mark.skipif(TOPOLOGY != "cluster", reason="the cluster client's own bound")
+async def test_the_cluster_bound_lets_a_pipeline_resend_a_redirected_command(redis_url: str) -> None:
+    """redis-py's cluster pipeline resends a command that was redirected (MOVED, ASK: a
+    failover) through execute_command while it holds its place in the bound: with every place
+    held that way, a bound that is not re-entrant waits for itself for ever."""
+    client = connect(redis_url, name="sluice-test-bounded", max_connections=1)
+    try:
+        async with client._place():  # as a pipeline executing holds it
+            assert await asyncio.wait_for(client.set("bounds:nested", "1"), 5)
+        got = await asyncio.gather(*(client.get("bounds:nested") for _ in range(20)))  # still bounded, still works
+        assert got == ["1"] * 20
     finally:
         await client.aclose()

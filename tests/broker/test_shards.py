@@ -129,3 +129,28 @@ async def test_lowering_the_shards_drains_the_ones_left(redis: Redis, settings: 
     assert await c.prune_consumers() == ["w1"]
     for k in range(K):
         assert await redis.xinfo_consumers(KEYS.at(k).requests, "workers") == []
+
+
+async def test_a_lease_lapsed_on_a_shard_is_taken_over_and_the_first_worker_fenced(
+        redis: Redis, settings: Settings) -> None:
+    """A worker that stops renewing (crashed, or frozen past its lease) on shard 2: another
+    worker reclaims the entry from that shard's stream, runs it and commits; the first one's
+    late commit writes nothing. One final, in the shard's slot."""
+    adm = admission(redis, settings)
+    w1 = sharded_consumer(redis, settings, name="w1")
+    w2 = StreamConsumer(redis, MODEL, "w2", status_ttl_s=settings.status_ttl_s, reply_ttl_s=settings.reply_ttl_s,
+                        log_max_len=settings.log_max_len, lease_timeout_s=0.2, shards=K)
+    await w1.ensure_groups()
+    m = on_shard(2)
+    await adm.submit(m, max_queued=100, shards=K)
+    (first,) = await w1.fetch(1, 200)
+    assert await w1.start(first) == "run"
+    await asyncio.sleep(0.4)  # w1's lease lapses
+    (taken,) = await w2.fetch(1, 200)
+    assert (taken.message.id, taken.stream, taken.attempt) == (m.id, KEYS.at(2).requests, 2)
+    assert await w2.start(taken) == "run"
+    assert await w2.commit(taken, done_result(" second"))
+    assert not await w1.commit(first, done_result(" first"))  # fenced: nothing written
+    finals = [f for _, f in await redis.xrange(KEYS.reply(m.id)) if f["kind"] == "final"]
+    assert len(finals) == 1 and " second" in finals[0]["data"]
+    assert await redis.xlen(KEYS.at(2).requests) == 0
