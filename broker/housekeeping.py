@@ -70,8 +70,8 @@ async def prune_consumers(redis: Redis, scripts: Scripts, keys: ModelKeys,
             present.append((shard, grouped))
     removed = []
     for name in sorted(names):
-        if await redis.exists(keys.consumer_lock(name)):
-            continue
+        if len(present) > 1 and await redis.exists(keys.consumer_lock(name)):
+            continue  # alive: spare the other shards' scripts (shard 0's checks the lock itself)
         dropped = [await scripts.consumer_drop(keys=[shard.consumer_lock(name), *streams], args=[GROUP, name])
                    for shard, streams in present]
         if all(dropped):
