@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import contextvars
 import logging
+import random
 import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -27,6 +28,7 @@ from redis.asyncio.retry import Retry  # the asyncio one: redis.retry.Retry cann
 from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
 from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from sluice.broker.urls import parse_url
@@ -108,7 +110,26 @@ class _BoundedCluster(RedisCluster):
         async with self._ready_lock:
             if not self._ready:
                 await self.initialize()
+                self._share_startup_nodes()
                 self._ready = True
+
+    def _share_startup_nodes(self) -> None:
+        """redis-py keeps the nodes it was started with as objects of their own, each holding
+        the connection that asked for the slots (past the bound, idle for good): they become
+        the nodes the client uses, and their own connections are closed."""
+        manager = self.nodes_manager
+        for name, node in list(manager.startup_nodes.items()):
+            used = manager.nodes_cache.get(name)
+            if used is not None and used is not node:
+                manager.startup_nodes[name] = used
+                task = asyncio.create_task(node.disconnect())
+                manager._background_tasks.add(task)
+                task.add_done_callback(manager._background_tasks.discard)
+
+    async def refresh_slots(self) -> None:
+        """Learn the slots again (after a failover), within the bound like any command."""
+        async with self._place():
+            await self.nodes_manager.initialize()
 
 
 class _SentinelBlockingPool(SentinelConnectionPool, BlockingConnectionPool):
@@ -188,27 +209,72 @@ def _options(name: str, single: bool) -> dict:
 class Readers:
     """Connections of their own for blocking readers (the api's reply router): to the server
     (or Sentinel's primary), or in a cluster to the primary that serves a key's slot now, with
-    the CLIENT UNBLOCK that interrupts one sent to that same node."""
+    the CLIENT UNBLOCK that interrupts one sent to that same node.
 
-    def __init__(self, url: str, client: Redis, *, name: str) -> None:
+    With `replicas` (the deployment waits for a replica before answering: SLUICE_REDIS_WAIT_REPLICAS),
+    a reader reads from a replica of its node, so that a client is shown only what a failover
+    keeps: replication is asynchronous, and a token read from a primary that dies before its
+    replica has it would be generated again, maybe differently, by the retry. `visible()` says
+    whether what a reader has just read may be shown."""
+
+    def __init__(self, url: str, client: Redis, *, name: str, replicas: bool = False) -> None:
         self.url = url
         self.client = client
         self.name = name
         self.cluster = is_cluster(client)
+        self.replicas = replicas
         self._controls: dict[tuple[str, int], Redis] = {}
 
     async def open(self, key: str) -> Redis:
         if self.cluster:
             await self.client.initialize()  # the slots, before the first command has learnt them
-            return node_client(self.client, key, name=self.name)
-        return connect(self.url, name=self.name, single=True)
+            reader = node_client(self.client, key, name=self.name)
+        else:
+            reader = connect(self.url, name=self.name, single=True)
+        if not self.replicas:
+            return reader
+        replica = await self._replica_of(reader)
+        if replica is None:
+            return reader
+        await reader.aclose()
+        return replica
+
+    async def _replica_of(self, primary: Redis) -> Redis | None:
+        """A connection to one of `primary`'s replicas (as its ROLE lists them), or None."""
+        role = await primary.execute_command("ROLE")
+        if role[0] != "master" or not role[2]:
+            return None
+        host, port, *_ = random.choice(role[2])
+        kw = primary.connection_pool.connection_kwargs
+        options = _options(self.name, True)
+        if self.cluster:  # a cluster's replica answers for its slots only after READONLY
+            options["redis_connect_func"] = _readonly
+        replica = Redis(host=host, port=int(port), password=kw.get("password"), username=kw.get("username"),
+                        single_connection_client=True, **options)
+        try:
+            await replica.ping()
+        except RedisError as err:
+            log.debug("replica %s:%s does not answer (%s): reading from its primary", host, port, err)
+            await replica.aclose()
+            return None
+        return replica
+
+    async def visible(self, reader: Redis) -> bool:
+        """Whether what `reader` has just read survives a failover: it reads a replica, or a
+        primary with no replica (none could take over from it: it comes back from its own
+        AOF). False on a primary that has replicas now (it was promoted, or its replica came
+        back): the reader is reopened on a replica and reads again."""
+        if not self.replicas:
+            return True
+        role = await reader.execute_command("ROLE")
+        return role[0] != "master" or not role[2]
 
     async def unblock(self, reader: Redis, client_id: int) -> None:
-        if not self.cluster:
-            await self.client.client_unblock(client_id)
-            return
         kw = reader.connection_pool.connection_kwargs
         address = (kw["host"], kw["port"])
+        if not self.cluster and not self.replicas:
+            await self.client.client_unblock(client_id)
+            return
         control = self._controls.get(address)
         if control is None:
             control = self._controls[address] = Redis.from_pool(BlockingConnectionPool(  # few: many wait
@@ -219,12 +285,18 @@ class Readers:
     async def refresh(self) -> None:
         """After a reader's node failed: learn the cluster's slots again (a replica took over)."""
         if self.cluster:
-            await self.client.nodes_manager.initialize()
+            await self.client.refresh_slots()
 
     async def aclose(self) -> None:
         for control in self._controls.values():
             await control.aclose()
         self._controls.clear()
+
+
+async def _readonly(connection: object) -> None:
+    await connection.on_connect()  # type: ignore[attr-defined]
+    await connection.send_command("READONLY")  # type: ignore[attr-defined]
+    await connection.read_response()  # type: ignore[attr-defined]
 
 
 async def wait_for_copies(redis: Redis, key: str, *, replicas: int, aof: bool = False,

@@ -10,7 +10,8 @@ streams are open, and one XREAD carries a flush's tokens for every stream of a s
 
 In a Redis Cluster one XREAD cannot span slots: shards are then per model (its keys share one
 slot) and lazily made, each reading from the primary that serves the model's slot; a reader
-whose node failed asks the cluster again where the slot is now.
+whose node failed asks the cluster again where the slot is now. Where admissions wait for a
+replica, readers read from one (`Readers`): what a reader shows, a failover keeps.
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ class _Shard:
         self.changed = asyncio.Event()
         self.closing = False
         self.unblocked = False  # a CLIENT UNBLOCK is on its way for the read under way
+        self.unblocked_at = 0.0  # when it was sent (another after _PICKUP_S if the read goes on)
 
     def add(self, f: _Follower) -> None:
         self.followers.setdefault(f.key, set()).add(f)
@@ -91,6 +93,10 @@ class _Shard:
                 if self.client_id is None:
                     self.client_id = await self.reader.client_id()
                 got = await self.reader.xread(streams, count=256, block=self.block_ms)
+                if got and not await self.readers.visible(self.reader):  # a failover could take it back
+                    log.info("the reply reader's node is a primary with replicas now: reading from a replica")
+                    await self._reopen(refresh=False)
+                    continue
             except Exception as err:  # noqa: BLE001 - Redis away, a cluster mid-failover: the shard lives on
                 log.warning("reading reply streams failed (%s); retrying", err)
                 await self._reopen()
@@ -103,13 +109,14 @@ class _Shard:
                             f.after = entry[0]
                             f.entries.put_nowait(entry)
 
-    async def _reopen(self) -> None:
+    async def _reopen(self, refresh: bool = True) -> None:
         self.client_id = None  # a new connection has another id
-        if self.readers.cluster and self.reader is not None:  # its node may be gone: ask the cluster again
+        if (self.readers.cluster or self.readers.replicas) and self.reader is not None:  # its node may be gone
             reader, self.reader = self.reader, None
             await reader.aclose()
             try:
-                await self.readers.refresh()
+                if refresh:  # ask the cluster again where the slot is
+                    await self.readers.refresh()
             except RedisError as err:
                 log.debug("refreshing the cluster's slots failed (%s)", err)
 
@@ -212,16 +219,17 @@ class ReplyRouter:
         """Wait until the shard's read includes the follower, unblocking the read under way:
         one CLIENT UNBLOCK per read for all the followers that arrive meanwhile (many streams
         opening at once must not become as many commands), again after _PICKUP_S if the
-        unblock came before the read blocked."""
+        unblock came before the read blocked: once per shard, however many followers wait."""
         while not follower.taken_in.is_set():
-            if shard.client_id is not None and not shard.unblocked:
-                shard.unblocked = True
+            now = time.monotonic()
+            if shard.client_id is not None and (not shard.unblocked or now - shard.unblocked_at > _PICKUP_S):
+                shard.unblocked, shard.unblocked_at = True, now  # one for every follower waiting
                 if shard.reader is not None:
                     await self.readers.unblock(shard.reader, shard.client_id)
             try:
                 await asyncio.wait_for(follower.taken_in.wait(), _PICKUP_S)
             except TimeoutError:
-                shard.unblocked = False
+                pass
 
     async def _lost_final(self, keys: ModelKeys, rid: str, follower: _Follower) -> ReplyEvent | None:
         """The final from the status hash, when the reply stream holds nothing after the

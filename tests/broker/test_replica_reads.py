@@ -1,0 +1,96 @@
+"""What a reader is shown, a failover keeps. Replication is asynchronous: a token read from a
+primary that dies before its replica has it is gone after the failover, and the retry may
+generate another token at that index, so the client's streamed text and the final disagree
+(a chaos run on a cluster found one such request). Where admissions wait for a replica
+(SLUICE_REDIS_WAIT_REPLICAS), the reply router reads from a replica.
+
+The test stages the window for certain: the replica of the model's slot is stopped (SIGSTOP),
+a token is written to the primary behind more data than the sockets between them hold, the
+primary is killed and the replica resumed and promoted. Reading the replica, the router never
+shows that token; reading the primary (the control), it does, and the promoted node has never
+heard of it."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import signal
+from pathlib import Path
+
+import pytest
+import redis as redis_sync
+
+from sluice.broker.connection import Readers, connect, until_redis_answers
+from sluice.broker.keys import ModelKeys
+from sluice.broker.reply_router import ReplyRouter
+from sluice.cli.topologies import LocalCluster
+from sluice.protocol.messages import DeltaEvent, FinalResult, State
+from tests.broker.helpers import MODEL
+
+pytestmark = [pytest.mark.xdist_group("redis-cluster"),
+              pytest.mark.skipif(not shutil.which("redis-cli"), reason="redis-cli is not installed")]
+
+
+def delta(i: int, text: str) -> dict[str, str]:
+    return {"kind": "delta", "data": DeltaEvent(i=i, text=text, token_ids=[i]).model_dump_json()}
+
+
+@pytest.mark.parametrize("replicas", [True, False], ids=["replica-reads", "primary-reads"])
+async def test_a_reader_is_shown_only_what_a_failover_keeps(tmp_path: Path, replicas: bool) -> None:
+    cluster = LocalCluster(tmp_path).start()
+    client = connect(cluster.url, name="sluice-test")
+    router = ReplyRouter(client, Readers("", client, name="sluice-test-replies", replicas=replicas),
+                         shards=1, block_ms=500)
+    router.start()
+    rid = "req-replica-reads"
+    key = ModelKeys(MODEL).reply(rid)
+    shown: list[str] = []
+    try:
+        primary = cluster.primary_of(key)
+        replica = next(n for n in cluster.nodes if n is not primary and
+                       redis_sync.Redis(port=n.port, decode_responses=True).execute_command("ROLE")[2] == primary.port)
+
+        async def follow() -> None:
+            async for ev in router.follow(MODEL, rid, idle_timeout_s=60):
+                if ev.delta is not None:
+                    shown.append(ev.delta.text)
+
+        reader = asyncio.create_task(follow())
+        await client.xadd(key, delta(0, "a"))
+        while shown != ["a"]:  # through the replica, once it has it
+            await asyncio.sleep(0.05)
+            assert not reader.done()
+
+        # The replica stops reading; 32 MB written meanwhile fill the socket buffers between the
+        # two, so what follows stays in the primary's own output buffer, and dies with it.
+        os.kill(replica.process.pid, signal.SIGSTOP)
+        filler = key[:key.index("}") + 1] + ":filler"
+        await client.set(filler, "x" * (32 << 20))
+        await client.xadd(key, delta(1, "lost"))  # on the primary alone
+        await asyncio.sleep(1.5)
+        assert shown == (["a"] if replicas else ["a", "lost"])
+
+        primary.stop(kill=True)
+        os.kill(replica.process.pid, signal.SIGCONT)
+        await asyncio.to_thread(cluster.wait_failover, primary, key)
+        kept = [f["data"] for _, f in await until_redis_answers(lambda: client.xrange(key))]
+        # the promoted replica never had "lost" (nor, reading the primary, always "a": what the
+        # replica's socket held was dropped when the primary's end was reset)
+        assert kept == [delta(0, "a")["data"]] if replicas else delta(1, "lost")["data"] not in kept
+
+        # the retry generates index 1 again, differently, and ends the request
+        await until_redis_answers(lambda: client.xadd(key, delta(1, "kept")))
+        final = FinalResult(status=State.DONE).model_dump_json()
+        await until_redis_answers(lambda: client.xadd(key, {"kind": "final", "data": final}))
+        await asyncio.wait_for(reader, 60)
+        # the reader skips a delta at an index it has shown: with primary reads the client keeps
+        # the token the failover lost, and its text is not the final's
+        assert shown == (["a", "kept"] if replicas else ["a", "lost"])
+    finally:
+        await router.close()
+        await client.aclose()
+        for node in cluster.nodes:
+            if node.process is not None and node.process.poll() is None:
+                os.kill(node.process.pid, signal.SIGCONT)
+        cluster.stop()
