@@ -109,7 +109,6 @@ def test_scaledobject_watches_the_models_streams(overlay: Path) -> None:
     docs = render(overlay)
     worker = one(docs, "Deployment")
     model = worker_model(worker)
-    keys = ModelKeys(model)
     assert worker["metadata"]["name"] == f"sluice-worker-{model}"
 
     scaled = one(docs, "ScaledObject")
@@ -117,13 +116,22 @@ def test_scaledobject_watches_the_models_streams(overlay: Path) -> None:
     assert target["name"] == worker["metadata"]["name"]
     assert target.get("kind", "Deployment") == "Deployment" and target.get("apiVersion", "apps/v1") == "apps/v1"
 
-    triggers = scaled["spec"]["triggers"]
-    assert {t["type"] for t in triggers} == {"redis-streams"}
+    shards = models_file(render(K8S / "base"))[model].shards
+    assert trigger_problems(scaled["spec"]["triggers"], model, shards) == []
+
+
+def trigger_problems(triggers: list[dict], model: str, shards: int) -> list[str]:
+    """What is wrong with a model's triggers: each interactive stream (one per shard) needs a
+    pending and a lag trigger, the bulk stream a lag trigger, all on the consumer group."""
+    keys = ModelKeys(model)
+    streams = [k.requests for k in keys.shards(shards)]
+    problems = []
     auths = {d["metadata"]["name"]: d for d in render(K8S / "base") if d["kind"] == "TriggerAuthentication"}
     by_role: dict[tuple[str, str], dict] = {}
     for t in triggers:
         meta = t["metadata"]
-        assert meta["stream"] in (keys.requests, keys.bulk), meta["stream"]
+        if t["type"] != "redis-streams" or meta["stream"] not in (*streams, keys.bulk):
+            problems.append(f"{t['type']} trigger on {meta.get('stream')}")
         assert meta["consumerGroup"] == GROUP
         assert t["authenticationRef"]["name"] in auths and t["authenticationRef"].get("kind", "TriggerAuthentication") \
             == "TriggerAuthentication"
@@ -136,9 +144,27 @@ def test_scaledobject_watches_the_models_streams(overlay: Path) -> None:
         assert "streamLength" not in meta and int(meta.get("databaseIndex", "0")) == 0
         assert (meta["stream"], role) not in by_role
         by_role[meta["stream"], role] = t
-    assert {(keys.requests, "pending"), (keys.requests, "lag"), (keys.bulk, "lag")} <= set(by_role)
-    # The hash tag puts every key of the model in one cluster slot: it is in the stream names.
-    assert all(f"{{m:{model}}}" in stream for stream, _ in by_role)
+    wanted = {(s, role) for s in streams for role in ("pending", "lag")} | {(keys.bulk, "lag")}
+    problems += [f"no {role} trigger on {stream}" for stream, role in sorted(wanted - set(by_role))]
+    # The hash tag puts every key of a shard in one cluster slot: it is in the stream names.
+    assert all(stream.startswith(f"sluice:{{m:{model}") for stream, _ in by_role)
+    return problems
+
+
+def test_a_sharded_model_needs_triggers_on_every_shard() -> None:
+    scaled = one(render(OVERLAYS[0]), "ScaledObject")
+    model = worker_model(one(render(OVERLAYS[0]), "Deployment"))
+    assert trigger_problems(scaled["spec"]["triggers"], model, 3) == [
+        f"no {role} trigger on sluice:{{m:{model}:{k}}}:req" for k in (1, 2) for role in ("lag", "pending")]
+    more = copy.deepcopy(scaled["spec"]["triggers"])
+    for k in (1, 2):
+        for t in scaled["spec"]["triggers"]:
+            if t["metadata"]["stream"] == ModelKeys(model).requests:
+                more.append(copy.deepcopy(t))
+                more[-1]["name"] = f"{t['name']}-{k}"
+                more[-1]["metadata"]["stream"] = ModelKeys(model).at(k).requests
+    assert trigger_problems(more, model, 3) == []
+    assert validate({**scaled, "spec": {**scaled["spec"], "triggers": more}}) == []
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS, ids=lambda p: p.name)
