@@ -271,10 +271,10 @@ class Readers:
 
     async def unblock(self, reader: Redis, client_id: int) -> None:
         kw = reader.connection_pool.connection_kwargs
-        address = (kw["host"], kw["port"])
-        if not self.cluster and not self.replicas:
+        if "host" not in kw or (not self.cluster and not self.replicas):  # Sentinel's primary: the client's own
             await self.client.client_unblock(client_id)
             return
+        address = (kw["host"], kw["port"])
         control = self._controls.get(address)
         if control is None:
             control = self._controls[address] = Redis.from_pool(BlockingConnectionPool(  # few: many wait

@@ -57,11 +57,21 @@ async def test_clients_follow_a_failover(tmp_path: Path, settings: Settings) -> 
     client = connect(topology.url, name="sluice-test-sentinel")
     router = ReplyRouter(client, Readers(topology.url, client, name="sluice-test-replies"), shards=1, block_ms=500)
     router.start()
+    # Where admissions wait for a replica, readers read from one (what they show, a failover keeps).
+    from_replica = ReplyRouter(client, Readers(topology.url, client, name="sluice-test-replica-replies",
+                                               replicas=True), shards=1, block_ms=500)
+    from_replica.start()
+    done = FinalResult(status=State.DONE).model_dump_json()
     try:
         adm = admission(client, settings)
         adm.wait_replicas = 1  # the 202's promise: on the replica before it is answered
         before = message()
         await adm.submit(before, max_queued=100)
+        await client.xadd(KEYS.reply(before.id), {"kind": "final", "data": done})
+        events = [ev async for ev in from_replica.follow(MODEL, before.id, idle_timeout_s=10)]
+        assert [ev.kind for ev in events] == ["final"]
+        reader = from_replica._shards["", 0].reader
+        assert reader.connection_pool.connection_kwargs["port"] == topology.replica.port
         old_port = topology.primary.port
         topology.primary.stop(kill=True)
         after = message()
@@ -75,13 +85,15 @@ async def test_clients_follow_a_failover(tmp_path: Path, settings: Settings) -> 
         info = await client.info("server")
         assert int(info["tcp_port"]) == topology.replica.port != old_port  # the promoted replica
 
-        # A reader on a connection of its own (the reply router's) reads from the new primary.
-        done = FinalResult(status=State.DONE).model_dump_json()
+        # A reader on a connection of its own (the reply router's) reads from the new primary;
+        # so does one that prefers a replica: there is none, and no failover can happen.
         await client.xadd(KEYS.reply(after.id), {"kind": "final", "data": done})
         await client.hset(KEYS.status(after.id), mapping={"state": "done", "result": done})
-        events = [ev async for ev in router.follow(MODEL, after.id, idle_timeout_s=10)]
-        assert [ev.kind for ev in events] == ["final"]
+        for r in (router, from_replica):
+            events = [ev async for ev in r.follow(MODEL, after.id, idle_timeout_s=10)]
+            assert [ev.kind for ev in events] == ["final"]
     finally:
         await router.close()
+        await from_replica.close()
         await client.aclose()
         topology.stop()
