@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import inspect
 import logging
 import random
 import socket
@@ -24,6 +25,7 @@ from typing import TypeVar
 
 from redis.asyncio import BlockingConnectionPool, Redis
 from redis.asyncio.cluster import ClusterNode, RedisCluster
+from redis.asyncio.connection import SSLConnection
 from redis.asyncio.retry import Retry  # the asyncio one: redis.retry.Retry cannot await
 from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
 from redis.backoff import ExponentialBackoff
@@ -180,7 +182,20 @@ def node_client(cluster: RedisCluster, key: str, *, name: str, single: bool = Tr
     kw = node.connection_kwargs
     options = _options(name, single)
     return Redis(host=node.host, port=node.port, password=kw.get("password"), username=kw.get("username"),
-                 single_connection_client=single, **options)
+                 single_connection_client=single, **_tls_of(kw), **options)
+
+
+_TLS_PARAMS = frozenset(p for p in inspect.signature(Redis.__init__).parameters if p.startswith("ssl_"))
+
+
+def _tls_of(kw: dict, connection_class: type | None = None) -> dict:
+    """The TLS settings of a client's connections (`connection_kwargs`, and its pool's class),
+    for a connection of its own to another node of the same deployment (rediss://, redis-py's
+    ssl_* options)."""
+    connection_class = kw.get("connection_class", connection_class)
+    if not (isinstance(connection_class, type) and issubclass(connection_class, SSLConnection)):
+        return {}
+    return {"ssl": True, **{k: v for k, v in kw.items() if k in _TLS_PARAMS}}
 
 
 def _cluster_options(options: dict) -> dict:
@@ -250,7 +265,8 @@ class Readers:
         if self.cluster:  # a cluster's replica answers for its slots only after READONLY
             options["redis_connect_func"] = _readonly
         replica = Redis(host=host, port=int(port), password=kw.get("password"), username=kw.get("username"),
-                        single_connection_client=True, **options)
+                        single_connection_client=True, **_tls_of(kw, primary.connection_pool.connection_class),
+                        **options)
         try:
             await replica.ping()
         except RedisError as err:
@@ -277,9 +293,11 @@ class Readers:
         address = (kw["host"], kw["port"])
         control = self._controls.get(address)
         if control is None:
+            tls = _tls_of(kw, reader.connection_pool.connection_class)
+            tls = {"connection_class": SSLConnection, **{k: v for k, v in tls.items() if k != "ssl"}} if tls else {}
             control = self._controls[address] = Redis.from_pool(BlockingConnectionPool(  # few: many wait
                 host=address[0], port=address[1], password=kw.get("password"), username=kw.get("username"),
-                max_connections=2, timeout=POOL_WAIT_S, **_options(f"{self.name}-unblock", False)))
+                max_connections=2, timeout=POOL_WAIT_S, **tls, **_options(f"{self.name}-unblock", False)))
         await control.client_unblock(client_id)
 
     async def refresh(self) -> None:

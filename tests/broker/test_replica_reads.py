@@ -94,3 +94,21 @@ async def test_a_reader_is_shown_only_what_a_failover_keeps(tmp_path: Path, repl
             if node.process is not None and node.process.poll() is None:
                 os.kill(node.process.pid, signal.SIGCONT)
         cluster.stop()
+
+
+def test_a_readers_own_connections_keep_the_deployments_tls() -> None:
+    # rediss:// (or a cluster's ssl=True): a per-node reader, a replica's and an unblock
+    # connection are opened with the same TLS settings, never in clear.
+    from redis.asyncio import Redis
+    from redis.asyncio.connection import SSLConnection
+
+    from sluice.broker.connection import _tls_of
+
+    tls_client = Redis(host="127.0.0.1", port=1, ssl=True, ssl_ca_certs="/etc/ssl/ca.pem", ssl_check_hostname=False)
+    pool = tls_client.connection_pool
+    tls = _tls_of(pool.connection_kwargs, pool.connection_class)
+    assert tls["ssl"] is True and tls["ssl_ca_certs"] == "/etc/ssl/ca.pem" and tls["ssl_check_hostname"] is False
+    assert Redis(host="10.0.0.2", port=7000, **tls).connection_pool.connection_class is SSLConnection
+    assert _tls_of({"connection_class": SSLConnection, "ssl_ca_certs": "x"})["ssl_ca_certs"] == "x"  # a cluster node
+    plain = Redis(host="127.0.0.1").connection_pool
+    assert _tls_of(plain.connection_kwargs, plain.connection_class) == {}
