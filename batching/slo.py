@@ -5,8 +5,11 @@ requests decoding beside it. Serving more at once than the target allows makes e
 them late; a queue can do better by keeping the rest waiting (or refused at the door, see
 the api's admission) while those admitted run on time.
 
-`ConcurrencyGovernor` sees each finished request's TPOT with the concurrency it ran at. After
-every `window` of them it compares the window's p90 with the target: above it, the limit
+`ConcurrencyGovernor` sees time-per-token samples with the concurrency they ran at (the worker
+feeds it the gap before each token, so it acts within an engine step or two of a burst, long
+before the burst's first request finishes). After every `window` of them it compares the
+window's quantile (p90 by default; the worker uses the median of its token gaps, the mean
+TPOT a request sees) with the target: above it, the limit
 drops to the concurrency the target allows if TPOT is proportional to concurrency (at most
 halving in one step); well below it while the limit was reached, the limit grows by an
 eighth (at least one). Pure logic: the worker feeds it and applies `limit`.
@@ -19,10 +22,11 @@ import math
 
 class ConcurrencyGovernor:
     def __init__(self, target_tpot_s: float, capacity: int, *, window: int = 8, floor: int = 1,
-                 start: int | None = None):
+                 start: int | None = None, quantile: float = 0.9):
         self.target = target_tpot_s
         self.capacity = capacity
         self.window = window
+        self.quantile = quantile  # of the window's samples, compared with the target
         self.floor = max(1, min(floor, capacity))
         self.limit = max(self.floor, min(start or capacity, capacity))
         self._samples: list[tuple[float, int]] = []
@@ -37,7 +41,7 @@ class ConcurrencyGovernor:
 
     def _adjust(self) -> None:
         tpots = sorted(t for t, _ in self._samples)
-        p90 = tpots[min(len(tpots) - 1, math.ceil(0.9 * len(tpots)) - 1)]
+        p90 = tpots[min(len(tpots) - 1, max(math.ceil(self.quantile * len(tpots)) - 1, 0))]
         ran_at = sum(c for _, c in self._samples) / len(self._samples)
         reached = max(c for _, c in self._samples) >= self.limit
         self._samples.clear()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -61,9 +62,10 @@ class RowResult:
 
 
 class Generation:
-    def __init__(self, engine: Engine, replies: ReplyWriter):
+    def __init__(self, engine: Engine, replies: ReplyWriter, on_gap: Callable[[float], None] | None = None):
         self.engine = engine
         self.replies = replies
+        self.on_gap = on_gap  # told the time per token between a row's deltas (the worker's pace)
 
     async def rows(self, run: Running, resume: dict[int, Delivered]) -> list[RowOutput]:
         """Every row of the request, resumed after what `resume` says was delivered."""
@@ -109,7 +111,13 @@ class Generation:
                          prompt_logprobs=result.prompt_logprobs, tool_calls=calls, tool_content=content)
 
     async def _stream(self, run: Running, row: int, result: RowResult, request: GenerationRequest) -> None:
+        last: float | None = None
         async for delta in self.engine.generate(request):
+            if delta.token_ids and self.on_gap is not None:
+                now = time.monotonic()
+                if last is not None:
+                    self.on_gap((now - last) / len(delta.token_ids))
+                last = now
             if delta.prompt_tokens is not None:
                 result.prompt_tokens = delta.prompt_tokens
             # An abort is not a finish: the stop reason (cancel, deadline) says why it ended.

@@ -57,7 +57,7 @@ class Worker:
         # An unfinished request's reply stream lives as long as its status: a retry resumes
         # from it. The final shortens it to reply_ttl_s.
         self.replies = ReplyWriter(redis, model.name, reply_ttl_s=settings.status_ttl_s)
-        self.generation = Generation(engine, self.replies)
+        self.generation = Generation(engine, self.replies, lambda gap: self.pace.token_gap(gap, len(self.running)))
         self.workers = WorkerRegistry(redis)
         self.models = ModelRegistry(redis)
         self.policy = self._policy(model)
@@ -245,10 +245,16 @@ class Worker:
             in_flight=len(self.running), capacity=self.policy.capacity,
             started_at=self.started_at, heartbeat_at=0.0,
             state="draining" if self.stopping.is_set() else "running", metrics_url=self.metrics_url,
-            admitted=self.pace.admitted, service_rate=round(self.pace.service_rate, 3),
+            admitted=self.pace.admitted, service_rate=round(self.pace.service_rate(self._expected_tokens()), 3),
         ))
         await self.consumer.refresh_name(self.settings.worker_ttl_s)
         await self._check_version()
+
+    def _expected_tokens(self) -> float | None:
+        """The output tokens a running request asks for, on average (None with none running)."""
+        asks = [int(row.get("max_tokens") or run.delivery.message.sampling.max_tokens)
+                for run in self.running.values() for row in run.delivery.message.rows]
+        return sum(asks) / len(asks) if asks else None
 
     async def _check_version(self) -> None:
         current = await self.models.get(self.model.name)
