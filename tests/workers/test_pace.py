@@ -15,7 +15,7 @@ from sluice.config.model import parse_model
 from sluice.config.settings import Settings
 from sluice.workers.engines.null import NullEngine
 from sluice.workers.worker import Worker
-from tests.workers.test_worker_null import CountingEngine, _all_done, eventually, submit
+from tests.workers.test_worker_null import CountingEngine, _all_done, eventually, states, submit
 
 
 async def run_worker(redis: Redis, settings: Settings, slo: dict | None, engine: NullEngine) -> Worker:
@@ -41,6 +41,27 @@ async def test_a_tpot_target_holds_the_engine_concurrency_down(redis: Redis, set
         await eventually(lambda: _beat_says(redis, admitted=worker.policy.admitted), what="the heartbeat")
         (info,) = await WorkerRegistry(redis).live(10)
         assert info.service_rate > 0
+    finally:
+        worker.stopping.set()
+        await asyncio.wait_for(task, 30)
+
+
+async def test_the_limit_drops_before_the_burst_that_filled_the_engine_finishes(
+        redis: Redis, settings: Settings) -> None:
+    # A burst fills the engine at once; its requests are long (100 tokens, 2 s each). The limit
+    # must come down while they still run, from the gaps between their tokens: waiting for
+    # finished requests (as it once did) acts only after the whole burst is in.
+    admission = Admission(redis, status_ttl_s=600, reply_ttl_s=60, cancel_ttl_s=60)
+    engine = CountingEngine(token_delay_s=0.02)
+    worker = await run_worker(redis, settings, {"tpot_ms": 10}, engine)
+    task = asyncio.create_task(worker.run())
+    try:
+        burst = await submit(admission, 8, max_tokens=100)
+        await eventually(lambda: engine.peak == 8, what="the engine filled")
+        await eventually(lambda: worker.policy.limit < 8, what="the limit down")
+        assert "done" not in await states(redis, burst)  # none of the burst had finished
+        # the rate the api bounds the queue with: limit / (100 tokens x the gap), at most 8 / 2 s
+        assert 0 < worker.pace.service_rate(100) <= 8 / (100 * 0.02) * 1.05
     finally:
         worker.stopping.set()
         await asyncio.wait_for(task, 30)
