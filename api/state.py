@@ -23,10 +23,11 @@ from sluice.api.lookup import RequestLookup
 from sluice.api.slo import SloBounds
 from sluice.api.tokens import PromptLimits
 from sluice.broker.admission import Admission
-from sluice.broker.connection import Readers, connect
+from sluice.broker.connection import connect
 from sluice.broker.files import FileStore
 from sluice.broker.jobs import JobStore
 from sluice.broker.notifications import DoneListener
+from sluice.broker.readers import Readers
 from sluice.broker.registry import ModelRegistry, WorkerRegistry
 from sluice.broker.reply_router import ReplyRouter
 from sluice.broker.responses import ResponseRecords

@@ -17,7 +17,6 @@ import contextlib
 import contextvars
 import inspect
 import logging
-import random
 import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -30,7 +29,6 @@ from redis.asyncio.retry import Retry  # the asyncio one: redis.retry.Retry cann
 from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
 from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from sluice.broker.urls import parse_url
@@ -150,7 +148,7 @@ def connect(url: str, *, name: str = "sluice", max_connections: int = 64, single
     itself to a bound however many requests it serves); `single`: one connection of its own
     (a reader that blocks on it; not for a cluster: see `node_client`)."""
     target = parse_url(url)
-    options = _options(name, single)
+    options = client_options(name, single)
     if target.kind == "cluster":
         if single:
             raise ValueError("a cluster has no single connection: use node_client for the node of a key")
@@ -180,15 +178,15 @@ def node_client(cluster: RedisCluster, key: str, *, name: str, single: bool = Tr
     commands fail (connection refused, or MOVED), and the caller asks again."""
     node = cluster.get_node_from_key(key)
     kw = node.connection_kwargs
-    options = _options(name, single)
+    options = client_options(name, single)
     return Redis(host=node.host, port=node.port, password=kw.get("password"), username=kw.get("username"),
-                 single_connection_client=single, **_tls_of(kw), **options)
+                 single_connection_client=single, **tls_settings(kw), **options)
 
 
 _TLS_PARAMS = frozenset(p for p in inspect.signature(Redis.__init__).parameters if p.startswith("ssl_"))
 
 
-def _tls_of(kw: dict, connection_class: type | None = None) -> dict:
+def tls_settings(kw: dict, connection_class: type | None = None) -> dict:
     """The TLS settings of a client's connections (`connection_kwargs`, and its pool's class),
     for a connection of its own to another node of the same deployment (rediss://, redis-py's
     ssl_* options)."""
@@ -202,7 +200,7 @@ def _cluster_options(options: dict) -> dict:
     return {k: v for k, v in options.items() if k not in ("health_check_interval",)}
 
 
-def _options(name: str, single: bool) -> dict:
+def client_options(name: str, single: bool) -> dict:
     return {
         # redis-py 8 times out every read after 5 s by default, blocking ones included: a
         # reader blocked in XREAD BLOCK 5000 then timed out, was retried (up to 5 times) and
@@ -219,102 +217,6 @@ def _options(name: str, single: bool) -> dict:
         "retry": Retry(ExponentialBackoff(cap=2.0, base=0.05), retries=5),
         "retry_on_error": [RedisConnectionError, RedisTimeoutError],
     }
-
-
-class Readers:
-    """Connections of their own for blocking readers (the api's reply router): to the server
-    (or Sentinel's primary), or in a cluster to the primary that serves a key's slot now, with
-    the CLIENT UNBLOCK that interrupts one sent to that same node.
-
-    With `replicas` (the deployment waits for a replica before answering: SLUICE_REDIS_WAIT_REPLICAS),
-    a reader reads from a replica of its node, so that a client is shown only what a failover
-    keeps: replication is asynchronous, and a token read from a primary that dies before its
-    replica has it would be generated again, maybe differently, by the retry. `visible()` says
-    whether what a reader has just read may be shown."""
-
-    def __init__(self, url: str, client: Redis, *, name: str, replicas: bool = False) -> None:
-        self.url = url
-        self.client = client
-        self.name = name
-        self.cluster = is_cluster(client)
-        self.replicas = replicas
-        self._controls: dict[tuple[str, int], Redis] = {}
-
-    async def open(self, key: str) -> Redis:
-        if self.cluster:
-            await self.client.initialize()  # the slots, before the first command has learnt them
-            reader = node_client(self.client, key, name=self.name)
-        else:
-            reader = connect(self.url, name=self.name, single=True)
-        if not self.replicas:
-            return reader
-        replica = await self._replica_of(reader)
-        if replica is None:
-            return reader
-        await reader.aclose()
-        return replica
-
-    async def _replica_of(self, primary: Redis) -> Redis | None:
-        """A connection to one of `primary`'s replicas (as its ROLE lists them), or None."""
-        role = await primary.execute_command("ROLE")
-        if role[0] != "master" or not role[2]:
-            return None
-        host, port, *_ = random.choice(role[2])
-        kw = primary.connection_pool.connection_kwargs
-        options = _options(self.name, True)
-        if self.cluster:  # a cluster's replica answers for its slots only after READONLY
-            options["redis_connect_func"] = _readonly
-        replica = Redis(host=host, port=int(port), password=kw.get("password"), username=kw.get("username"),
-                        single_connection_client=True, **_tls_of(kw, primary.connection_pool.connection_class),
-                        **options)
-        try:
-            await replica.ping()
-        except RedisError as err:
-            log.debug("replica %s:%s does not answer (%s): reading from its primary", host, port, err)
-            await replica.aclose()
-            return None
-        return replica
-
-    async def visible(self, reader: Redis) -> bool:
-        """Whether what `reader` has just read survives a failover: it reads a replica, or a
-        primary with no replica (none could take over from it: it comes back from its own
-        AOF). False on a primary that has replicas now (it was promoted, or its replica came
-        back): the reader is reopened on a replica and reads again."""
-        if not self.replicas:
-            return True
-        role = await reader.execute_command("ROLE")
-        return role[0] != "master" or not role[2]
-
-    async def unblock(self, reader: Redis, client_id: int) -> None:
-        kw = reader.connection_pool.connection_kwargs
-        if "host" not in kw or (not self.cluster and not self.replicas):  # Sentinel's primary: the client's own
-            await self.client.client_unblock(client_id)
-            return
-        address = (kw["host"], kw["port"])
-        control = self._controls.get(address)
-        if control is None:
-            tls = _tls_of(kw, reader.connection_pool.connection_class)
-            tls = {"connection_class": SSLConnection, **{k: v for k, v in tls.items() if k != "ssl"}} if tls else {}
-            control = self._controls[address] = Redis.from_pool(BlockingConnectionPool(  # few: many wait
-                host=address[0], port=address[1], password=kw.get("password"), username=kw.get("username"),
-                max_connections=2, timeout=POOL_WAIT_S, **tls, **_options(f"{self.name}-unblock", False)))
-        await control.client_unblock(client_id)
-
-    async def refresh(self) -> None:
-        """After a reader's node failed: learn the cluster's slots again (a replica took over)."""
-        if self.cluster:
-            await self.client.refresh_slots()
-
-    async def aclose(self) -> None:
-        for control in self._controls.values():
-            await control.aclose()
-        self._controls.clear()
-
-
-async def _readonly(connection: object) -> None:
-    await connection.on_connect()  # type: ignore[attr-defined]
-    await connection.send_command("READONLY")  # type: ignore[attr-defined]
-    await connection.read_response()  # type: ignore[attr-defined]
 
 
 async def wait_for_copies(redis: Redis, key: str, *, replicas: int, aof: bool = False,

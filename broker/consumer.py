@@ -12,6 +12,7 @@ from typing import Literal
 from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
+from sluice.broker import consumer_names
 from sluice.broker.connection import copied
 from sluice.broker.housekeeping import append_log, cancel_flags, prune_consumers
 from sluice.broker.keys import GROUP, ModelKeys
@@ -73,30 +74,22 @@ class StreamConsumer:
         self.reclaimed = self.dead_lettered = 0  # running totals, for the worker's metrics
         # Own pending entries are re-read once after a (re)start, following a cursor.
         self._pending_cursor: dict[str, str] = {s: "0" for s in self.streams}
+        # Entries idle past the lease are looked for at every read while some are found, else
+        # at most this often (an XAUTOCLAIM per stream before every read was a command a request).
+        self.reclaim_scan_s = min(lease_timeout_s / 4, 1.0)
+        self._quiet_until: dict[str, float] = {}
 
     async def claim_name(self, ttl_s: float) -> str:
         """Take the consumer name, or the first free `<name>-<k>` if a live worker holds it. A
         restarted worker gets its old name back (and its pending entries); two never share one."""
-        base = self.consumer
-        for k in range(1000):
-            name = base if k == 0 else f"{base}-{k}"
-            if await self.redis.set(self.keys.consumer_lock(name), self._token, nx=True, px=int(ttl_s * 1000)):
-                self.consumer = name
-                return name
-        raise RuntimeError(f"no free consumer name for {base!r}")
+        self.consumer = await consumer_names.claim(self.redis, self.keys, self.consumer, self._token, ttl_s)
+        return self.consumer
 
     async def refresh_name(self, ttl_s: float) -> None:
-        key = self.keys.consumer_lock(self.consumer)
-        holder = await self.redis.get(key)
-        if holder not in (None, self._token):
-            log.error("consumer name %s is held by another worker", self.consumer)
-            return
-        await self.redis.set(key, self._token, px=int(ttl_s * 1000))
+        await consumer_names.refresh(self.redis, self.keys, self.consumer, self._token, ttl_s)
 
     async def release_name(self) -> None:
-        key = self.keys.consumer_lock(self.consumer)
-        if await self.redis.get(key) == self._token:
-            await self.redis.delete(key)
+        await consumer_names.release(self.redis, self.keys, self.consumer, self._token)
 
     @property
     def streams(self) -> list[str]:
@@ -115,11 +108,8 @@ class StreamConsumer:
     async def fetch(self, count: int, block_ms: int, *, isolated: int = 1) -> list[Delivery]:
         """At most `count` entries, of which at most `isolated` redelivered ones: first own
         pending entries (after a restart), then entries whose lease expired elsewhere, then
-        new ones. What is returned is held, and leased by lease_held(), until released.
-
-        A consumer group that is gone (Redis restarted without its data, or was flushed) is
-        created again, and the read answers nothing this time: callers see no Redis errors
-        of that kind."""
+        new ones, held (and leased by lease_held()) until released. A consumer group that is
+        gone (Redis lost its data, or was flushed) is created again; the read answers nothing."""
         try:
             return await self._fetch(count, block_ms, isolated)
         except ResponseError as err:
@@ -161,8 +151,9 @@ class StreamConsumer:
     async def _redelivered(self, count: int) -> list[Delivery]:
         """Own pending entries left by a previous run of this worker (read once after a start,
         following a cursor), then entries idle past the lease timeout anywhere (XAUTOCLAIM).
-        Runs before every read of new entries: a dead worker's requests are taken over as
-        fast as quarantine slots free up, not at a fixed rate."""
+        Runs before every read of new entries (a stream whose last scan found none is skipped
+        for `reclaim_scan_s`): a dead worker's requests are taken over as fast as quarantine
+        slots free up, not at a fixed rate."""
         out: list[Delivery] = []
         for stream, cursor in list(self._pending_cursor.items()):
             if len(out) >= count:
@@ -175,18 +166,27 @@ class StreamConsumer:
                 del self._pending_cursor[stream]
             out.extend(await self._deliveries(stream, entries, redelivered=True))
         min_idle = int(self.lease_timeout_s * 1000)
+        now = time.monotonic()
         for stream in self.streams:
-            cursor = "0-0"
+            # A scan that found nothing is not repeated for a while (a lease expires in seconds,
+            # not between two reads); one that found some goes on at every read until it finds
+            # none, so a dead worker's requests are still taken over as fast as slots free up.
+            if now < self._quiet_until.get(stream, 0.0):
+                continue
+            cursor, found = "0-0", 0
             while len(out) < count:
                 cursor, entries, *_deleted = await self.redis.xautoclaim(
                     stream, GROUP, self.consumer, min_idle, start_id=cursor, count=count - len(out)
                 )
                 if entries:
+                    found += len(entries)
                     self.reclaimed += len(entries)
                     log.warning("reclaimed %d request(s) from %s whose lease expired", len(entries), stream)
                 out.extend(await self._deliveries(stream, entries, redelivered=True))
                 if cursor == "0-0":
                     break
+            if not found and len(out) < count:
+                self._quiet_until[stream] = now + self.reclaim_scan_s
         return out
 
     async def dead_letter(self, stream: str, entry_id: str, rid: str, data: str, error: str, attempts: int) -> bool:
@@ -276,7 +276,7 @@ class StreamConsumer:
         written = await self.scripts.commit(
             keys=[d.stream, self.keys.status(rid), self.keys.reply(rid)],
             args=[GROUP, self.consumer, d.entry_id, result.status.value, result.model_dump_json(exclude_none=True),
-                  time.time(), self.result_ttl_s, self.reply_ttl_s, self.keys.for_request(rid).done, rid],
+                  time.time(), self.result_ttl_s, self.reply_ttl_s, self.keys.for_request(rid).done, rid, d.rows],
         )
         self.release(d)
         if written and self.wait_replicas:  # before the worker counts it done: on the replicas too

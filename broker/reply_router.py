@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
-from sluice.broker.connection import Readers
 from sluice.broker.keys import ModelKeys
+from sluice.broker.readers import Readers
 from sluice.broker.replies import ReplyDecoder, ReplyEvent, final_status
 
 log = logging.getLogger(__name__)

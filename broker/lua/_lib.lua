@@ -15,9 +15,11 @@ end
 -- The one place that decides whether a request already has its final result: every script
 -- that writes a final asks it first, so no request ever gets a second one.
 local FINAL_STATES = {done = true, failed = true, expired = true, cancelled = true}
+local function is_final_state(state)  -- a status hash's `state` field (false when absent)
+  return state ~= false and state ~= nil and FINAL_STATES[state] == true
+end
 local function is_final(status)
-  local state = redis.call('HGET', status, 'state')
-  return state ~= false and FINAL_STATES[state] == true
+  return is_final_state(redis.call('HGET', status, 'state'))
 end
 
 -- The final event on the reply stream, the status hash, both with their TTLs, and the
@@ -26,21 +28,30 @@ end
 -- (`retain_s`, set at admission; `result_ttl` when absent), the reply stream only for the
 -- short `reply_ttl` (readers fall back to the status hash), and the delivery bookkeeping
 -- nobody reads after the final is dropped: what a finished request costs is mostly its text.
-local function write_final(status, reply, state, final, now, result_ttl, reply_ttl, channel, rid)
-  if is_final(status) then
+-- `rows` (the request's row count, when the caller knows it) names reply.lua's token counts
+-- to drop; without it they are looked up (HKEYS).
+local function write_final(status, reply, state, final, now, result_ttl, reply_ttl, channel, rid, rows)
+  local known = redis.call('HMGET', status, 'state', 'retain_s')  -- is_final's question, and the retention
+  if is_final_state(known[1]) then
     return false
   end
   redis.call('XADD', reply, '*', 'kind', 'final', 'data', final)
   redis.call('EXPIRE', reply, reply_ttl)
   local dropped = {'entry', 'stream', 'charges'}
-  for _, field in ipairs(redis.call('HKEYS', status)) do
-    if string.sub(field, 1, 5) == 'next:' then  -- reply.lua's token counts
-      dropped[#dropped + 1] = field
+  if rows then
+    for row = 0, rows - 1 do
+      dropped[#dropped + 1] = 'next:' .. row
+    end
+  else
+    for _, field in ipairs(redis.call('HKEYS', status)) do
+      if string.sub(field, 1, 5) == 'next:' then  -- reply.lua's token counts
+        dropped[#dropped + 1] = field
+      end
     end
   end
   redis.call('HDEL', status, unpack(dropped))
   redis.call('HSET', status, 'state', state, 'result', final, 'finished_at', now)
-  redis.call('EXPIRE', status, redis.call('HGET', status, 'retain_s') or result_ttl)
+  redis.call('EXPIRE', status, known[2] or result_ttl)
   redis.call('SPUBLISH', channel, rid)
   return true
 end

@@ -8,11 +8,12 @@
 if not owns(KEYS[1], ARGV[1], ARGV[3], ARGV[2]) then
   return 0
 end
-local tracked = redis.call('EXISTS', KEYS[3]) == 1  -- never create a status hash without its TTL
 for i = 5, #ARGV do
   local delta = cjson.decode(ARGV[i])
   local field = 'next:' .. tostring(delta.row or 0)
-  local next_index = tonumber(tracked and redis.call('HGET', KEYS[3], field) or 0) or 0
+  local known = redis.call('HMGET', KEYS[3], 'state', field)
+  local tracked = known[1] ~= false  -- never create a status hash without its TTL
+  local next_index = tonumber(known[2]) or 0
   if delta.i >= next_index then
     redis.call('XADD', KEYS[2], '*', 'kind', 'delta', 'data', ARGV[i])
     if tracked then

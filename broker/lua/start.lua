@@ -15,11 +15,12 @@ local function finish(state, err)
   ack_and_delete(KEYS[1], ARGV[1], ARGV[3])
   return state
 end
-if is_final(KEYS[2]) then
+local known = redis.call('HMGET', KEYS[2], 'state', 'entry')  -- is_final's question, and the current entry
+if is_final_state(known[1]) then
   ack_and_delete(KEYS[1], ARGV[1], ARGV[3])
   return 'final'
 end
-local current = redis.call('HGET', KEYS[2], 'entry')
+local current = known[2]
 if current and current ~= ARGV[3] then
   ack_and_delete(KEYS[1], ARGV[1], ARGV[3])
   return 'duplicate'

@@ -9,9 +9,10 @@ from typing import Any
 from redis.asyncio import Redis
 
 from sluice.broker.admission import Admission
-from sluice.broker.connection import Readers, is_cluster
+from sluice.broker.connection import is_cluster
 from sluice.broker.consumer import Delivery, StreamConsumer
 from sluice.broker.keys import GROUP, ModelKeys
+from sluice.broker.readers import Readers
 from sluice.broker.replies import ReplyEvent
 from sluice.broker.reply_router import ReplyRouter
 from sluice.config.settings import Settings

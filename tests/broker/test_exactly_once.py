@@ -3,6 +3,7 @@ order of events, every entry ends, duplicates never run, and poison is charged a
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 from redis.asyncio import Redis
@@ -183,20 +184,28 @@ async def test_a_dead_letter_retry_respects_the_bound_and_becomes_the_current_en
     assert await c.start(got[m.id]) == "run"
 
 
-async def test_reclaim_runs_before_every_read_of_new_entries(redis: Redis, settings: Settings) -> None:
-    """No rate limit: an entry whose lease lapsed is taken over by the very next fetch, ahead
-    of new entries, however recently the last reclaim ran."""
+async def test_reclaim_takes_over_lapsed_leases_ahead_of_new_entries(redis: Redis, settings: Settings) -> None:
+    """An entry whose lease lapsed is taken over ahead of new entries: within `reclaim_scan_s`
+    of a scan that found nothing (a scan before every read cost a command a request), and
+    while scans find some, at every read: a dead worker's requests go as fast as slots free."""
     adm = admission(redis, settings)
     live = await ready_consumer(redis, settings, "live")
     assert await live.fetch(1, 10) == []  # a reclaim ran just now and found nothing
-    (orphan,) = await submit_n(adm, 1)
+    orphans = await submit_n(adm, 3)
     dead = await ready_consumer(redis, settings, "dead")
-    (d,) = await dead.fetch(1, 100)
-    assert await dead.start(d) == "run"
-    await expire_lease(redis, d, "dead")
-    await submit_n(adm, 3)
-    got = await live.fetch(4, 100)
-    assert got[0].message.id == orphan.id and got[0].attempt == 2
+    held = await dead.fetch(3, 100)
+    for d in held:
+        assert await dead.start(d) == "run"
+        await expire_lease(redis, d, "dead")
+    fresh = await submit_n(adm, 3)
+    await asyncio.sleep(live.reclaim_scan_s)
+    taken = []
+    for _ in range(3):  # one redelivered entry per fetch (quarantine), back to back
+        (d,) = await live.fetch(4, 100)
+        assert d.attempt == 2
+        taken.append(d.message.id)
+    assert taken == [m.id for m in orphans]
+    assert [d.message.id for d in await live.fetch(4, 100)] == [m.id for m in fresh]
 
 
 async def test_the_status_hash_records_who_made_a_request(redis: Redis, settings: Settings) -> None:

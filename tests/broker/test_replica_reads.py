@@ -21,8 +21,9 @@ from pathlib import Path
 import pytest
 import redis as redis_sync
 
-from sluice.broker.connection import Readers, connect, until_redis_answers
+from sluice.broker.connection import connect, until_redis_answers
 from sluice.broker.keys import ModelKeys
+from sluice.broker.readers import Readers
 from sluice.broker.reply_router import ReplyRouter
 from sluice.cli.topologies import LocalCluster
 from sluice.protocol.messages import DeltaEvent, FinalResult, State
@@ -102,13 +103,14 @@ def test_a_readers_own_connections_keep_the_deployments_tls() -> None:
     from redis.asyncio import Redis
     from redis.asyncio.connection import SSLConnection
 
-    from sluice.broker.connection import _tls_of
+    from sluice.broker.connection import tls_settings
 
     tls_client = Redis(host="127.0.0.1", port=1, ssl=True, ssl_ca_certs="/etc/ssl/ca.pem", ssl_check_hostname=False)
     pool = tls_client.connection_pool
-    tls = _tls_of(pool.connection_kwargs, pool.connection_class)
+    tls = tls_settings(pool.connection_kwargs, pool.connection_class)
     assert tls["ssl"] is True and tls["ssl_ca_certs"] == "/etc/ssl/ca.pem" and tls["ssl_check_hostname"] is False
     assert Redis(host="10.0.0.2", port=7000, **tls).connection_pool.connection_class is SSLConnection
-    assert _tls_of({"connection_class": SSLConnection, "ssl_ca_certs": "x"})["ssl_ca_certs"] == "x"  # a cluster node
+    node = {"connection_class": SSLConnection, "ssl_ca_certs": "x"}  # a cluster node's kwargs
+    assert tls_settings(node)["ssl_ca_certs"] == "x"
     plain = Redis(host="127.0.0.1").connection_pool
-    assert _tls_of(plain.connection_kwargs, plain.connection_class) == {}
+    assert tls_settings(plain.connection_kwargs, plain.connection_class) == {}

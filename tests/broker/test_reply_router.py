@@ -9,7 +9,8 @@ from collections.abc import AsyncIterator, Callable
 import pytest
 from redis.asyncio import Redis
 
-from sluice.broker.connection import Readers, connect, is_cluster
+from sluice.broker.connection import connect, is_cluster
+from sluice.broker.readers import Readers
 from sluice.broker.reply_router import ReplyRouter
 from sluice.protocol.messages import DeltaEvent, FinalResult, RowOutput, State
 from tests.broker.helpers import KEYS, MODEL

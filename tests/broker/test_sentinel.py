@@ -16,7 +16,8 @@ from redis.exceptions import ReadOnlyError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from sluice.broker.admission import NotDurable
-from sluice.broker.connection import Readers, connect
+from sluice.broker.connection import connect
+from sluice.broker.readers import Readers
 from sluice.broker.reply_router import ReplyRouter
 from sluice.broker.urls import celery_broker, parse_url
 from sluice.cli.topologies import LocalSentinel
