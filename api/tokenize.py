@@ -8,6 +8,7 @@ import asyncio
 from typing import Any
 
 from fastapi import APIRouter, Depends
+from jinja2 import TemplateError
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from sluice.api.errors import ApiError
@@ -24,7 +25,7 @@ class TokenizeRequest(BaseModel):
 
     model: str | None = Field(default=None, max_length=128)
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
     add_special_tokens: bool | None = None
     add_generation_prompt: bool = True
     return_token_strs: bool = False
@@ -56,8 +57,12 @@ async def tokenize(body: TokenizeRequest, s: ApiState = Depends(state)) -> dict:
     if body.messages is not None:
         require_unicode([m.content for m in body.messages], "messages")
         chat = s.intake.prompt_limits.chat_template(model)
-        text = await asyncio.to_thread(chat.apply_chat_template, [m.plain() for m in body.messages],  # type: ignore[attr-defined]
-                                       tokenize=False, add_generation_prompt=body.add_generation_prompt)
+        try:
+            text = await asyncio.to_thread(chat.apply_chat_template, [m.plain() for m in body.messages],  # type: ignore[attr-defined]
+                                           tokenize=False, add_generation_prompt=body.add_generation_prompt)
+        except (TemplateError, ValueError, TypeError, IndexError) as err:  # the template refuses them
+            raise ApiError(400, f"messages: the model's chat template cannot render them: {err}"[:500],
+                           param="messages") from err
         special = bool(body.add_special_tokens)  # the template wrote them already (vLLM's default for chat)
     else:
         require_unicode(body.prompt, "prompt")

@@ -33,6 +33,7 @@ async def test_tokenize_counts_what_the_engine_counts(stack: Stack) -> None:
 
         for path, body, param in (("/detokenize", {"model": MODEL, "tokens": [10**9]}, "tokens"),
                                   ("/tokenize", {"model": MODEL}, None),
+                                  ("/tokenize", {"model": MODEL, "messages": []}, None),  # the fuzzer's 500
                                   ("/tokenize", {"model": "absent", "prompt": "x"}, "model")):
             r = await client.post(path, json=body)
             assert 400 <= r.status_code < 500, r.text
