@@ -33,6 +33,7 @@ class Delivery:
     message: RequestMessage
     consumer: str
     attempt: int = 1
+    replied: bool = False  # its reply stream's TTL is set (by this attempt's first write of tokens)
 
     @property
     def rows(self) -> int:
@@ -74,8 +75,7 @@ class StreamConsumer:
         self.reclaimed = self.dead_lettered = 0  # running totals, for the worker's metrics
         # Own pending entries are re-read once after a (re)start, following a cursor.
         self._pending_cursor: dict[str, str] = {s: "0" for s in self.streams}
-        # Entries idle past the lease are looked for at every read while some are found, else
-        # at most this often (an XAUTOCLAIM per stream before every read was a command a request).
+        # Entries idle past the lease: looked for at every read while some are found, else this often.
         self.reclaim_scan_s = min(lease_timeout_s / 4, 1.0)
         self._quiet_until: dict[str, float] = {}
 

@@ -61,7 +61,7 @@ class ReplyWriter:
                 by_entry.setdefault((d.stream, d.entry_id), (d, []))[1].append(ev.model_dump_json(exclude_none=True))
             try:
                 calls = [([d.stream, self.keys.reply(d.message.id), self.keys.status(d.message.id)],
-                          [GROUP, d.consumer, d.entry_id, self.reply_ttl_s, *events])
+                          [GROUP, d.consumer, d.entry_id, 0 if d.replied else self.reply_ttl_s, *events])
                          for d, events in by_entry.values()]
                 if is_cluster(self.redis):  # redis-py's cluster pipeline refuses scripts: one call each
                     await asyncio.gather(*(self.scripts.reply(keys=k, args=a) for k, a in calls))
@@ -70,6 +70,8 @@ class ReplyWriter:
                         for k, a in calls:
                             await self.scripts.reply(keys=k, args=a, client=pipe)
                         await pipe.execute()
+                for d, _ in by_entry.values():
+                    d.replied = True  # the stream's TTL is set: later flushes of this attempt skip it
             except BaseException:
                 # Not known to be written (Redis away, or restarted without its scripts): keep
                 # the deltas for the next flush. reply.lua drops what did land, so a resend

@@ -8,7 +8,8 @@ end
 if is_final(KEYS[1]) then
   return state
 end
-redis.call('SET', KEYS[2], '1', 'EX', ARGV[2])
+redis.call('SET', KEYS[2], '1', 'EX', ARGV[2])  -- the flag running workers watch
+redis.call('HSET', KEYS[1], 'cancel', '1')  -- what a (re)start reads
 if state == 'queued' then
   local final = bare_final(KEYS[1], 'cancelled', 'cancelled by the client', nil, ARGV[1])
   write_final(KEYS[1], KEYS[3], 'cancelled', final, ARGV[1], ARGV[3], ARGV[4], ARGV[5], ARGV[6])

@@ -3,7 +3,7 @@
 -- tokens beside those of the worker that took the request over. Idempotent: the status
 -- hash keeps each row's next token index, and a delta below it is dropped, so a pipeline
 -- re-sent after a lost reply (Redis died after running it) writes nothing twice.
--- KEYS: stream, reply, status   ARGV: group, consumer, entry_id, reply_ttl, delta_json...
+-- KEYS: stream, reply, status   ARGV: group, consumer, entry_id, reply_ttl (0: set already), delta_json...
 -- Returns 1 (written) or 0 (fenced: nothing written).
 if not owns(KEYS[1], ARGV[1], ARGV[3], ARGV[2]) then
   return 0
@@ -21,5 +21,7 @@ for i = 5, #ARGV do
     end
   end
 end
-redis.call('EXPIRE', KEYS[2], ARGV[4])
+if ARGV[4] ~= '0' then  -- the stream's TTL: on an attempt's first write (the final shortens it)
+  redis.call('EXPIRE', KEYS[2], ARGV[4])
+end
 return 1

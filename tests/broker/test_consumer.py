@@ -159,13 +159,19 @@ async def _assert_finished_by_guard(redis: Redis, rid: str, state: str) -> None:
     await assert_request_keys_expire(redis)
 
 
-async def test_start_skips_a_cancelled_request(redis: Redis, settings: Settings) -> None:
+async def test_start_skips_a_request_cancelled_while_it_ran_elsewhere(redis: Redis, settings: Settings) -> None:
+    # Cancelled while running on a worker that then died: the worker taking it over reads the
+    # cancel from the status hash at its start, and ends it without running it.
     adm = admission(redis, settings)
     (m,) = await submit_n(adm, 1)
-    c = await ready_consumer(redis, settings)
-    d = await fetch_one(c)
-    await redis.set(KEYS.cancel(m.id), "1", ex=60)
-    assert await c.start(d) == "cancelled"
+    dead = await ready_consumer(redis, settings, "dead")
+    d = await fetch_one(dead)
+    assert await dead.start(d) == "run"
+    assert await adm.cancel(KEYS.model, m.id) == "cancelling"
+    await redis.xclaim(d.stream, GROUP, "dead", 0, [d.entry_id], idle=10_000_000, justid=True)  # its lease lapses
+    c = await ready_consumer(redis, settings, "live")
+    (again,) = await c.fetch(1, 100)
+    assert again.attempt == 2 and await c.start(again) == "cancelled"
     await _assert_finished_by_guard(redis, m.id, "cancelled")
 
 
