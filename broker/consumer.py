@@ -160,17 +160,17 @@ class StreamConsumer:
                 return out
             pending = await self.redis.xreadgroup(GROUP, self.consumer, {stream: cursor}, count=count - len(out))
             entries = pending[0][1] if pending else []
-            if entries:
-                self._pending_cursor[stream] = entries[-1][0]
-            else:
+            if not entries:
                 del self._pending_cursor[stream]
+                continue
+            self._pending_cursor[stream] = entries[-1][0]  # idle since before the restart: leased afresh
+            await self.redis.xclaim(stream, GROUP, self.consumer, 0, [e for e, _ in entries], justid=True)
             out.extend(await self._deliveries(stream, entries, redelivered=True))
         min_idle = int(self.lease_timeout_s * 1000)
         now = time.monotonic()
         for stream in self.streams:
-            # A scan that found nothing is not repeated for a while (a lease expires in seconds,
-            # not between two reads); one that found some goes on at every read until it finds
-            # none, so a dead worker's requests are still taken over as fast as slots free up.
+            # An empty scan rests reclaim_scan_s (a lease lapses in seconds, not between reads); one
+            # that found some goes on at every read: a dead worker's requests go as fast as slots free.
             if now < self._quiet_until.get(stream, 0.0):
                 continue
             cursor, found = "0-0", 0
