@@ -6,7 +6,8 @@ model's live workers: `slots` start at once, and the queue behind them drains at
 request that finds `slots + ttft x rate` requests ahead of it in its lane would start past
 the target, so it is refused at once (503 with Retry-After) instead of being served late.
 While no worker knows its rate yet (nothing finished since it started), no such bound holds.
-The live workers are read at most once a second per api process.
+The live workers are read at most every 0.25 s per api process; a worker whose limit falls
+by a quarter beats at once.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ class SloBound:
 
 
 class SloBounds:
-    def __init__(self, workers: WorkerRegistry, worker_ttl_s: float, *, cache_s: float = 1.0):
+    def __init__(self, workers: WorkerRegistry, worker_ttl_s: float, *, cache_s: float = 0.25):
         self.workers = workers
         self.worker_ttl_s = worker_ttl_s
         self.cache_s = cache_s

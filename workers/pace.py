@@ -34,6 +34,7 @@ class Pace:
         self.smoothing = smoothing
         self.service_s: float | None = None  # moving average, start to finish, of done requests
         self.gap_s: float | None = None  # moving average of the time between a row's tokens
+        self.told = 0  # the admitted concurrency the last heartbeat reported
         self.governor: ConcurrencyGovernor | None = None
         slo = model.slo
         if slo is not None and slo.tpot_ms is not None and isinstance(policy, ContinuousAdmission):

@@ -67,7 +67,8 @@ class Worker:
         self._switch = asyncio.Event()  # stops the current policy for a new version or shutdown
         self._closing = asyncio.Event()  # ends the background duties
         self._batches = 0
-        self._counted = (0, 0)  # the consumer's reclaims and dead letters already in the metrics
+        # the consumer's reclaims and dead letters already in the metrics; when the next heartbeat is due
+        self._counted, self._next_beat = (0, 0), 0.0
         self._background: list[asyncio.Task] = []
 
     async def _read_shards(self) -> None:
@@ -98,7 +99,8 @@ class Worker:
         await self.engine.start()
         self.replies.start()
         self._background = [
-            asyncio.create_task(self._every(self.settings.heartbeat_interval_s, self._heartbeat), name="heartbeat"),
+            asyncio.create_task(self._every(min(self.settings.heartbeat_interval_s, 0.25), self._heartbeat),
+                                name="heartbeat"),
             asyncio.create_task(self._every(self.settings.lease_timeout_s / 3, self._lease), name="lease"),
             asyncio.create_task(self._every(self.settings.cancel_poll_s, self._watch), name="watch"),
             asyncio.create_task(self._every(6 * self.settings.worker_ttl_s, self.consumer.prune_consumers),
@@ -175,10 +177,9 @@ class Worker:
             log.warning("inference log write failed: %s", err)
 
     async def _run_request(self, d: Delivery) -> list[dict]:
-        """Run one request to its commit; returns its inference-log records (one per row).
-
-        Whatever happens, the entry is released: committed, skipped, fenced, or left (Redis
-        away) for its lease to lapse and a live worker to reclaim it."""
+        """Run one request to its commit; returns its inference-log records (one per row). Whatever
+        happens, the entry is released: committed, skipped, fenced, or left (Redis away) for its
+        lease to lapse and a live worker to reclaim it."""
         try:
             return await self._start_and_run(d)
         finally:
@@ -238,6 +239,9 @@ class Worker:
         self._counted = (reclaimed, dead)
 
     async def _heartbeat(self) -> None:
+        if time.monotonic() < self._next_beat and self.pace.admitted > 0.75 * self.pace.told:
+            return  # not due, and no fall of the limit that the api's TTFT bound must hear of at once
+        self._next_beat, self.pace.told = time.monotonic() + self.settings.heartbeat_interval_s, self.pace.admitted
         self._sync_metrics()
         await self.workers.beat(WorkerInfo(
             name=self.name, model=self.model.name, version=self.model.version,
