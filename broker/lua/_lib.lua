@@ -37,7 +37,7 @@ local function write_final(status, reply, state, final, now, result_ttl, reply_t
   end
   redis.call('XADD', reply, '*', 'kind', 'final', 'data', final)
   redis.call('EXPIRE', reply, reply_ttl)
-  local dropped = {'entry', 'stream', 'charges'}
+  local dropped = {'entry', 'stream', 'charges', 'cancel'}
   if rows then
     for row = 0, rows - 1 do
       dropped[#dropped + 1] = 'next:' .. row
