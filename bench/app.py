@@ -6,7 +6,7 @@ import os
 
 import typer
 
-from sluice.bench import chaos, durability, queue, serve, soak, streams, throughput
+from sluice.bench import chaos, durability, queue, serve, soak, streams, throughput, tokens
 
 bench_app = typer.Typer(no_args_is_help=True, help="Measure Sluice against a baseline in the same run.",
                         callback=lambda: os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING"))
@@ -20,6 +20,7 @@ COMMANDS = {
     "queue": queue.queue,
     "scale": queue.scale,
     "streams": streams.streams,
+    "tokens": tokens.tokens,
     "chaos": chaos.chaos,
     "durability": durability.durability,
     "soak": soak.soak_command,

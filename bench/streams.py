@@ -48,7 +48,7 @@ async def _submit(url: str, n: int) -> list[str]:
         return list(await asyncio.gather(*(one(i) for i in range(n))))
 
 
-async def _open(url: str, rid: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+async def open_sse(url: str, rid: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
     """An SSE stream on a plain socket (lighter than an HTTP client per stream), past its headers."""
     parts = urlsplit(url)
     reader, writer = await asyncio.open_connection(parts.hostname, parts.port)
@@ -81,7 +81,7 @@ async def _run(stack: LocalStack, n: int, client: redis.Redis) -> dict:
 
     async def opened(rid: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
         async with sem:
-            return await _open(url, rid)
+            return await open_sse(url, rid)
 
     streams = await asyncio.gather(*(opened(rid) for rid in rids))
     open_s = time.perf_counter() - t0
