@@ -74,8 +74,12 @@ def test_sigkill_a_worker_mid_generation(cluster: Cluster) -> None:
         t.start()
     r = cluster.sync()
     # Kill as soon as worker a is generating (not after a fixed pause a slow machine could outlast).
-    wait_until(lambda: any(r.hget(KEYS.status(rid), "worker") == "a" and r.exists(KEYS.reply(rid)) for rid in rids),
-               "worker a generating")
+    # (Running now, not just once: on a loaded cluster run a poll saw only requests a had already finished.)
+    def a_generating() -> bool:
+        return any(r.hmget(KEYS.status(rid), "worker", "state") == ["a", "running"] and r.exists(KEYS.reply(rid))
+                   for rid in rids)
+
+    wait_until(a_generating, "worker a generating")
     killed_at = time.monotonic()
     cluster.signal("a", signal.SIGKILL)
     # What a held at the kill: a dead worker writes nothing more, and nobody reclaims it before
