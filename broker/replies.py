@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -31,8 +32,9 @@ class ReplyWriter:
     entry: a worker fenced out while frozen cannot add tokens beside its successor's.
     """
 
-    def __init__(self, redis: Redis, model: str, *, reply_ttl_s: int):
+    def __init__(self, redis: Redis, model: str, *, reply_ttl_s: int, min_flush_s: float = 0.005):
         self.redis = redis
+        self.min_flush_s = min_flush_s
         self.keys = ModelKeys(model)
         self.scripts = Scripts.register(redis)
         self.reply_ttl_s = reply_ttl_s
@@ -80,9 +82,16 @@ class ReplyWriter:
                 raise
 
     async def _run(self) -> None:
+        last = 0.0
         while not self._closing:
             await self._ready.wait()
+            # At most one flush per min_flush_s: a token arriving after a quiet spell goes at once
+            # (no latency added at one stream), while at GPU rates each request's deltas of the
+            # interval are joined into one write, so writes per second stay bounded.
+            if (wait := last + self.min_flush_s - time.monotonic()) > 0 and not self._closing:
+                await asyncio.sleep(wait)
             self._ready.clear()
+            last = time.monotonic()
             try:
                 await self.flush()
             except Exception:  # a Redis blip must not kill the writer; the final still lands
