@@ -233,3 +233,28 @@ async def test_a_failed_flush_keeps_its_deltas_for_the_next_one(redis: Redis, se
     await writer.flush()
     entries = [DeltaEvent.model_validate_json(f["data"]) for _, f in await redis.xrange(KEYS.reply(m.id))]
     assert "".join(e.text for e in entries) == "ab"
+
+
+async def test_an_earlier_attempts_buffered_deltas_are_not_written_under_a_later_one(
+        redis: Redis, settings: Settings) -> None:
+    """A chaos run on a cluster found it: a worker's flush failed (its Redis primary died), so
+    it gave the request up with deltas still buffered; after the failover the same worker
+    (same consumer name, so it passed the ownership check) took the request over as attempt 2,
+    which resumed from the stream, and then flushed attempt 1's leftovers first: attempt 2's
+    tokens at those indices were dropped and the final disagreed with the stream."""
+    _, m, c, d = await running_request(redis, settings)
+    writer = ReplyWriter(redis, MODEL, reply_ttl_s=settings.reply_ttl_s)
+    writer.delta(d, DeltaEvent(i=0, text=" a0", token_ids=[0]))
+    await writer.flush()
+    writer.delta(d, DeltaEvent(i=1, text=" a1", token_ids=[1]))  # buffered: the flush "failed"
+    c.release(d)  # given up; its lease lapses and the same consumer takes it over
+    await redis.xclaim(d.stream, GROUP, d.consumer, 0, [d.entry_id], idle=10_000_000, justid=True)
+    await asyncio.sleep(c.reclaim_scan_s)  # its last scan for lapsed leases found none: it rests
+    (again,) = await c.fetch(1, 100)
+    assert again.attempt == 2 and await c.start(again) == "run"
+    resumed = (await delivered(redis, MODEL, m.id))[0]
+    assert resumed.token_ids == [0]  # attempt 2 goes on from index 1
+    writer.delta(again, DeltaEvent(i=1, text=" b1", token_ids=[7], attempt=2))
+    await writer.flush()  # attempt 1's leftover first, then attempt 2's
+    entries = [DeltaEvent.model_validate_json(f["data"]) for _, f in await redis.xrange(KEYS.reply(m.id))]
+    assert [(e.attempt, e.i, e.text) for e in entries] == [(1, 0, " a0"), (2, 1, " b1")]
