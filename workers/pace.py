@@ -64,8 +64,8 @@ class Pace:
                 self.policy.limit = limit
                 self._gauge()
 
-    def finished(self, final: FinalResult, running: int) -> None:
-        """A request this worker committed; `running`: how many others were still in the engine."""
+    def finished(self, final: FinalResult) -> None:
+        """A request this worker committed (its start-to-finish time, for the rate when idle)."""
         t = final.timings
         if final.status is not State.DONE or t.started is None or t.finished is None:
             return

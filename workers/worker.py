@@ -213,7 +213,7 @@ class Worker:
         if not await self.consumer.commit(d, final):
             return []
         metrics.observe_final(self.model.name, final)
-        self.pace.finished(final, len(self.running))
+        self.pace.finished(final)
         return log_records(d, final)
 
     # -- background duties
