@@ -6,7 +6,7 @@ import json
 import logging
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from redis.asyncio import Redis
@@ -17,7 +17,7 @@ from sluice.broker.connection import copied
 from sluice.broker.housekeeping import append_log, cancel_flags, prune_consumers
 from sluice.broker.keys import GROUP, ModelKeys
 from sluice.broker.scripts import Scripts
-from sluice.protocol.messages import FinalResult, RequestMessage
+from sluice.protocol.messages import DeltaEvent, FinalResult, RequestMessage
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +33,7 @@ class Delivery:
     message: RequestMessage
     consumer: str
     attempt: int = 1
-    replied: bool = False  # its reply stream's TTL is set (by this attempt's first write of tokens)
+    written: dict[int, dict[int, DeltaEvent]] = field(default_factory=dict, compare=False)  # sent, per row by i
 
     @property
     def rows(self) -> int:

@@ -55,31 +55,45 @@ class ReplyWriter:
         """Write what is buffered now (called before a request's commit, so deltas precede the final)."""
         # The lock makes a flush wait for a write in progress: deltas must precede the final.
         async with self._lock:
-            if not self._buffer:
-                return
-            batch, self._buffer = _coalesce(self._buffer), []
-            by_entry: dict[tuple[str, str], tuple[Delivery, list[str]]] = {}
-            for d, ev in batch:
-                by_entry.setdefault((d.stream, d.entry_id), (d, []))[1].append(ev.model_dump_json(exclude_none=True))
-            try:
-                calls = [([d.stream, self.keys.reply(d.message.id), self.keys.status(d.message.id)],
-                          [GROUP, d.consumer, d.entry_id, 0 if d.replied else self.reply_ttl_s, *events])
-                         for d, events in by_entry.values()]
-                if is_cluster(self.redis):  # redis-py's cluster pipeline refuses scripts: one call each
-                    await asyncio.gather(*(self.scripts.reply(keys=k, args=a) for k, a in calls))
-                else:  # one round trip for the flush
-                    async with self.redis.pipeline(transaction=False) as pipe:
-                        for k, a in calls:
-                            await self.scripts.reply(keys=k, args=a, client=pipe)
-                        await pipe.execute()
-                for d, _ in by_entry.values():
-                    d.replied = True  # the stream's TTL is set: later flushes of this attempt skip it
-            except BaseException:
-                # Not known to be written (Redis away, or restarted without its scripts): keep
-                # the deltas for the next flush. reply.lua drops what did land, so a resend
-                # writes no token twice, and the stream never gets a hole.
-                self._buffer[:0] = batch
-                raise
+            pending, self._buffer = self._buffer, []
+            loose: set[tuple[str, str]] = set()  # entries allowed a hole they cannot fill (see _refill)
+            for _ in range(8):  # a resend round per failover met on the way
+                if not pending:
+                    return
+                batch = _coalesce(pending)
+                by_entry: dict[tuple[str, str], tuple[Delivery, list[DeltaEvent]]] = {}
+                for d, ev in batch:
+                    by_entry.setdefault(d.key, (d, []))[1].append(ev)
+                try:
+                    answers = await self._write([
+                        ([d.stream, self.keys.reply(d.message.id), self.keys.status(d.message.id)],
+                         [GROUP, d.consumer, d.entry_id, 0 if d.written else self.reply_ttl_s,
+                          0 if d.key in loose else 1, *(ev.model_dump_json(exclude_none=True) for ev in events)])
+                        for d, events in by_entry.values()])
+                except BaseException:
+                    # Not known to be written (Redis away, or restarted without its scripts): keep
+                    # the deltas for the next flush. reply.lua drops what did land, so a resend
+                    # writes no token twice, and the stream never gets a hole.
+                    self._buffer[:0] = batch
+                    raise
+                pending = []
+                for (d, events), answer in zip(by_entry.values(), answers):
+                    for ev in events:  # kept for a resend; the first write set the stream's TTL
+                        row = d.written.setdefault(ev.row, {})
+                        row[ev.i] = ev
+                        if len(row) > _KEPT:
+                            del row[next(iter(row))]
+                    if isinstance(answer, list):  # refused: the stream ends before them
+                        pending += _refill(d, events, answer, loose)
+            self._buffer[:0] = pending
+
+    async def _write(self, calls: list[tuple[list[str], list[object]]]) -> list[object]:
+        if is_cluster(self.redis):  # redis-py's cluster pipeline refuses scripts: one call each
+            return list(await asyncio.gather(*(self.scripts.reply(keys=k, args=a) for k, a in calls)))
+        async with self.redis.pipeline(transaction=False) as pipe:  # one round trip for the flush
+            for k, a in calls:
+                await self.scripts.reply(keys=k, args=a, client=pipe)
+            return await pipe.execute()
 
     async def _run(self) -> None:
         last = 0.0
@@ -108,6 +122,32 @@ class ReplyWriter:
             for task in late:
                 task.cancel()
         await self.flush()
+
+
+_KEPT = 2048  # deltas kept per row for a resend (a failover loses the last moments, not minutes)
+
+
+def _refill(d: Delivery, events: list[DeltaEvent], answer: list[int],
+            loose: set[tuple[str, str]]) -> list[tuple[Delivery, DeltaEvent]]:
+    """What to send again after reply.lua refused deltas past a hole: for each refused row, the
+    row's index the stream ends at, from which this attempt's deltas are sent again. A failover
+    lost them: the old primary acknowledged them, its replica never had them.
+
+    A hole this attempt cannot fill (it began after that index, resumed from tokens that the
+    failover then lost; or its kept deltas do not reach back) is accepted: the refused deltas
+    go again, allowed past it. The final holds the whole text either way."""
+    out: list[tuple[Delivery, DeltaEvent]] = []
+    for row, at in zip(answer[::2], answer[1::2]):
+        sent = d.written.get(row, {})
+        if at not in sent:
+            loose.add(d.key)
+            out += [(d, ev) for ev in events if ev.row == row and ev.i >= at]
+        while (ev := sent.get(at)) is not None:
+            out.append((d, ev))
+            if ev.finish is not None or not ev.token_ids:
+                break
+            at += len(ev.token_ids)
+    return out
 
 
 def _coalesce(buffer: list[tuple[Delivery, DeltaEvent]]) -> list[tuple[Delivery, DeltaEvent]]:

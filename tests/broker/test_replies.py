@@ -258,3 +258,50 @@ async def test_an_earlier_attempts_buffered_deltas_are_not_written_under_a_later
     await writer.flush()  # attempt 1's leftover first, then attempt 2's
     entries = [DeltaEvent.model_validate_json(f["data"]) for _, f in await redis.xrange(KEYS.reply(m.id))]
     assert [(e.attempt, e.i, e.text) for e in entries] == [(1, 0, " a0"), (2, 1, " b1")]
+
+
+async def _lose_last(redis: Redis, rid: str, n: int) -> None:
+    """What a failover does to a stream whose primary died before its replica had the last `n`
+    entries: they are gone, and so is the status's count of them (both written by one script)."""
+    entries = await redis.xrange(KEYS.reply(rid))
+    kept = [DeltaEvent.model_validate_json(f["data"]) for _, f in entries[:-n]]
+    await redis.xdel(KEYS.reply(rid), *[eid for eid, _ in entries[-n:]])
+    await redis.hset(KEYS.status(rid), "next:0", kept[-1].i + len(kept[-1].token_ids) if kept else 0)
+
+
+async def test_deltas_a_failover_lost_are_sent_again(redis: Redis, settings: Settings) -> None:
+    """The old primary acknowledged deltas its replica never had: after the failover the same
+    worker goes on from where it was. Its next delta would leave a hole in the stream (a chaos
+    run on a cluster saw indices 53 to 59 missing); reply.lua refuses it and names the index
+    the stream ends at, and the writer sends this attempt's deltas again from there."""
+    _, m, _, d = await running_request(redis, settings)
+    writer = ReplyWriter(redis, MODEL, reply_ttl_s=settings.reply_ttl_s)
+    for i, word in enumerate([" a", " b", " c"]):
+        writer.delta(d, DeltaEvent(i=i, text=word, token_ids=[i]))
+        await writer.flush()  # one entry each
+    await _lose_last(redis, m.id, 2)
+    writer.delta(d, DeltaEvent(i=3, text=" d", token_ids=[3]))
+    writer.delta(d, DeltaEvent(i=0, text=" x", token_ids=[9], row=1))  # another row, written as it is
+    await writer.flush()
+    rows = await delivered(redis, MODEL, m.id)
+    assert (rows[0].token_ids, "".join(rows[0].text)) == ([0, 1, 2, 3], " a b c d")
+    assert rows[1].token_ids == [9]
+    entries = [DeltaEvent.model_validate_json(f["data"]) for _, f in await redis.xrange(KEYS.reply(m.id))]
+    assert [(e.row, e.i) for e in entries] == [(0, 0), (1, 0), (0, 1)]  # the resend: one entry, 1 to 3
+
+
+async def test_a_hole_the_attempt_cannot_fill_does_not_stop_its_tokens(redis: Redis, settings: Settings) -> None:
+    """This attempt resumed after tokens that a failover then lost (it never had them to send
+    again): its deltas are still written, after the hole, and the flush ends."""
+    _, m, _, d = await running_request(redis, settings)
+    writer = ReplyWriter(redis, MODEL, reply_ttl_s=settings.reply_ttl_s)
+    for i in range(3):  # an earlier attempt's tokens (this one resumed after them)
+        await redis.xadd(KEYS.reply(m.id), {"kind": "delta", "data": DeltaEvent(i=i, text="p", token_ids=[i])
+                                            .model_dump_json()})
+    await redis.hset(KEYS.status(m.id), "next:0", 3)
+    await _lose_last(redis, m.id, 2)
+    writer.delta(d, DeltaEvent(i=3, text=" d", token_ids=[3]))
+    await asyncio.wait_for(writer.flush(), 10)
+    entries = [DeltaEvent.model_validate_json(f["data"]) for _, f in await redis.xrange(KEYS.reply(m.id))]
+    assert [e.i for e in entries] == [0, 3]
+    assert await redis.hget(KEYS.status(m.id), "next:0") == "4"
