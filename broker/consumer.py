@@ -58,17 +58,13 @@ class StreamConsumer:
         self.wait_replicas = wait_replicas  # replicas a commit waits for (WAIT) before it returns
         self.shards = shards  # interactive streams read (a sharded model's; more while old ones drain)
         self._blocked = 0  # the interactive stream the next blocking read waits on (they take turns)
-        self.keys = ModelKeys(model)
-        self.consumer = consumer
-        self.scripts = Scripts.register(redis)
+        self.keys, self.consumer, self.scripts = ModelKeys(model), consumer, Scripts.register(redis)
         self.status_ttl_s = status_ttl_s  # while unfinished
         self.result_ttl_s = result_ttl_s  # once final (a request admitted with its own keeps that)
         self.reply_ttl_s = reply_ttl_s  # the reply stream, after the final
-        self.log_max_len = log_max_len
-        self.log_max_record_bytes = log_max_record_bytes
+        self.log_max_len, self.log_max_record_bytes = log_max_len, log_max_record_bytes
         self.lease_timeout_s = lease_timeout_s
-        self.max_deliveries = max_deliveries
-        self.dlq_max_len = dlq_max_len
+        self.max_deliveries, self.dlq_max_len = max_deliveries, dlq_max_len
         self._token = uuid.uuid4().hex
         self.held: dict[tuple[str, str], Delivery] = {}
         self.reserved_slots = 0  # of a fetch's count, what the bulk lane leaves to interactive work
@@ -270,14 +266,17 @@ class StreamConsumer:
                         fenced.append(d)
         return fenced
 
-    async def commit(self, d: Delivery, result: FinalResult) -> bool:
-        """Final event + status + XACK + XDEL at once; False if fenced out (nothing written)."""
+    async def commit(self, d: Delivery, result: FinalResult, streamed: list[int] | None = None) -> bool | list[int]:
+        """Final event + status + XACK + XDEL at once; False if fenced out, [row, index, ...] if short of `streamed`."""
         rid = d.message.id
         written = await self.scripts.commit(
             keys=[d.stream, self.keys.status(rid), self.keys.reply(rid)],
             args=[GROUP, self.consumer, d.entry_id, result.status.value, result.model_dump_json(exclude_none=True),
-                  time.time(), self.result_ttl_s, self.reply_ttl_s, self.keys.for_request(rid).done, rid, d.rows],
+                  time.time(), self.result_ttl_s, self.reply_ttl_s, self.keys.for_request(rid).done, rid, d.rows,
+                  *(streamed or ())],
         )
+        if isinstance(written, list):
+            return written
         self.release(d)
         if written and self.wait_replicas:  # before the worker counts it done: on the replicas too
             await copied(self.redis, d.stream, self.wait_replicas, f"the final of request {rid}")

@@ -6,6 +6,7 @@ import asyncio
 import logging
 import re
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -86,6 +87,22 @@ class ReplyWriter:
                     if isinstance(answer, list):  # refused: the stream ends before them
                         pending += _refill(d, events, answer, loose)
             self._buffer[:0] = pending
+
+    async def commit(self, d: Delivery, final: FinalResult,
+                     commit: Callable[[Delivery, FinalResult, list[int] | None], Awaitable[bool | list[int]]]) -> bool:
+        """Flush, then commit (deltas precede the final). A commit that finds the stream short of
+        the tokens sent (a failover lost its tail: no later delta of this attempt would find the
+        hole) gets them sent again first; the third try commits anyway (the final is whole)."""
+        outputs = final.rows or ([final.output] if final.output else [])
+        for tries in range(3):
+            await self.flush()
+            answer = await commit(d, final, [o.num_output_tokens for o in outputs] if tries < 2 else None)
+            if not isinstance(answer, list):
+                return answer
+            log.warning("request %s: its reply stream lost tokens (%s): sending them again", d.message.id, answer)
+            async with self._lock:
+                self._buffer[:0] = _refill(d, [], answer, set())
+        return False
 
     async def _write(self, calls: list[tuple[list[str], list[object]]]) -> list[object]:
         if is_cluster(self.redis):  # redis-py's cluster pipeline refuses scripts: one call each

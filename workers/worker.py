@@ -209,8 +209,7 @@ class Worker:
         if run.fenced:
             return []
         final = final_result(run, outputs, error)
-        await self.replies.flush()
-        if not await self.consumer.commit(d, final):
+        if not await self.replies.commit(d, final, self.consumer.commit):
             return []
         metrics.observe_final(self.model.name, final)
         self.pace.finished(final)

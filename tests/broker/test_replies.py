@@ -305,3 +305,31 @@ async def test_a_hole_the_attempt_cannot_fill_does_not_stop_its_tokens(redis: Re
     entries = [DeltaEvent.model_validate_json(f["data"]) for _, f in await redis.xrange(KEYS.reply(m.id))]
     assert [e.i for e in entries] == [0, 3]
     assert await redis.hget(KEYS.status(m.id), "next:0") == "4"
+
+
+async def test_a_tail_a_failover_lost_is_sent_again_before_the_final(redis: Redis, settings: Settings) -> None:
+    """The last deltas lost (a chaos run on a cluster saw a stream end 4 tokens before its
+    final's text): no later delta finds the hole, so the commit does. It answers the index
+    the stream ends at, writes nothing, and the writer sends the tail again and commits."""
+    _, m, c, d = await running_request(redis, settings)
+    writer = ReplyWriter(redis, MODEL, reply_ttl_s=settings.reply_ttl_s)
+    for i, word in enumerate([" a", " b", " c"]):
+        writer.delta(d, DeltaEvent(i=i, text=word, token_ids=[i], finish="length" if i == 2 else None))
+        await writer.flush()
+    await _lose_last(redis, m.id, 2)
+    final = done_result(" a b c")
+    final.output.num_output_tokens = 3
+    assert await writer.commit(d, final, c.commit)
+    entries = [(f["kind"], f["data"]) for _, f in await redis.xrange(KEYS.reply(m.id))]
+    assert [k for k, _ in entries] == ["delta", "delta", "final"]
+    row = (await delivered(redis, MODEL, m.id))[0]
+    assert (row.token_ids, "".join(row.text), row.finish) == ([0, 1, 2], " a b c", "length")
+
+
+async def test_a_tail_that_cannot_be_sent_again_does_not_hold_the_final_back(
+        redis: Redis, settings: Settings) -> None:
+    _, m, c, d = await running_request(redis, settings)
+    writer = ReplyWriter(redis, MODEL, reply_ttl_s=settings.reply_ttl_s)
+    final = done_result()  # 2 tokens, never written by this writer: the stream stays short
+    assert await asyncio.wait_for(writer.commit(d, final, c.commit), 10)
+    assert await redis.hget(KEYS.status(m.id), "state") == "done"
