@@ -16,8 +16,9 @@ from sluice.broker import consumer_names
 from sluice.broker.connection import copied
 from sluice.broker.housekeeping import append_log, cancel_flags, prune_consumers
 from sluice.broker.keys import GROUP, ModelKeys
+from sluice.broker.replies import Sent
 from sluice.broker.scripts import Scripts
-from sluice.protocol.messages import DeltaEvent, FinalResult, RequestMessage
+from sluice.protocol.messages import FinalResult, RequestMessage
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +34,7 @@ class Delivery:
     message: RequestMessage
     consumer: str
     attempt: int = 1
-    written: dict[int, dict[int, DeltaEvent]] = field(default_factory=dict, compare=False)  # sent, per row by i
+    sent: Sent = field(default_factory=Sent, compare=False)  # this attempt's deltas, kept for a resend
 
     @property
     def rows(self) -> int:

@@ -50,6 +50,10 @@ class ReplyWriter:
 
     def delta(self, owner: Delivery, event: DeltaEvent) -> None:
         self._buffer.append((owner, event))
+        row = owner.sent.rows.setdefault(event.row, {})
+        row[event.i] = event
+        if len(row) > _KEPT:
+            del row[next(iter(row))]
         self._ready.set()
 
     async def flush(self) -> None:
@@ -68,7 +72,7 @@ class ReplyWriter:
                 try:
                     answers = await self._write([
                         ([d.stream, self.keys.reply(d.message.id), self.keys.status(d.message.id)],
-                         [GROUP, d.consumer, d.entry_id, 0 if d.written else self.reply_ttl_s,
+                         [GROUP, d.consumer, d.entry_id, 0 if d.sent.ttl_set else self.reply_ttl_s,
                           0 if d.key in loose else 1, *(ev.model_dump_json(exclude_none=True) for ev in events)])
                         for d, events in by_entry.values()])
                 except BaseException:
@@ -79,11 +83,7 @@ class ReplyWriter:
                     raise
                 pending = []
                 for (d, events), answer in zip(by_entry.values(), answers):
-                    for ev in events:  # kept for a resend; the first write set the stream's TTL
-                        row = d.written.setdefault(ev.row, {})
-                        row[ev.i] = ev
-                        if len(row) > _KEPT:
-                            del row[next(iter(row))]
+                    d.sent.ttl_set = True  # set by this attempt's first write: later ones skip it
                     if isinstance(answer, list):  # refused: the stream ends before them
                         pending += _refill(d, events, answer, loose)
             self._buffer[:0] = pending
@@ -144,6 +144,16 @@ class ReplyWriter:
 _KEPT = 2048  # deltas kept per row for a resend (a failover loses the last moments, not minutes)
 
 
+@dataclass
+class Sent:
+    """One attempt's deltas as the engine gave them, per row by index, kept for a resend: the
+    stream always ends where one of them ended (a write joins whole deltas), so a resend can
+    start at any index the stream ends at."""
+
+    rows: dict[int, dict[int, DeltaEvent]] = field(default_factory=dict)
+    ttl_set: bool = False  # the reply stream's TTL (set by the attempt's first write)
+
+
 def _refill(d: Delivery, events: list[DeltaEvent], answer: list[int],
             loose: set[tuple[str, str]]) -> list[tuple[Delivery, DeltaEvent]]:
     """What to send again after reply.lua refused deltas past a hole: for each refused row, the
@@ -155,7 +165,7 @@ def _refill(d: Delivery, events: list[DeltaEvent], answer: list[int],
     go again, allowed past it. The final holds the whole text either way."""
     out: list[tuple[Delivery, DeltaEvent]] = []
     for row, at in zip(answer[::2], answer[1::2]):
-        sent = d.written.get(row, {})
+        sent = d.sent.rows.get(row, {})
         if at not in sent:
             loose.add(d.key)
             out += [(d, ev) for ev in events if ev.row == row and ev.i >= at]

@@ -4,9 +4,10 @@
 -- hash keeps each row's next token index, and a delta below it is dropped, so a pipeline
 -- re-sent after a lost reply (Redis died after running it) writes nothing twice; a delta of
 -- an attempt older than the request's current one is dropped.
--- No holes: a delta that starts past its row's next index is refused (in strict mode). That
--- happens after a failover: the old primary acknowledged deltas its replica never had, and
--- the writer, told the index the stream now ends at, sends them again from there.
+-- No holes: a delta that starts past its row's next index, or straddles it, is refused (in
+-- strict mode). That happens after a failover: the old primary acknowledged deltas its replica
+-- never had (or a flush that did land was joined with later deltas and sent again), and the
+-- writer, told the index the stream now ends at, sends them again from there.
 -- KEYS: stream, reply, status
 -- ARGV: group, consumer, entry_id, reply_ttl (0: set already), strict ('1'/'0'), delta_json...
 -- Returns 1 (written), 0 (fenced: nothing written) or {row, next index, ...}: the rows whose
@@ -29,14 +30,15 @@ for i = 6, #ARGV do
     -- took it over again under the same consumer name, is not written: the run now under way
     -- resumed from the stream as it was, and writes those indices itself.
     if (delta.attempt or 1) >= (tonumber(known[3]) or 0) then
-      if strict and tracked and delta.i > next_index then
+      local ends = delta.i + #delta.token_ids
+      if strict and tracked and (delta.i > next_index or (delta.i < next_index and ends > next_index)) then
         refused[row] = next_index
         gaps[#gaps + 1] = row
         gaps[#gaps + 1] = next_index
       elseif delta.i >= next_index then
         redis.call('XADD', KEYS[2], '*', 'kind', 'delta', 'data', ARGV[i])
         if tracked then
-          redis.call('HSET', KEYS[3], field, delta.i + #delta.token_ids)
+          redis.call('HSET', KEYS[3], field, ends)
         end
       end
     end

@@ -333,3 +333,30 @@ async def test_a_tail_that_cannot_be_sent_again_does_not_hold_the_final_back(
     final = done_result()  # 2 tokens, never written by this writer: the stream stays short
     assert await asyncio.wait_for(writer.commit(d, final, c.commit), 10)
     assert await redis.hget(KEYS.status(m.id), "state") == "done"
+
+
+async def test_a_flush_that_landed_unanswered_and_is_joined_with_later_deltas_leaves_no_hole(
+        redis: Redis, settings: Settings) -> None:
+    """A chaos run on a cluster found it: a flush ran on the primary but its answer was lost,
+    so its deltas went back to the buffer and were joined with the next ones. The joined delta
+    starts below the stream's end: dropped whole, it took the new tokens with it (a hole at
+    indices 105 to 108). Refused instead, the writer sends the engine's own deltas from the end."""
+    _, m, _, d = await running_request(redis, settings)
+    writer = ReplyWriter(redis, MODEL, reply_ttl_s=settings.reply_ttl_s)
+    writer.delta(d, DeltaEvent(i=0, text=" a", token_ids=[0]))
+    await writer.flush()
+    real = writer._write
+
+    async def lands_unanswered(calls):
+        await real(calls)
+        raise ConnectionError("the answer was lost")
+
+    writer._write = lands_unanswered
+    writer.delta(d, DeltaEvent(i=1, text=" b", token_ids=[1]))
+    with pytest.raises(ConnectionError):
+        await writer.flush()
+    writer._write = real
+    writer.delta(d, DeltaEvent(i=2, text=" c", token_ids=[2]))
+    await writer.flush()  # " b c" from index 1: the stream ends at 2
+    row = (await delivered(redis, MODEL, m.id))[0]
+    assert (row.token_ids, "".join(row.text)) == ([0, 1, 2], " a b c")
