@@ -25,13 +25,16 @@ class RequestLookup:
         deadline = time.monotonic() + wait_s
         with self.done.watch(model, rid) as done:
             while True:
-                status = await self.admission.status(model, rid)
+                status, held = await self.admission.status(model, rid), False
+                if status and status.final and self.admission.wait_replicas:  # shown once a failover keeps it
+                    status, held = await self.admission.status_copied(model, rid)
                 if not status:
                     raise ApiError(404, f"request {rid!r} not found", code="not_found")
                 remaining = deadline - time.monotonic()
                 if status.final or remaining <= 0:
                     return status
-                await self.done.wait(done, remaining)
+                if not held:  # (a held final is asked again at once: its WAIT took a while)
+                    await self.done.wait(done, remaining)
 
     async def model_of(self, rid: str) -> str:
         """The model of a request that Redis still holds; 410 for one whose result expired (its id

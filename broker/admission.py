@@ -2,18 +2,23 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import logging
 import time
 from typing import Any
 
 from redis.asyncio import Redis
 
 from sluice.broker import keys
-from sluice.broker.connection import wait_for_copies
+from sluice.broker.connection import has_replicas, read_copied, wait_for_copies
 from sluice.broker.keys import ModelKeys
 from sluice.broker.scripts import Scripts
 from sluice.broker.status import RequestStatus
 from sluice.protocol.messages import RequestMessage
+from sluice.protocol.states import State
+
+log = logging.getLogger(__name__)
 
 
 class QueueFull(Exception):
@@ -130,6 +135,20 @@ class Admission:
     async def status(self, model: str, rid: str) -> RequestStatus | None:
         """The request's status; None when Redis holds none (unknown, or expired)."""
         return RequestStatus.from_hash(rid, model, await self.redis.hgetall(ModelKeys(model).status(rid)))
+
+    async def status_copied(self, model: str, rid: str) -> tuple[RequestStatus | None, bool]:
+        """The status as the replicas hold it (wait_replicas), and whether a final was held back.
+        A final read from the primary alone could be taken back by a failover (inside the
+        commit's own WAIT) and the request run again: it is shown once a replica has it, or at
+        once when the node has no replica (none could take over from it)."""
+        key = ModelKeys(model).status(rid)
+        raw, on_replicas = await read_copied(self.redis, key, self.wait_replicas, self.fsync_timeout_ms)
+        status = RequestStatus.from_hash(rid, model, raw)
+        if on_replicas or status is None or not status.final or not await has_replicas(self.redis, key):
+            return status, False
+        log.warning("the final of request %s is on its primary alone after %d ms: not shown yet", rid,
+                    self.fsync_timeout_ms)
+        return dataclasses.replace(status, state=State.RUNNING, result=None), True
 
     async def depth(self, model: str, shards: int = 1) -> tuple[int, int]:
         """Entries on the interactive (every shard's) and bulk streams (waiting plus running)."""

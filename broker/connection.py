@@ -20,7 +20,7 @@ import logging
 import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from redis.asyncio import BlockingConnectionPool, Redis
 from redis.asyncio.cluster import ClusterNode, RedisCluster
@@ -229,11 +229,7 @@ async def wait_for_copies(redis: Redis, key: str, *, replicas: int, aof: bool = 
     command any connection. So they run in one pipeline (one connection, in a cluster the one
     to `key`'s node) behind a marker write to `key`'s slot: a node replicates and appends in
     order, so once the marker is copied, every earlier write of that node is too."""
-    tag = key[key.index("{"):key.index("}") + 1] if "{" in key and "}" in key else key
-    marker = f"sluice:{tag}:sync"
-    target = {"target_nodes": redis.get_node_from_key(marker)} if is_cluster(redis) else {}
-    async with redis.pipeline(transaction=False) as pipe:
-        pipe.set(marker, "1", ex=3600)
+    async with _behind_marker(redis, key) as (pipe, target):
         if aof:
             pipe.execute_command("WAITAOF", 1, replicas, timeout_ms, **target)
         else:
@@ -243,6 +239,37 @@ async def wait_for_copies(redis: Redis, key: str, *, replicas: int, aof: bool = 
         local, copies = got
         return int(local), int(copies)
     return -1, int(got)
+
+
+async def read_copied(redis: Redis, key: str, replicas: int, timeout_ms: int = 1000) -> tuple[dict[str, str], bool]:
+    """Hash `key` as its replicas hold it: read on its node, then WAIT there behind a marker, in
+    one pipeline (one connection), so what was read is on `replicas` replicas (True) or on the
+    primary alone after the timeout (False). A read that is shown to a client once it survives
+    a failover (a final result that a failover could take back, to be generated again)."""
+    async with _behind_marker(redis, key, read=key) as (pipe, target):
+        pipe.execute_command("WAIT", replicas, timeout_ms, **target)
+        got, _, copies = await pipe.execute()
+    return got, int(copies) >= replicas
+
+
+async def has_replicas(redis: Redis, key: str) -> bool:
+    """Whether `key`'s node lists a replica now (ROLE)."""
+    target = {"target_nodes": redis.get_node_from_key(key)} if is_cluster(redis) else {}
+    return bool((await redis.execute_command("ROLE", **target))[2])
+
+
+@contextlib.asynccontextmanager
+async def _behind_marker(redis: Redis, key: str, read: str | None = None) -> AsyncIterator[tuple[Any, dict]]:
+    """A pipeline on `key`'s node (and connection): HGETALL `read` first if given, then a
+    marker write to `key`'s slot, for a WAIT or WAITAOF the caller adds (see wait_for_copies)."""
+    tag = key[key.index("{"):key.index("}") + 1] if "{" in key and "}" in key else key
+    marker = f"sluice:{tag}:sync"
+    target = {"target_nodes": redis.get_node_from_key(marker)} if is_cluster(redis) else {}
+    async with redis.pipeline(transaction=False) as pipe:
+        if read is not None:
+            pipe.hgetall(read)
+        pipe.set(marker, "1", ex=3600)
+        yield pipe, target
 
 
 async def copied(redis: Redis, key: str, replicas: int, what: str, timeout_ms: int = 1000) -> bool:

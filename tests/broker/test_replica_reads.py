@@ -114,3 +114,51 @@ def test_a_readers_own_connections_keep_the_deployments_tls() -> None:
     assert tls_settings(node)["ssl_ca_certs"] == "x"
     plain = Redis(host="127.0.0.1").connection_pool
     assert tls_settings(plain.connection_kwargs, plain.connection_class) == {}
+
+
+async def test_a_poll_is_shown_a_final_only_once_a_replica_has_it(tmp_path: Path) -> None:
+    """The same window for a poll (GET /v1/requests/{id}, Prefer: wait, OpenAI's non-streamed
+    routes): a final read from a primary that dies before its replica has it is taken back, and
+    the request runs again, maybe to another text: two visible results. Where admissions wait
+    for replicas, a final is shown once a replica holds it (read, then WAIT, on one connection)."""
+    from sluice.api.lookup import RequestLookup
+    from sluice.broker.admission import Admission
+    from sluice.broker.notifications import DoneListener
+    from sluice.config.settings import Settings
+    from tests.broker.helpers import done_result, running_request
+
+    cluster = LocalCluster(tmp_path).start()
+    client = connect(cluster.url, name="sluice-test")
+    settings = Settings(redis_url=cluster.url, data_dir=tmp_path / "data", lease_timeout_s=120.0)
+    adm = Admission(client, status_ttl_s=settings.status_ttl_s, reply_ttl_s=settings.reply_ttl_s,
+                    cancel_ttl_s=settings.cancel_ttl_s, wait_replicas=1)
+    lookup = RequestLookup(adm, DoneListener(client), None, 3600)  # type: ignore[arg-type]
+    try:
+        _, m, c, d = await running_request(client, settings)
+        assert await c.commit(d, done_result(" kept"))
+        shown = await lookup.wait_final(MODEL, m.id, 5)  # the replica is up: shown at once
+        assert shown.final and shown.result.output.text == " kept"
+
+        _, m, c, d = await running_request(client, settings)
+        key = ModelKeys(MODEL).status(m.id)
+        primary = cluster.primary_of(key)
+        replica = next(n for n in cluster.nodes if n is not primary and
+                       redis_sync.Redis(port=n.port, decode_responses=True).execute_command("ROLE")[2] == primary.port)
+        os.kill(replica.process.pid, signal.SIGSTOP)
+        await client.set(key[:key.index("}") + 1] + ":filler", "x" * (32 << 20))
+        assert await c.commit(d, done_result(" lost"))  # on the primary alone
+        assert (await adm.status(MODEL, m.id)).final  # the control: the primary shows it
+        shown = await lookup.wait_final(MODEL, m.id, 1.5)
+        assert not shown.final and shown.result is None
+
+        primary.stop(kill=True)
+        os.kill(replica.process.pid, signal.SIGCONT)
+        await asyncio.to_thread(cluster.wait_failover, primary, key)
+        after = await until_redis_answers(lambda: adm.status(MODEL, m.id))
+        assert not after.final  # the failover took it back: the request runs again
+    finally:
+        await client.aclose()
+        for node in cluster.nodes:
+            if node.process is not None and node.process.poll() is None:
+                os.kill(node.process.pid, signal.SIGCONT)
+        cluster.stop()
