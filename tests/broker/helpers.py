@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 import time
 import uuid
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
+import redis as redis_sync
 from redis.asyncio import Redis
 
 from sluice.broker.admission import Admission
@@ -15,6 +21,8 @@ from sluice.broker.keys import GROUP, ModelKeys
 from sluice.broker.readers import Readers
 from sluice.broker.replies import ReplyEvent
 from sluice.broker.reply_router import ReplyRouter
+from sluice.cli.processes import EmbeddedRedis as Node
+from sluice.cli.topologies import LocalCluster
 from sluice.config.settings import Settings
 from sluice.protocol.messages import (
     FinalResult,
@@ -124,3 +132,23 @@ async def running_request(redis: Redis, settings: Settings, name: str = "w1"):
     d = await fetch_one(c)
     assert await c.start(d) == "run"
     return adm, m, c, d
+
+
+@contextlib.contextmanager
+def staged_cluster(tmp_path: Path) -> Iterator[LocalCluster]:
+    """A local Redis Cluster for a staged failover: nodes a test stopped (SIGSTOP) are resumed
+    before it is stopped."""
+    cluster = LocalCluster(tmp_path).start()
+    try:
+        yield cluster
+    finally:
+        for node in cluster.nodes:
+            if node.process is not None and node.process.poll() is None:
+                os.kill(node.process.pid, signal.SIGCONT)
+        cluster.stop()
+
+
+def replica_of(cluster: LocalCluster, primary: Node) -> Node:
+    """The node that replicates `primary`, as its ROLE says."""
+    return next(n for n in cluster.nodes if n is not primary and
+                redis_sync.Redis(port=n.port, decode_responses=True).execute_command("ROLE")[2] == primary.port)

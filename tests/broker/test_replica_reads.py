@@ -19,15 +19,13 @@ import signal
 from pathlib import Path
 
 import pytest
-import redis as redis_sync
 
 from sluice.broker.connection import connect, until_redis_answers
 from sluice.broker.keys import ModelKeys
 from sluice.broker.readers import Readers
 from sluice.broker.reply_router import ReplyRouter
-from sluice.cli.topologies import LocalCluster
 from sluice.protocol.messages import DeltaEvent, FinalResult, State
-from tests.broker.helpers import MODEL
+from tests.broker.helpers import MODEL, replica_of, staged_cluster
 
 pytestmark = [pytest.mark.xdist_group("redis-cluster"),
               pytest.mark.skipif(not shutil.which("redis-cli"), reason="redis-cli is not installed")]
@@ -39,62 +37,57 @@ def delta(i: int, text: str) -> dict[str, str]:
 
 @pytest.mark.parametrize("replicas", [True, False], ids=["replica-reads", "primary-reads"])
 async def test_a_reader_is_shown_only_what_a_failover_keeps(tmp_path: Path, replicas: bool) -> None:
-    cluster = LocalCluster(tmp_path).start()
-    client = connect(cluster.url, name="sluice-test")
-    router = ReplyRouter(client, Readers("", client, name="sluice-test-replies", replicas=replicas),
-                         shards=1, block_ms=500)
-    router.start()
-    rid = "req-replica-reads"
-    key = ModelKeys(MODEL).reply(rid)
-    shown: list[str] = []
-    try:
-        primary = cluster.primary_of(key)
-        replica = next(n for n in cluster.nodes if n is not primary and
-                       redis_sync.Redis(port=n.port, decode_responses=True).execute_command("ROLE")[2] == primary.port)
+    with staged_cluster(tmp_path) as cluster:
+        client = connect(cluster.url, name="sluice-test")
+        router = ReplyRouter(client, Readers("", client, name="sluice-test-replies", replicas=replicas),
+                             shards=1, block_ms=500)
+        router.start()
+        rid = "req-replica-reads"
+        key = ModelKeys(MODEL).reply(rid)
+        shown: list[str] = []
+        try:
+            primary = cluster.primary_of(key)
+            replica = replica_of(cluster, primary)
 
-        async def follow() -> None:
-            async for ev in router.follow(MODEL, rid, idle_timeout_s=60):
-                if ev.delta is not None:
-                    shown.append(ev.delta.text)
+            async def follow() -> None:
+                async for ev in router.follow(MODEL, rid, idle_timeout_s=60):
+                    if ev.delta is not None:
+                        shown.append(ev.delta.text)
 
-        reader = asyncio.create_task(follow())
-        await client.xadd(key, delta(0, "a"))
-        while shown != ["a"]:  # through the replica, once it has it
-            await asyncio.sleep(0.05)
-            assert not reader.done()
+            reader = asyncio.create_task(follow())
+            await client.xadd(key, delta(0, "a"))
+            while shown != ["a"]:  # through the replica, once it has it
+                await asyncio.sleep(0.05)
+                assert not reader.done()
 
-        # The replica stops reading; 32 MB written meanwhile fill the socket buffers between the
-        # two, so what follows stays in the primary's own output buffer, and dies with it.
-        os.kill(replica.process.pid, signal.SIGSTOP)
-        filler = key[:key.index("}") + 1] + ":filler"
-        await client.set(filler, "x" * (32 << 20))
-        await client.xadd(key, delta(1, "lost"))  # on the primary alone
-        await asyncio.sleep(1.5)
-        assert shown == (["a"] if replicas else ["a", "lost"])
+            # The replica stops reading; 32 MB written meanwhile fill the socket buffers between the
+            # two, so what follows stays in the primary's own output buffer, and dies with it.
+            os.kill(replica.process.pid, signal.SIGSTOP)
+            filler = key[:key.index("}") + 1] + ":filler"
+            await client.set(filler, "x" * (32 << 20))
+            await client.xadd(key, delta(1, "lost"))  # on the primary alone
+            await asyncio.sleep(1.5)
+            assert shown == (["a"] if replicas else ["a", "lost"])
 
-        primary.stop(kill=True)
-        os.kill(replica.process.pid, signal.SIGCONT)
-        await asyncio.to_thread(cluster.wait_failover, primary, key)
-        kept = [f["data"] for _, f in await until_redis_answers(lambda: client.xrange(key))]
-        # the promoted replica never had "lost" (nor, reading the primary, always "a": what the
-        # replica's socket held was dropped when the primary's end was reset)
-        assert kept == [delta(0, "a")["data"]] if replicas else delta(1, "lost")["data"] not in kept
+            primary.stop(kill=True)
+            os.kill(replica.process.pid, signal.SIGCONT)
+            await asyncio.to_thread(cluster.wait_failover, primary, key)
+            kept = [f["data"] for _, f in await until_redis_answers(lambda: client.xrange(key))]
+            # the promoted replica never had "lost" (nor, reading the primary, always "a": what the
+            # replica's socket held was dropped when the primary's end was reset)
+            assert kept == [delta(0, "a")["data"]] if replicas else delta(1, "lost")["data"] not in kept
 
-        # the retry generates index 1 again, differently, and ends the request
-        await until_redis_answers(lambda: client.xadd(key, delta(1, "kept")))
-        final = FinalResult(status=State.DONE).model_dump_json()
-        await until_redis_answers(lambda: client.xadd(key, {"kind": "final", "data": final}))
-        await asyncio.wait_for(reader, 60)
-        # the reader skips a delta at an index it has shown: with primary reads the client keeps
-        # the token the failover lost, and its text is not the final's
-        assert shown == (["a", "kept"] if replicas else ["a", "lost"])
-    finally:
-        await router.close()
-        await client.aclose()
-        for node in cluster.nodes:
-            if node.process is not None and node.process.poll() is None:
-                os.kill(node.process.pid, signal.SIGCONT)
-        cluster.stop()
+            # the retry generates index 1 again, differently, and ends the request
+            await until_redis_answers(lambda: client.xadd(key, delta(1, "kept")))
+            final = FinalResult(status=State.DONE).model_dump_json()
+            await until_redis_answers(lambda: client.xadd(key, {"kind": "final", "data": final}))
+            await asyncio.wait_for(reader, 60)
+            # the reader skips a delta at an index it has shown: with primary reads the client keeps
+            # the token the failover lost, and its text is not the final's
+            assert shown == (["a", "kept"] if replicas else ["a", "lost"])
+        finally:
+            await router.close()
+            await client.aclose()
 
 
 def test_a_readers_own_connections_keep_the_deployments_tls() -> None:
@@ -127,38 +120,33 @@ async def test_a_poll_is_shown_a_final_only_once_a_replica_has_it(tmp_path: Path
     from sluice.config.settings import Settings
     from tests.broker.helpers import done_result, running_request
 
-    cluster = LocalCluster(tmp_path).start()
-    client = connect(cluster.url, name="sluice-test")
-    settings = Settings(redis_url=cluster.url, data_dir=tmp_path / "data", lease_timeout_s=120.0)
-    adm = Admission(client, status_ttl_s=settings.status_ttl_s, reply_ttl_s=settings.reply_ttl_s,
-                    cancel_ttl_s=settings.cancel_ttl_s, wait_replicas=1)
-    lookup = RequestLookup(adm, DoneListener(client), None, 3600)  # type: ignore[arg-type]
-    try:
-        _, m, c, d = await running_request(client, settings)
-        assert await c.commit(d, done_result(" kept"))
-        shown = await lookup.wait_final(MODEL, m.id, 5)  # the replica is up: shown at once
-        assert shown.final and shown.result.output.text == " kept"
+    with staged_cluster(tmp_path) as cluster:
+        client = connect(cluster.url, name="sluice-test")
+        settings = Settings(redis_url=cluster.url, data_dir=tmp_path / "data", lease_timeout_s=120.0)
+        adm = Admission(client, status_ttl_s=settings.status_ttl_s, reply_ttl_s=settings.reply_ttl_s,
+                        cancel_ttl_s=settings.cancel_ttl_s, wait_replicas=1)
+        lookup = RequestLookup(adm, DoneListener(client), None, 3600)  # type: ignore[arg-type]
+        try:
+            _, m, c, d = await running_request(client, settings)
+            assert await c.commit(d, done_result(" kept"))
+            shown = await lookup.wait_final(MODEL, m.id, 5)  # the replica is up: shown at once
+            assert shown.final and shown.result.output.text == " kept"
 
-        _, m, c, d = await running_request(client, settings)
-        key = ModelKeys(MODEL).status(m.id)
-        primary = cluster.primary_of(key)
-        replica = next(n for n in cluster.nodes if n is not primary and
-                       redis_sync.Redis(port=n.port, decode_responses=True).execute_command("ROLE")[2] == primary.port)
-        os.kill(replica.process.pid, signal.SIGSTOP)
-        await client.set(key[:key.index("}") + 1] + ":filler", "x" * (32 << 20))
-        assert await c.commit(d, done_result(" lost"))  # on the primary alone
-        assert (await adm.status(MODEL, m.id)).final  # the control: the primary shows it
-        shown = await lookup.wait_final(MODEL, m.id, 1.5)
-        assert not shown.final and shown.result is None
+            _, m, c, d = await running_request(client, settings)
+            key = ModelKeys(MODEL).status(m.id)
+            primary = cluster.primary_of(key)
+            replica = replica_of(cluster, primary)
+            os.kill(replica.process.pid, signal.SIGSTOP)
+            await client.set(key[:key.index("}") + 1] + ":filler", "x" * (32 << 20))
+            assert await c.commit(d, done_result(" lost"))  # on the primary alone
+            assert (await adm.status(MODEL, m.id)).final  # the control: the primary shows it
+            shown = await lookup.wait_final(MODEL, m.id, 1.5)
+            assert not shown.final and shown.result is None
 
-        primary.stop(kill=True)
-        os.kill(replica.process.pid, signal.SIGCONT)
-        await asyncio.to_thread(cluster.wait_failover, primary, key)
-        after = await until_redis_answers(lambda: adm.status(MODEL, m.id))
-        assert not after.final  # the failover took it back: the request runs again
-    finally:
-        await client.aclose()
-        for node in cluster.nodes:
-            if node.process is not None and node.process.poll() is None:
-                os.kill(node.process.pid, signal.SIGCONT)
-        cluster.stop()
+            primary.stop(kill=True)
+            os.kill(replica.process.pid, signal.SIGCONT)
+            await asyncio.to_thread(cluster.wait_failover, primary, key)
+            after = await until_redis_answers(lambda: adm.status(MODEL, m.id))
+            assert not after.final  # the failover took it back: the request runs again
+        finally:
+            await client.aclose()
