@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from redis.asyncio import Redis
+from redis.exceptions import NoScriptError
 
 from sluice.broker.connection import is_cluster
 from sluice.broker.keys import GROUP, ModelKeys
@@ -107,10 +108,18 @@ class ReplyWriter:
     async def _write(self, calls: list[tuple[list[str], list[object]]]) -> list[object]:
         if is_cluster(self.redis):  # redis-py's cluster pipeline refuses scripts: one call each
             return list(await asyncio.gather(*(self.scripts.reply(keys=k, args=a) for k, a in calls)))
-        async with self.redis.pipeline(transaction=False) as pipe:  # one round trip for the flush
-            for k, a in calls:
-                await self.scripts.reply(keys=k, args=a, client=pipe)
-            return await pipe.execute()
+        # One round trip for the flush. EVALSHA itself: a script registered on the pipeline
+        # makes redis-py ask SCRIPT EXISTS first, a second round trip on every flush.
+        script = self.scripts.reply
+        for _ in range(2):
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for k, a in calls:
+                    pipe.evalsha(script.sha, len(k), *k, *a)
+                try:
+                    return await pipe.execute()
+                except NoScriptError:  # Redis restarted without it: none of the calls ran
+                    await self.redis.script_load(script.script)
+        raise NoScriptError("reply.lua could not be loaded")
 
     async def _run(self) -> None:
         last = 0.0
