@@ -29,9 +29,10 @@ end
 -- short `reply_ttl` (readers fall back to the status hash), and the delivery bookkeeping
 -- nobody reads after the final is dropped: what a finished request costs is mostly its text.
 -- `rows` (the request's row count, when the caller knows it) names reply.lua's token counts
--- to drop; without it they are looked up (HKEYS).
-local function write_final(status, reply, state, final, now, result_ttl, reply_ttl, channel, rid, rows)
-  local known = redis.call('HMGET', status, 'state', 'retain_s')  -- is_final's question, and the retention
+-- to drop; without it they are looked up (HKEYS). `known`: {state, retain_s} if read already.
+local function write_final(status, reply, state, final, now, result_ttl, reply_ttl, channel, rid, rows, known)
+  -- is_final's question, and the retention (`known`: the caller read them already)
+  known = known or redis.call('HMGET', status, 'state', 'retain_s')
   if is_final_state(known[1]) then
     return false
   end

@@ -11,16 +11,17 @@
 if not owns(KEYS[1], ARGV[1], ARGV[3], ARGV[2]) then
   return 0
 end
+local known = nil  -- {state, retain_s}, when read here with the token counts
 if #ARGV > 11 then
-  local fields = {'state'}
+  local fields = {'state', 'retain_s'}
   for i = 12, #ARGV do
     fields[#fields + 1] = 'next:' .. (i - 12)
   end
-  local known = redis.call('HMGET', KEYS[2], unpack(fields))
+  known = redis.call('HMGET', KEYS[2], unpack(fields))
   local short = {}
   if known[1] and not is_final_state(known[1]) then  -- a status without its tail, not yet final
     for i = 12, #ARGV do
-      local next_index = tonumber(known[i - 10]) or 0
+      local next_index = tonumber(known[i - 9]) or 0
       if next_index < tonumber(ARGV[i]) then
         short[#short + 1] = i - 12
         short[#short + 1] = next_index
@@ -32,7 +33,7 @@ if #ARGV > 11 then
   end
 end
 local written = write_final(KEYS[2], KEYS[3], ARGV[4], ARGV[5], ARGV[6], ARGV[7], ARGV[8], ARGV[9], ARGV[10],
-                           tonumber(ARGV[11]))
+                           tonumber(ARGV[11]), known)
 ack_and_delete(KEYS[1], ARGV[1], ARGV[3])
 if written then
   return 1
