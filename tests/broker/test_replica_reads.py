@@ -148,5 +148,11 @@ async def test_a_poll_is_shown_a_final_only_once_a_replica_has_it(tmp_path: Path
             await asyncio.to_thread(cluster.wait_failover, primary, key)
             after = await until_redis_answers(lambda: adm.status(MODEL, m.id))
             assert not after.final  # the failover took it back: the request runs again
+
+            # The promoted node has no replica (its old primary is dead): no failover can take
+            # a final back from it, so it is shown once written, not held.
+            assert await until_redis_answers(lambda: c.commit(d, done_result(" again")))
+            shown = await lookup.wait_final(MODEL, m.id, 5)
+            assert shown.final and shown.result.output.text == " again"
         finally:
             await client.aclose()

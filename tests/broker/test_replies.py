@@ -210,22 +210,32 @@ async def test_a_resent_flush_writes_no_token_twice(redis: Redis, settings: Sett
     assert [(e.row, e.i, e.text) for e in entries] == [(0, 0, "a"), (1, 0, "x"), (0, 2, "b")]
 
 
+async def _failing_flush(writer: ReplyWriter, d, event: DeltaEvent, *, lands: bool) -> None:
+    """Buffer `event` and flush it into a connection error: Redis went away before running the
+    pipeline, or (`lands`) ran it and the answer was lost."""
+    real = writer._write
+
+    async def failing(calls):
+        if lands:
+            await real(calls)
+        raise ConnectionError("the answer was lost" if lands else "Redis went away")
+
+    writer._write = failing
+    writer.delta(d, event)
+    try:
+        with pytest.raises(ConnectionError):
+            await writer.flush()
+    finally:
+        writer._write = real
+
+
 async def test_a_failed_flush_keeps_its_deltas_for_the_next_one(redis: Redis, settings: Settings) -> None:
     """Redis went away mid-flush: the deltas stay buffered and land with the next flush, so
     the stream never has a hole. Redis restarted without its scripts (NOSCRIPT): the flush
     loads reply.lua again and writes."""
     _, m, _, d = await running_request(redis, settings)
     writer = ReplyWriter(redis, MODEL, reply_ttl_s=settings.reply_ttl_s)
-    real = writer._write
-
-    async def away(calls):
-        raise ConnectionError("Redis went away")
-
-    writer._write = away
-    writer.delta(d, DeltaEvent(i=0, text="a", token_ids=[1]))
-    with pytest.raises(ConnectionError):
-        await writer.flush()
-    writer._write = real
+    await _failing_flush(writer, d, DeltaEvent(i=0, text="a", token_ids=[1]), lands=False)
     writer.delta(d, DeltaEvent(i=1, text="b", token_ids=[2]))
     await writer.flush()
     await redis.script_flush()  # as after a restart
@@ -345,18 +355,23 @@ async def test_a_flush_that_landed_unanswered_and_is_joined_with_later_deltas_le
     writer = ReplyWriter(redis, MODEL, reply_ttl_s=settings.reply_ttl_s)
     writer.delta(d, DeltaEvent(i=0, text=" a", token_ids=[0]))
     await writer.flush()
-    real = writer._write
-
-    async def lands_unanswered(calls):
-        await real(calls)
-        raise ConnectionError("the answer was lost")
-
-    writer._write = lands_unanswered
-    writer.delta(d, DeltaEvent(i=1, text=" b", token_ids=[1]))
-    with pytest.raises(ConnectionError):
-        await writer.flush()
-    writer._write = real
+    await _failing_flush(writer, d, DeltaEvent(i=1, text=" b", token_ids=[1]), lands=True)
     writer.delta(d, DeltaEvent(i=2, text=" c", token_ids=[2]))
     await writer.flush()  # " b c" from index 1: the stream ends at 2
     row = (await delivered(redis, MODEL, m.id))[0]
     assert (row.token_ids, "".join(row.text)) == ([0, 1, 2], " a b c")
+
+
+async def test_the_deltas_kept_for_a_resend_are_bounded(redis: Redis, settings: Settings) -> None:
+    """A long generation keeps at most _KEPT deltas per row (the latest): a failover loses the
+    last moments, and a resend from further back is let through as a hole the attempt cannot fill."""
+    from sluice.broker.replies import _KEPT
+
+    _, m, _, d = await running_request(redis, settings)
+    writer = ReplyWriter(redis, MODEL, reply_ttl_s=settings.reply_ttl_s)
+    for i in range(_KEPT + 100):
+        writer.delta(d, DeltaEvent(i=i, text=" t", token_ids=[i]))
+    await writer.flush()
+    kept = d.sent.rows[0]
+    assert len(kept) == _KEPT and min(kept) == 100 and max(kept) == _KEPT + 99
+    assert (await delivered(redis, MODEL, m.id))[0].token_ids == list(range(_KEPT + 100))
