@@ -67,7 +67,9 @@ def test_sigkill_a_worker_mid_generation(cluster: Cluster) -> None:
     cluster.start_worker("a")
     cluster.start_worker("b")
     cluster.wait_workers(2)
-    rids, _ = submit(cluster, 24, max_tokens=40)  # 40 tokens x 20 ms: still running at the kill
+    # 120 tokens x 20 ms: a window of 2.4 s in which a is generating (with 40 tokens, 0.8 s, a
+    # loaded cluster run's first look came after every request had finished, and it waited on)
+    rids, _ = submit(cluster, 24, max_tokens=120)
     streamed: dict[str, str] = {}
     readers = [threading.Thread(target=stream_text, args=(cluster.url, rid, streamed)) for rid in rids]
     for t in readers:
@@ -75,9 +77,13 @@ def test_sigkill_a_worker_mid_generation(cluster: Cluster) -> None:
     r = cluster.sync()
     # Kill as soon as worker a is generating (not after a fixed pause a slow machine could outlast).
     # (Running now, not just once: on a loaded cluster run a poll saw only requests a had already finished.)
-    def a_generating() -> bool:
-        return any(r.hmget(KEYS.status(rid), "worker", "state") == ["a", "running"] and r.exists(KEYS.reply(rid))
-                   for rid in rids)
+    def a_generating() -> bool:  # one round trip per look
+        with r.pipeline(transaction=False) as pipe:
+            for rid in rids:
+                pipe.hmget(KEYS.status(rid), "worker", "state")
+                pipe.exists(KEYS.reply(rid))
+            got = pipe.execute()
+        return any(state == ["a", "running"] and replied for state, replied in zip(got[::2], got[1::2]))
 
     wait_until(a_generating, "worker a generating")
     killed_at = time.monotonic()
@@ -94,7 +100,7 @@ def test_sigkill_a_worker_mid_generation(cluster: Cluster) -> None:
     figures = audit(cluster, rids)
     record("SIGKILL worker mid-generation", 24, len(rids), figures, recovery)
     assert figures == {"completed": 24, "duplicated": 0, "lost": 0}
-    expected = "".join(f" t{i}" for i in range(40))
+    expected = "".join(f" t{i}" for i in range(120))
     for rid in rids:
         status = r.hgetall(KEYS.status(rid))
         assert json.loads(status["result"])["output"]["text"] == expected
