@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 from sluice.api.deployments import Deployments
@@ -10,6 +11,7 @@ from sluice.broker.admission import Admission
 from sluice.broker.notifications import DoneListener
 from sluice.broker.status import RequestStatus
 from sluice.protocol.ids import request_created_at
+from sluice.protocol.messages import FinalResult
 
 
 class RequestLookup:
@@ -20,11 +22,17 @@ class RequestLookup:
         self.deployments = deployments
         self.default_result_ttl_s = default_result_ttl_s
 
-    async def wait_final(self, model: str, rid: str, wait_s: float) -> RequestStatus:
-        """The status once the request is final, or as it is after `wait_s`."""
+    async def wait_final(self, model: str, rid: str, wait_s: float, *, fresh: bool = False) -> RequestStatus:
+        """The status once the request is final, or as it is after `wait_s`. `fresh`: the caller
+        has just admitted it, so it is not final unless announced: while the listener hears its
+        channel, the first status read waits for the announcement (or the re-check interval)."""
         deadline = time.monotonic() + wait_s
-        with self.done.watch(model, rid) as done:
+        with self.done.watch(model, rid, recent=fresh) as done:
+            if fresh and self.done.live(model, rid):
+                await self.done.wait(done, wait_s)
             while True:
+                if done.done() and done.result() and not self.admission.wait_replicas:
+                    return announced(rid, model, done.result())  # the final as written, no read
                 status, held = await self.admission.status(model, rid), False
                 if status and status.final and self.admission.wait_replicas:  # shown once a failover keeps it
                     status, held = await self.admission.status_copied(model, rid)
@@ -33,7 +41,9 @@ class RequestLookup:
                 remaining = deadline - time.monotonic()
                 if status.final or remaining <= 0:
                     return status
-                if not held:  # (a held final is asked again at once: its WAIT took a while)
+                if done.done() and not held:  # announced, yet not final here: never spin on it
+                    await asyncio.sleep(min(remaining, self.done.recheck_s))
+                elif not held:  # (a held final is asked again at once: its WAIT took a while)
                     await self.done.wait(done, remaining)
 
     async def model_of(self, rid: str) -> str:
@@ -51,3 +61,9 @@ class RequestLookup:
             raise ApiError(410, f"request {rid!r} expired: a result is kept for {retention} s after the "
                                 f"request finishes, and this one is gone", code="expired")
         raise ApiError(404, f"request {rid!r} not found", code="not_found")
+
+
+def announced(rid: str, model: str, final: str) -> RequestStatus:
+    """The status of a request whose announcement carried its final (what its status hash holds)."""
+    result = FinalResult.model_validate_json(final)
+    return RequestStatus(id=rid, model=model, state=result.status, result=result)

@@ -123,7 +123,7 @@ async def infer(
     message = await s.intake.enqueue(m, rows, Sampling(temperature=temperature, top_p=top_p, seed=seed,
                                                        timeout_s=timeout_s), owner=caller.digest)
     status = await s.lookup.wait_final(m.name, message.id,
-                                       min(message.deadline - message.enqueued_at, s.settings.max_wait_s))
+                                       min(message.deadline - message.enqueued_at, s.settings.max_wait_s), fresh=True)
     result = status.result
     if status.state is not State.DONE or result is None:
         code = {State.EXPIRED: 504, State.CANCELLED: 409}.get(status.state, 502)

@@ -7,6 +7,7 @@ OpenAI SDK gets the same queue, workers, deadlines and cancellation as everythin
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import secrets
 import time
@@ -15,7 +16,7 @@ from typing import Any, Protocol
 
 from fastapi import APIRouter, Depends
 from fastapi.responses import JSONResponse
-from sse_starlette.sse import EventSourceResponse
+from sse_starlette.sse import EventSourceResponse, ServerSentEvent
 
 from sluice.api.auth import Caller, require_key
 from sluice.api.errors import ApiError
@@ -56,7 +57,8 @@ async def _enqueue_choices(s: ApiState, model: ModelConfig, body: SamplingBody,
 
 
 async def _finals(s: ApiState, model: str, messages: list[RequestMessage]) -> list[FinalResult]:
-    statuses = await asyncio.gather(*(s.lookup.wait_final(model, m.id, s.settings.max_wait_s) for m in messages))
+    statuses = await asyncio.gather(*(s.lookup.wait_final(model, m.id, s.settings.max_wait_s, fresh=True)
+                                      for m in messages))
     finals = []
     for m, status in zip(messages, statuses):
         final = status.result
@@ -86,48 +88,38 @@ def _stream(s: ApiState, model: str, messages: list[RequestMessage], chunks: Chu
             include_usage: bool) -> EventSourceResponse:
     """Merge the choices' reply streams into OpenAI chunks, then `data: [DONE]`."""
 
-    async def events() -> AsyncIterator[dict]:
-        queue: asyncio.Queue = asyncio.Queue()
+    async def events() -> AsyncIterator[dict | bytes]:
         finished: set[int] = set()
-
-        async def follow(index: int, rid: str) -> None:
-            try:
-                async for ev in s.replies.follow(model, rid):
-                    await queue.put((index, ev))
-            finally:
-                await queue.put((index, None))
-
-        readers = [asyncio.create_task(follow(i, m.id)) for i, m in enumerate(messages)]
         usage = {"prompt_tokens": 0, "completion_tokens": 0}
         try:
             for c in chunks.first():
                 yield {"data": json.dumps(c)}
-            while len(finished) < len(messages):
-                index, ev = await queue.get()
-                if ev is None:
-                    finished.add(index)
-                elif ev.delta is not None and ev.delta.token_ids:
-                    for c in chunks.delta(index, ev.delta):
-                        yield {"data": json.dumps(c)}
-                elif ev.final is not None:
-                    f = ev.final
-                    if f.usage:
-                        usage["prompt_tokens"] += f.usage.prompt_tokens
-                        usage["completion_tokens"] += f.usage.completion_tokens
-                    reason = (f.output.finish_reason if f.output else None) or "stop"
-                    if f.status.value != "done":
-                        yield {"data": json.dumps({"error": {"message": f"{f.status.value}: {f.error}",
-                                                             "type": "inference_failed"}})}
-                        reason = "abort"
-                    for c in chunks.end(index, f, reason):
-                        yield {"data": json.dumps(c)}
+            async with contextlib.aclosing(_merged(s, model, messages)) as merged:
+                async for ready in merged:
+                    out: list[dict] = []
+                    for index, ev in ready:
+                        if ev is None:
+                            finished.add(index)
+                        elif ev.delta is not None and ev.delta.token_ids:
+                            out += chunks.delta(index, ev.delta)
+                        elif ev.final is not None:
+                            f = ev.final
+                            if f.usage:
+                                usage["prompt_tokens"] += f.usage.prompt_tokens
+                                usage["completion_tokens"] += f.usage.completion_tokens
+                            reason = (f.output.finish_reason if f.output else None) or "stop"
+                            if f.status.value != "done":
+                                out.append({"error": {"message": f"{f.status.value}: {f.error}",
+                                                      "type": "inference_failed"}})
+                                reason = "abort"
+                            out += chunks.end(index, f, reason)
+                    if out:
+                        yield b"".join(ServerSentEvent(data=json.dumps(c)).encode() for c in out)
             if include_usage:
                 usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
                 yield {"data": json.dumps(chunks.usage(usage))}
             yield {"data": "[DONE]"}
         finally:
-            for r in readers:
-                r.cancel()
             # The caller owns its choices, as with vLLM's server: a client gone before the
             # end frees the engine. (On SIGTERM the stream first runs on for up to the
             # shutdown timeout: see `sluice api`.)
@@ -136,6 +128,39 @@ def _stream(s: ApiState, model: str, messages: list[RequestMessage], chunks: Chu
                     s.cancels.soon(model, m.id)
 
     return EventSourceResponse(events(), ping=15, shutdown_grace_period=s.settings.shutdown_timeout_s)
+
+
+async def _merged(s: ApiState, model: str, messages: list[RequestMessage]) -> AsyncIterator[list[tuple[int, Any]]]:
+    """The choices' reply events as they arrive, (choice, event) with (choice, None) once a choice's
+    stream ends; what arrived together comes as one list (one write). One choice is followed
+    directly; several through a reader task each."""
+    if len(messages) == 1:
+        async with contextlib.aclosing(s.replies.follow(model, messages[0].id)) as events:
+            async for ev in events:
+                yield [(0, ev)]
+        yield [(0, None)]
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def follow(index: int, rid: str) -> None:
+        try:
+            async for ev in s.replies.follow(model, rid):
+                await queue.put((index, ev))
+        finally:
+            await queue.put((index, None))
+
+    readers = [asyncio.create_task(follow(i, m.id)) for i, m in enumerate(messages)]
+    try:
+        ended = 0
+        while ended < len(messages):
+            ready = [await queue.get()]
+            while not queue.empty():  # what arrived meanwhile goes out in the same write
+                ready.append(queue.get_nowait())
+            ended += sum(ev is None for _, ev in ready)
+            yield ready
+    finally:
+        for r in readers:
+            r.cancel()
 
 
 class CompletionChunks:

@@ -57,7 +57,7 @@ async def submit(
     if wait is None:
         return submitted
     wait = min(wait, s.settings.max_wait_s)
-    status = await s.lookup.wait_final(submitted.model, submitted.id, wait)
+    status = await s.lookup.wait_final(submitted.model, submitted.id, wait, fresh=idempotency_key is None)
     applied = {"Preference-Applied": f"wait={wait:g}"}
     if not status.final:
         still = Submitted(id=submitted.id, status=status.state.value, model=submitted.model)

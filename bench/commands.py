@@ -4,9 +4,10 @@ scripts run included): what one non-streamed and one streamed request cost the q
 from __future__ import annotations
 
 import asyncio
+import json
 from collections import Counter
 
-import httpx
+import aiohttp
 import redis
 
 
@@ -19,18 +20,20 @@ def commandstats(client: redis.Redis) -> Counter[str]:
 
 async def _requests(url: str, n: int, concurrency: int, streamed: bool, max_tokens: int) -> None:
     sem = asyncio.Semaphore(concurrency)
-    async with httpx.AsyncClient(base_url=url, timeout=120) as client:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as client:
         async def one(i: int) -> None:
             async with sem:
                 body = {"prompt": f"count {i}", "max_tokens": max_tokens}
                 if not streamed:
-                    r = await client.post("/v1/requests", json=body, headers={"Prefer": "wait=60"})
-                    assert r.status_code == 200 and r.json()["status"] == "done", r.text
+                    async with client.post(f"{url}/v1/requests", json=body, headers={"Prefer": "wait=60"}) as r:
+                        text = await r.text()
+                        assert r.status == 200 and json.loads(text)["status"] == "done", text
                     return
-                rid = (await client.post("/v1/requests", json=body)).json()["id"]
-                async with client.stream("GET", f"/v1/requests/{rid}/events") as events:
-                    async for line in events.aiter_lines():
-                        if line.startswith("event: done"):
+                async with client.post(f"{url}/v1/requests", json=body) as r:
+                    rid = (await r.json())["id"]
+                async with client.get(f"{url}/v1/requests/{rid}/events") as events:
+                    async for line in events.content:
+                        if line.startswith(b"event: done"):
                             return
                 raise AssertionError(f"{rid}: the stream ended without its final")
 

@@ -16,7 +16,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
-import httpx
+import aiohttp
 
 WORDS = ("river stone light garden window silver market engine harbor forest signal winter paper "
          "candle bridge orbit meadow copper lantern valley").split()
@@ -103,23 +103,56 @@ def summarize(records: list[Record], wall: float, *, slo_ttft_s: float, slo_tpot
     return out
 
 
+class _Session:
+    """One aiohttp session per event loop, made on first use (vLLM's benchmark client is aiohttp
+    too: it costs the machine a fraction of httpx's CPU per streamed line, which on a small
+    machine is taken from the server being measured)."""
+
+    def __init__(self, url: str, headers: dict[str, str] | None = None):
+        self.url, self.headers = url.rstrip("/"), headers or {}
+        self._session: aiohttp.ClientSession | None = None
+
+    def __call__(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession(
+                headers=self.headers, timeout=aiohttp.ClientTimeout(total=None, sock_read=600, connect=30),
+                connector=aiohttp.TCPConnector(limit=1024, limit_per_host=1024), read_bufsize=2**20)
+        return self._session
+
+    async def aclose(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+
+async def close(send: Send) -> None:
+    """Close a sender's connections (a sender without any has no `aclose`)."""
+    aclose = getattr(send, "aclose", None)
+    if aclose is not None:
+        await aclose()
+
+
+async def _lines(response: aiohttp.ClientResponse):
+    async for raw in response.content:
+        yield raw.decode().rstrip("\r\n")
+
+
 def sluice_sender(url: str, model: str | None) -> Send:
-    client = httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(600, connect=30),
-                               limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256))
+    session = _Session(url)
 
     async def send(request: LoadRequest) -> Record:
         rec = Record(start=time.perf_counter())
         body = {"prompt": request.prompt, "max_tokens": request.max_tokens, "temperature": 0.0, "ignore_eos": True}
         if model:
             body["model"] = model
-        r = await client.post("/v1/requests", json=body)
-        if r.status_code != 202:
-            rec.error, rec.end = f"{r.status_code}: {r.text[:200]}", time.perf_counter()
-            return rec
-        rid = r.json()["id"]
+        async with session().post(f"{session.url}/v1/requests", json=body) as r:
+            if r.status != 202:
+                rec.error, rec.end = f"{r.status}: {(await r.text())[:200]}", time.perf_counter()
+                return rec
+            rid = (await r.json())["id"]
         event = None
-        async with client.stream("GET", f"/v1/requests/{rid}/events") as response:
-            async for line in response.aiter_lines():
+        async with session().get(f"{session.url}/v1/requests/{rid}/events") as response:
+            async for line in _lines(response):
                 if line.startswith("event:"):
                     event = line[6:].strip()
                 elif line.startswith("data:") and event == "delta":
@@ -138,23 +171,22 @@ def sluice_sender(url: str, model: str | None) -> Send:
                     break
         return rec
 
+    send.aclose = session.aclose
     return send
 
 
 def openai_sender(url: str, model: str, api_key: str | None = None) -> Send:
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    client = httpx.AsyncClient(base_url=url.rstrip("/"), timeout=httpx.Timeout(600, connect=30), headers=headers,
-                               limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256))
+    session = _Session(url, {"Authorization": f"Bearer {api_key}"} if api_key else None)
 
     async def send(request: LoadRequest) -> Record:
         rec = Record(start=time.perf_counter())
         body = {"model": model, "prompt": request.prompt, "max_tokens": request.max_tokens, "temperature": 0.0,
                 "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
-        async with client.stream("POST", "/v1/completions", json=body) as response:
-            if response.status_code != 200:
-                rec.error, rec.end = f"{response.status_code}", time.perf_counter()
+        async with session().post(f"{session.url}/v1/completions", json=body) as response:
+            if response.status != 200:
+                rec.error, rec.end = f"{response.status}", time.perf_counter()
                 return rec
-            async for line in response.aiter_lines():
+            async for line in _lines(response):
                 if not line.startswith("data:"):
                     continue
                 data = line[5:].strip()
@@ -171,6 +203,7 @@ def openai_sender(url: str, model: str, api_key: str | None = None) -> Send:
         rec.output_tokens = rec.output_tokens or len(rec.token_times)
         return rec
 
+    send.aclose = session.aclose
     return send
 
 

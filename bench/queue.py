@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import aiohttp
 import httpx
 import typer
 
@@ -41,17 +42,20 @@ def _null_stack(workers: int) -> Iterator[tuple[str, str]]:
 async def _sluice_round_trips(url: str, n: int, concurrency: int,
                               one_call: bool = False) -> tuple[float, list[float], dict]:
     sem = asyncio.Semaphore(concurrency)
-    limits = httpx.Limits(max_connections=concurrency * 2, max_keepalive_connections=concurrency * 2)
-    async with httpx.AsyncClient(base_url=url, timeout=120, limits=limits) as client:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120),
+                                     connector=aiohttp.TCPConnector(limit=concurrency * 2)) as client:
         async def one(i: int) -> float:
             async with sem:
                 t0 = time.perf_counter()
                 submit = {"prompt": f"echo {i}", "max_tokens": 4}
                 if one_call:  # Prefer: wait=S: the result in the submit's answer
-                    body = (await client.post("/v1/requests", json=submit, headers={"Prefer": "wait=60"})).json()
+                    async with client.post(f"{url}/v1/requests", json=submit, headers={"Prefer": "wait=60"}) as r:
+                        body = await r.json()
                 else:
-                    rid = (await client.post("/v1/requests", json=submit)).json()["id"]
-                    body = (await client.get(f"/v1/requests/{rid}", params={"wait": 60})).json()
+                    async with client.post(f"{url}/v1/requests", json=submit) as r:
+                        rid = (await r.json())["id"]
+                    async with client.get(f"{url}/v1/requests/{rid}", params={"wait": 60}) as r:
+                        body = await r.json()
                 assert body["status"] == "done", body
                 return time.perf_counter() - t0
 
@@ -59,7 +63,7 @@ async def _sluice_round_trips(url: str, n: int, concurrency: int,
         t0 = time.perf_counter()
         latencies = await asyncio.gather(*(one(i) for i in range(n)))
         wall = time.perf_counter() - t0
-        workers = (await client.get("/v1/workers")).json()["workers"]
+    workers = httpx.get(f"{url}/v1/workers").json()["workers"]
     return wall, sorted(latencies), {"workers": len(workers)}
 
 

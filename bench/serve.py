@@ -6,13 +6,14 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import statistics
 from pathlib import Path
 
 import typer
 from rich.console import Console
 from rich.table import Table
 
-from sluice.bench.loadgen import drive, engine_sender, make_requests, openai_sender, sluice_sender, summarize
+from sluice.bench.loadgen import close, drive, engine_sender, make_requests, openai_sender, sluice_sender, summarize
 from sluice.bench.throughput import direct_engine, local_stack
 from sluice.config.model import load_models
 from sluice.config.settings import Settings
@@ -30,12 +31,16 @@ def _levels(text: str) -> list[float]:
 async def _levels_run(send, levels: list[float], by: str, n: int, words, outputs, seed: int, poisson: bool,
                       slo: tuple[float, float]) -> list[dict]:
     results = []
-    await drive(send, make_requests(2, (4, 4), (4, 4), seed + 99), rate=None, poisson=False, concurrency=2, seed=seed)
-    for level in levels:
-        requests = make_requests(n, words, outputs, seed)
-        records, wall = await drive(send, requests, rate=level if by == "rate" else None, poisson=poisson,
-                                    concurrency=int(level) if by == "concurrency" else None, seed=seed)
-        results.append({by: level, **summarize(records, wall, slo_ttft_s=slo[0], slo_tpot_s=slo[1])})
+    try:
+        await drive(send, make_requests(2, (4, 4), (4, 4), seed + 99), rate=None, poisson=False, concurrency=2,
+                    seed=seed)
+        for level in levels:
+            requests = make_requests(n, words, outputs, seed)
+            records, wall = await drive(send, requests, rate=level if by == "rate" else None, poisson=poisson,
+                                        concurrency=int(level) if by == "concurrency" else None, seed=seed)
+            results.append({by: level, **summarize(records, wall, slo_ttft_s=slo[0], slo_tpot_s=slo[1])})
+    finally:
+        await close(send)
     return results
 
 
@@ -141,6 +146,9 @@ def serve(
     api_key: str = typer.Option(None, envvar="SLUICE_API_KEY"),
     out: Path = typer.Option(None, help="Write the figures as JSON here."),
     plot: Path = typer.Option(None, help="Write a PNG of latency against load here."),
+    repeat: int = typer.Option(1, help="With --against vllm: measure both sides this many times, alternating "
+                                       "which goes first, and report each level's median ratio (a shared "
+                                       "machine's speed drifts between runs more than the gap measured)."),
 ) -> None:
     """Load generator in the style of `vllm bench serve`."""
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
@@ -148,12 +156,44 @@ def serve(
     name = model or load_models(settings.models_file)[0].name
     by, levels = ("rate", _levels(rate)) if rate else ("concurrency", _levels(concurrency))
     args = (levels, by, requests, _pair(prompt_words), _pair(output_tokens), seed, poisson, (slo_ttft, slo_tpot))
-    runs: dict[str, list[dict]] = {}
     targets = ["engine", "sluice"] if target == "compare" else [target]
     if against == "vllm":
         targets = ["vllm", "sluice-openai"]
     elif against is not None:
         raise typer.BadParameter("--against takes vllm")
+    repeats = [_targets(targets if r % 2 == 0 else targets[::-1], settings, model, name, url, api_key, args)
+               for r in range(max(1, repeat) if against else 1)]
+    runs = repeats[0]
+    figures: dict = {"by": by, "requests_per_level": requests, "ignore_eos": True, "runs": runs}
+    baseline = "vllm" if "vllm" in runs else "engine"
+    if baseline in runs and "sluice" in runs:
+        figures[f"sluice_vs_{baseline}"] = _ratios(by, runs["sluice"], runs[baseline])
+    console = Console(width=170)
+    console.print(_table(f"{requests} requests per level, prompts {prompt_words} words, "
+                         f"max_tokens {output_tokens}", by, runs))
+    for row in figures.get(f"sluice_vs_{baseline}", []):
+        console.print(f"{by} {row[by]:g} against {baseline}: throughput ratio {row['throughput_ratio']:.3f}, goodput "
+                      f"{row['goodput'][0]:.2f} vs {row['goodput'][1]:.2f} req/s; added " + ", ".join(
+                          f"{m.upper()} p50 {_ms(row[f'added_{m}_p50_s'])} p99 {_ms(row[f'added_{m}_p99_s'])}"
+                          for m in ("ttft", "tpot", "e2e")))
+    if len(repeats) > 1:
+        figures["repeats"] = [{"runs": r, "sluice_vs_vllm": _ratios(by, r["sluice"], r["vllm"])} for r in repeats]
+        figures["median_throughput_ratio"] = {}
+        for i, level in enumerate(levels):
+            ratios = [r["sluice_vs_vllm"][i]["throughput_ratio"] for r in figures["repeats"]]
+            figures["median_throughput_ratio"][f"{level:g}"] = statistics.median(ratios)
+            console.print(f"{by} {level:g}: throughput ratio per run {', '.join(f'{x:.3f}' for x in ratios)}; "
+                          f"median {statistics.median(ratios):.3f}")
+    if out:
+        out.write_text(json.dumps(figures, indent=2))
+    if plot:
+        _plot(plot, by, runs)
+
+
+def _targets(targets: list[str], settings: Settings, model: str | None, name: str, url: str | None,
+             api_key: str | None, args: tuple) -> dict[str, list[dict]]:
+    """One measurement of each target, in this order."""
+    runs: dict[str, list[dict]] = {}
     for t in targets:
         if t == "vllm":
             runs["vllm"] = _vllm_levels(settings, model, name, *args)
@@ -171,19 +211,4 @@ def serve(
         else:
             with local_stack(name) as local:
                 runs["sluice"] = asyncio.run(_levels_run(sluice_sender(local, model), *args))
-    figures: dict = {"by": by, "requests_per_level": requests, "ignore_eos": True, "runs": runs}
-    baseline = "vllm" if "vllm" in runs else "engine"
-    if baseline in runs and "sluice" in runs:
-        figures[f"sluice_vs_{baseline}"] = _ratios(by, runs["sluice"], runs[baseline])
-    console = Console(width=170)
-    console.print(_table(f"{requests} requests per level, prompts {prompt_words} words, "
-                         f"max_tokens {output_tokens}", by, runs))
-    for row in figures.get(f"sluice_vs_{baseline}", []):
-        console.print(f"{by} {row[by]:g} against {baseline}: throughput ratio {row['throughput_ratio']:.3f}, goodput "
-                      f"{row['goodput'][0]:.2f} vs {row['goodput'][1]:.2f} req/s; added " + ", ".join(
-                          f"{m.upper()} p50 {_ms(row[f'added_{m}_p50_s'])} p99 {_ms(row[f'added_{m}_p99_s'])}"
-                          for m in ("ttft", "tpot", "e2e")))
-    if out:
-        out.write_text(json.dumps(figures, indent=2))
-    if plot:
-        _plot(plot, by, runs)
+    return runs

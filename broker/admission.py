@@ -42,7 +42,7 @@ class Admission:
                  result_ttl_s: int = 3600, bulk_queue_share: float = 0.5,
                  strict: bool = False, fsync_timeout_ms: int = 1000, wait_replicas: int = 0):
         self.redis = redis
-        self.scripts = Scripts.register(redis)
+        self.scripts = Scripts.register(redis, pipelined=True)
         self.status_ttl_s = status_ttl_s  # while unfinished
         self.result_ttl_s = result_ttl_s  # once final, unless admitted with its model's own
         self.reply_ttl_s = reply_ttl_s

@@ -59,7 +59,7 @@ class StreamConsumer:
         self.wait_replicas = wait_replicas  # replicas a commit waits for (WAIT) before it returns
         self.shards = shards  # interactive streams read (a sharded model's; more while old ones drain)
         self._blocked = 0  # the interactive stream the next blocking read waits on (they take turns)
-        self.keys, self.consumer, self.scripts = ModelKeys(model), consumer, Scripts.register(redis)
+        self.keys, self.consumer, self.scripts = ModelKeys(model), consumer, Scripts.register(redis, pipelined=True)
         self.status_ttl_s = status_ttl_s  # while unfinished
         self.result_ttl_s = result_ttl_s  # once final (a request admitted with its own keeps that)
         self.reply_ttl_s = reply_ttl_s  # the reply stream, after the final

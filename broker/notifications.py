@@ -7,6 +7,11 @@ when a request of it is first watched. In a cluster, the channel lives on the no
 model's slot (redis-py's cluster pubsub holds a connection per node and follows a failover);
 classic pub/sub would be broadcast to every node. A lost announcement (a reconnect) costs at
 most one re-check interval: waiters re-read the status at least every `recheck_s`.
+
+The listener remembers the last `_RECENT` announcements, so a request watched only after its
+final was announced (one just admitted, done before its submitter started to wait) is found at
+once: its submitter need not read the status first (`live`). An announcement carries the final
+itself when it is small (`rid` newline final, at most 4 KiB): the watch's future holds it.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections import defaultdict
+from collections import OrderedDict, defaultdict
 from collections.abc import Callable, Iterable, Iterator
 
 from redis.asyncio import Redis
@@ -25,7 +30,8 @@ log = logging.getLogger(__name__)
 
 _READ_S = 0.5  # longest wait for one announcement: bounds how long close() takes
 _POLL_S = 0.005  # on a cluster: how often the nodes' subscriptions are read
-Waiter = Callable[[str], None]  # called with the id of a request announced done
+_RECENT, _RECENT_BYTES = 10_000, 4 << 20  # announcements remembered: at most so many, finals included
+Waiter = Callable[[str, str | None], None]  # called with a request announced done, and its final if carried
 
 
 class DoneListener:
@@ -34,6 +40,9 @@ class DoneListener:
         self.recheck_s = recheck_s
         self._waiters: dict[str, set[Waiter]] = defaultdict(set)
         self._channels: set[str] = set()  # every model channel watched so far (models are few)
+        self._live: set[str] = set()  # the channels subscribed on the current connection
+        self._recent: OrderedDict[str, str | None] = OrderedDict()  # the latest announcements (their finals)
+        self._recent_bytes = 0
         self._new_channel = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._closing = False
@@ -50,20 +59,30 @@ class DoneListener:
             await asyncio.wait([self._task], timeout=2 * _READ_S)
 
     @contextlib.contextmanager
-    def watch(self, model: str, rid: str) -> Iterator[asyncio.Future]:
-        """A future set when `rid` is announced done. Watch before reading the status,
-        so that an announcement between the read and the wait is not missed."""
+    def watch(self, model: str, rid: str, *, recent: bool = False) -> Iterator[asyncio.Future]:
+        """A future set when `rid` is announced done, to the final's JSON when the announcement
+        carried it (else None). Watch before reading the status, so that an announcement between
+        the read and the wait is not missed. `recent`: an announcement heard before the watch
+        counts too (only for a request just admitted: a dead letter retried under the same id
+        was announced before, with its old final)."""
         fut = asyncio.get_running_loop().create_future()
 
-        def announced(_: str) -> None:
+        def announced(_: str, final: str | None) -> None:
             if not fut.done():
-                fut.set_result(None)
+                fut.set_result(final)
 
         self._add(model, rid, announced)
+        if recent and rid in self._recent:
+            announced(rid, self._recent[rid])
         try:
             yield fut
         finally:
             self._discard(rid, announced)
+
+    def live(self, model: str, rid: str) -> bool:
+        """Whether an announcement of `rid` would reach this listener now (its channel is
+        subscribed): then a watch set up after the announcement still finds it (it is recent)."""
+        return ModelKeys(model).for_request(rid).done in self._live
 
     def inbox(self) -> Inbox:
         """A changing set of watched requests (a bulk job's outstanding lines), and which of
@@ -88,6 +107,12 @@ class DoneListener:
         """Return when announced, or after min(timeout_s, recheck_s) to re-read the status."""
         await asyncio.wait([fut], timeout=min(timeout_s, self.recheck_s))
 
+    def _remember(self, rid: str, final: str | None) -> None:
+        self._recent_bytes += len(final or "") - len(self._recent.pop(rid, None) or "")
+        self._recent[rid] = final
+        while len(self._recent) > _RECENT or self._recent_bytes > _RECENT_BYTES:
+            self._recent_bytes -= len(self._recent.popitem(last=False)[1] or "")
+
     async def _run(self) -> None:
         while not self._closing:
             try:
@@ -98,7 +123,7 @@ class DoneListener:
                     # without waiting, every _POLL_S.
                     cluster = hasattr(pubsub, "get_sharded_message")
                     read = pubsub.get_sharded_message if cluster else pubsub.get_message
-                    subscribed: set[str] = set()
+                    subscribed = self._live = set()
                     while not self._closing:
                         if self._new_channel.is_set() or not subscribed:
                             self._new_channel.clear()
@@ -114,12 +139,14 @@ class DoneListener:
                             await asyncio.sleep(_POLL_S)
                         if message is None or message.get("type") != "smessage":
                             continue
-                        rid = message["data"]
+                        rid, _, final = message["data"].partition("\n")
+                        self._remember(rid, final or None)
                         for waiter in list(self._waiters.get(rid, ())):
-                            waiter(rid)
+                            waiter(rid, final or None)
             except asyncio.CancelledError:
                 raise
             except Exception as err:
+                self._live = set()
                 log.warning("done-listener lost its subscription (%s); resubscribing", err)
                 await asyncio.sleep(0.5)
 
@@ -162,6 +189,6 @@ class Inbox:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._event.wait(), min(timeout_s, self._listener.recheck_s))
 
-    def _on_done(self, rid: str) -> None:
+    def _on_done(self, rid: str, _: str | None) -> None:
         self._announced.add(rid)
         self._event.set()

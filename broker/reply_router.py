@@ -193,7 +193,11 @@ class ReplyRouter:
                 if idle_timeout_s is not None:
                     wait_s = min(wait_s, max(0.0, quiet_since + idle_timeout_s - time.monotonic()))
                 try:
-                    entry_id, fields = await asyncio.wait_for(follower.entries.get(), wait_s)
+                    if follower.entries.empty():  # (asyncio.timeout: wait_for makes a task per entry)
+                        async with asyncio.timeout(wait_s):
+                            entry_id, fields = await follower.entries.get()
+                    else:
+                        entry_id, fields = follower.entries.get_nowait()
                 except TimeoutError:
                     try:
                         final = await self._lost_final(keys, rid, follower)

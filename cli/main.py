@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 from pathlib import Path
@@ -73,7 +72,9 @@ def api(
     # SIGTERM closes the listening socket at once; open SSE streams run on for up to
     # shutdown_timeout_s (their own grace), and uvicorn waits a little longer so the streams,
     # not uvicorn, end what is left (an OpenAI stream then aborts its request).
-    options = {"host": settings.api_host, "port": settings.api_port, "log_level": "info",
+    # uvicorn's own logs (its access log: one line per request, at info) follow SLUICE_LOG_LEVEL
+    options = {"host": settings.api_host, "port": settings.api_port,
+               "log_level": os.environ.get("SLUICE_LOG_LEVEL", "INFO").lower(),
                "timeout_graceful_shutdown": math.ceil(settings.shutdown_timeout_s) + 2}
     if workers == 1:
         uvicorn.run(create_app(settings), **options)
@@ -102,6 +103,8 @@ def worker(
     models_file: Path | None = ModelsFile,
 ) -> None:
     """Start one worker for one model."""
+    import uvloop
+
     from sluice.workers.process import serve
 
     _logging()
@@ -112,7 +115,8 @@ def worker(
 
         pin_to_cpus(os.environ["SLUICE_WORKER_CPUS"])
     settings = _settings(redis_url=redis_url, models_file=models_file)
-    asyncio.run(serve(settings, model, name, engine, metrics_port))  # type: ignore[arg-type]
+    # uvloop, as `vllm serve` and uvicorn run: the worker's token path is event-loop work
+    uvloop.run(serve(settings, model, name, engine, metrics_port))  # type: ignore[arg-type]
 
 
 @app.command()

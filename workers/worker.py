@@ -21,7 +21,7 @@ from sluice.batching.base import BatchingPolicy
 from sluice.batching.registry import make_policy
 from sluice.broker.connection import until_redis_answers
 from sluice.broker.consumer import Delivery, StreamConsumer
-from sluice.broker.housekeeping import shards_in_use
+from sluice.broker.housekeeping import LogBuffer, shards_in_use
 from sluice.broker.registry import ModelRegistry, WorkerInfo, WorkerRegistry
 from sluice.broker.replies import ReplyWriter, delivered
 from sluice.config.model import ModelConfig
@@ -57,6 +57,7 @@ class Worker:
         # An unfinished request's reply stream lives as long as its status: a retry resumes
         # from it. The final shortens it to reply_ttl_s.
         self.replies = ReplyWriter(redis, model.name, reply_ttl_s=settings.status_ttl_s)
+        self.inference_log = LogBuffer(self.consumer.append_log)
         self.generation = Generation(engine, self.replies, lambda gap: self.pace.token_gap(gap, len(self.running)))
         self.workers = WorkerRegistry(redis)
         self.models = ModelRegistry(redis)
@@ -105,6 +106,7 @@ class Worker:
             asyncio.create_task(self._every(self.settings.cancel_poll_s, self._watch), name="watch"),
             asyncio.create_task(self._every(6 * self.settings.worker_ttl_s, self.consumer.prune_consumers),
                                 name="prune"),
+            asyncio.create_task(self._every(0.1, self.inference_log.flush), name="log"),
             asyncio.create_task(self._forward_stop(), name="stop"),
         ]
         await self._heartbeat()
@@ -133,6 +135,7 @@ class Worker:
             for task in late:
                 task.cancel()
             await self.replies.close()
+            await self.inference_log.flush()
             await self.workers.remove(self.name)
             await self.consumer.release_name()
             await self.engine.shutdown()
@@ -171,10 +174,7 @@ class Worker:
                 records.append({"batch_id": batch_id, "position": position, "batch_size": len(batch),
                                 "released": released, **record})
                 position += 1
-        try:
-            await self.consumer.append_log(records)
-        except Exception as err:  # the log is for operators: a failed write must not fail requests
-            log.warning("inference log write failed: %s", err)
+        self.inference_log.add(records)  # written by the "log" duty
 
     async def _run_request(self, d: Delivery) -> list[dict]:
         """Run one request to its commit; returns its inference-log records (one per row). Whatever

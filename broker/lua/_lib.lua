@@ -24,7 +24,8 @@ end
 
 -- The final event on the reply stream, the status hash, both with their TTLs, and the
 -- announcement that wakes long-polling readers. Refuses (returns false) when the request
--- is final already. Retention: the status keeps the result for its model's retention
+-- is final already (the announcement: the request's id, then a newline and the final when it
+-- is at most 4 KiB). Retention: the status keeps the result for its model's retention
 -- (`retain_s`, set at admission; `result_ttl` when absent), the reply stream only for the
 -- short `reply_ttl` (readers fall back to the status hash), and the delivery bookkeeping
 -- nobody reads after the final is dropped: what a finished request costs is mostly its text.
@@ -53,7 +54,12 @@ local function write_final(status, reply, state, final, now, result_ttl, reply_t
   redis.call('HDEL', status, unpack(dropped))
   redis.call('HSET', status, 'state', state, 'result', final, 'finished_at', now)
   redis.call('EXPIRE', status, known[2] or result_ttl)
-  redis.call('SPUBLISH', channel, rid)
+  -- The announcement carries a small final itself (a waiter shows it without reading the status)
+  if #final <= 4096 then
+    redis.call('SPUBLISH', channel, rid .. '\n' .. final)
+  else
+    redis.call('SPUBLISH', channel, rid)
+  end
   return true
 end
 

@@ -4,6 +4,7 @@ server-sent events, cancel, and another key's request answered as missing (404).
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import Awaitable, Callable
 
@@ -147,6 +148,25 @@ async def test_an_openai_completion_runs_through_the_queue(api: httpx.AsyncClien
     r = await api.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2, "n": 2})
     assert r.status_code == 200, r.text
     assert [c["text"] for c in r.json()["choices"]] == [" t0 t1", " t0 t1"]
+
+
+async def test_a_streamed_completion_of_several_choices_merges_them(api: httpx.AsyncClient,
+                                                                     null_worker: Worker) -> None:
+    body = {"model": MODEL, "prompt": ["a", "b"], "n": 2, "max_tokens": 3, "stream": True}
+    async with api.stream("POST", "/v1/completions", json=body) as r:
+        assert r.status_code == 200
+        events = [e.data async for e in sse_events(r)]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    texts: dict[int, str] = {}
+    reasons: dict[int, str] = {}
+    for c in chunks:
+        (choice,) = c["choices"]
+        texts[choice["index"]] = texts.get(choice["index"], "") + choice["text"]
+        if choice["finish_reason"]:
+            reasons[choice["index"]] = choice["finish_reason"]
+    assert texts == {i: " t0 t1 t2" for i in range(4)}  # every choice whole, none twice
+    assert reasons == {i: "length" for i in range(4)}
 
 
 async def test_a_model_missing_from_redis_comes_back_without_a_read_deploying_it(

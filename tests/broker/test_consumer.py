@@ -6,6 +6,7 @@ import json
 
 from redis.asyncio import Redis
 
+from sluice.broker.housekeeping import LogBuffer
 from sluice.broker.keys import GROUP
 from sluice.config.settings import Settings
 from sluice.protocol.messages import FinalResult
@@ -244,6 +245,26 @@ async def test_the_inference_log_keeps_records_in_order(redis: Redis, settings: 
     await c.append_log([])
     logged = [json.loads(f["data"]) for _, f in await redis.xrange(KEYS.log)]
     assert logged == records
+
+
+async def test_the_worker_s_log_buffer_writes_batches_together_and_drops_on_failure(
+        redis: Redis, settings: Settings, caplog) -> None:
+    c = await ready_consumer(redis, settings)
+    buffer = LogBuffer(c.append_log, max_records=3)
+    buffer.add([{"rid": "req-a"}, {"rid": "req-b"}])
+    buffer.add([{"rid": "req-c"}, {"rid": "req-d"}])  # over the bound: the oldest goes
+    assert [json.loads(f["data"]) for _, f in await redis.xrange(KEYS.log)] == []  # not before a flush
+    await buffer.flush()
+    await buffer.flush()  # nothing left: nothing written twice
+    assert [json.loads(f["data"])["rid"] for _, f in await redis.xrange(KEYS.log)] == ["req-b", "req-c", "req-d"]
+
+    async def away(_: list[dict]) -> None:
+        raise ConnectionError("Redis is away")
+
+    failing = LogBuffer(away)
+    failing.add([{"rid": "req-e"}])
+    await failing.flush()  # the log is for operators: never a request's failure
+    assert "1 record(s) dropped" in caplog.text
 
 
 async def test_commit_by_a_fenced_out_consumer_writes_nothing(redis: Redis, settings: Settings) -> None:
