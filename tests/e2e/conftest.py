@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import subprocess
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -18,6 +19,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import redis as redis_sync
 
 from sluice.cli.processes import EmbeddedRedis
 from sluice.cli.stack import LocalStack
@@ -146,6 +148,21 @@ async def wait_done(client: httpx.AsyncClient, rid: str, timeout_s: float = 120)
         if r.json()["status"] not in ("queued", "running"):
             return r.json()
     raise TimeoutError(rid)
+
+
+def settled_log(r: redis_sync.Redis, key: str, wanted: set[str], timeout_s: float = 15.0) -> list[dict]:
+    """The inference-log records of `wanted`, read once every one has its record and the worker's
+    log buffer (flushed every 0.1 s) has had time to land a second, so a test can count them."""
+    deadline = time.monotonic() + timeout_s
+
+    def records() -> list[dict]:
+        logged = (json.loads(f["data"]) for _, f in r.xrange(key))
+        return [x for x in logged if x["request_id"] in wanted]
+
+    while {x["request_id"] for x in records()} < wanted and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.5)  # five flush intervals: a record written twice would be here by now
+    return records()
 
 
 @pytest.fixture

@@ -13,7 +13,7 @@ import pytest
 import redis as redis_sync
 
 from sluice.broker.keys import ModelKeys
-from tests.e2e.conftest import null_stack, wait_done
+from tests.e2e.conftest import null_stack, settled_log, wait_done
 
 MODELS = "models:\n  - name: acc\n    continuous_batching_config: {max_concurrent_batch_size: 8}\n"
 KEY = "s3cret-key"  # a user key
@@ -65,8 +65,7 @@ async def test_idempotency_key_under_concurrent_repeats(secured: tuple[str, str]
                                   headers={"Idempotency-Key": "order-43"})
         assert other.json()["id"] != rid
     r = redis_sync.Redis.from_url(redis_url, decode_responses=True)
-    logged = [e for e in r.xrange(ModelKeys("acc").log) if rid in e[1]["data"]]
-    assert len(logged) == 1  # enqueued and run once
+    assert len(settled_log(r, ModelKeys("acc").log, {rid})) == 1  # enqueued and run once
 
 
 async def test_huge_bodies_and_wrong_content_types(secured: tuple[str, str]) -> None:

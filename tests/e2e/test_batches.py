@@ -17,7 +17,7 @@ import pytest
 import redis as redis_sync
 
 from sluice.broker.keys import ModelKeys
-from tests.e2e.conftest import NullStack, null_stack
+from tests.e2e.conftest import NullStack, null_stack, settled_log
 
 MODEL = "bat"
 MODELS = f"models:\n  - name: {MODEL}\n    continuous_batching_config: {{max_concurrent_batch_size: 16}}\n"
@@ -114,8 +114,7 @@ def test_the_job_survives_a_killed_celery_worker(stack: NullStack, sdk: openai.O
     r = redis_sync.Redis.from_url(stack.redis.url, decode_responses=True)
     rids = r.hgetall(f"{{sluice:batch:{batch.id}}}:rids")
     assert len(rids) == 120 and len(set(rids.values())) == 120
-    logged = [json.loads(e[1]["data"])["request_id"] for e in r.xrange(ModelKeys(MODEL).log)]
-    ran = [rid for rid in logged if rid in set(rids.values())]
+    ran = [x["request_id"] for x in settled_log(r, ModelKeys(MODEL).log, set(rids.values()))]
     assert len(ran) == 120 and len(set(ran)) == 120  # every row ran, none twice
 
 

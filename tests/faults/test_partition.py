@@ -30,6 +30,7 @@ import pytest
 import redis as redis_sync
 
 from sluice.cli.processes import stop_processes
+from tests.e2e.conftest import settled_log
 from tests.faults.conftest import KEYS, MODEL, MODELS_YAML, audit, record
 from tests.faults.netns import HUB, NetnsUnavailable, Network
 from tests.faults.test_delivery_modes import finals_agree_with_streams
@@ -230,6 +231,7 @@ def test_a_partitioned_worker_host_is_taken_over_and_fenced_out(tmp_path: Path) 
         for rid in owned:
             result = json.loads(r.hget(KEYS.status(rid), "result"))
             assert result["attempt"] == 2 and r.hget(KEYS.status(rid), "worker") == "w2", result
+        settled_log(r, KEYS.log, set(rids))  # w2's buffered log records have landed
         before = snapshot(r, rids)
 
         # The cable is back: w1's held-back writes reach Redis and are refused.
@@ -291,6 +293,7 @@ def test_a_host_back_before_its_requests_are_all_taken_over(tmp_path: Path) -> N
                    "w1 letting go of the requests it lost", timeout_s=90)
         since = time.time()
         wait_until(lambda: _heartbeat_since(r, "w1", since, in_flight=0), "a heartbeat of w1 after the heal", 30)
+        settled_log(r, KEYS.log, set(rids))
         before = snapshot(r, rids)
         time.sleep(1.0)  # nothing is left to land
         assert snapshot(r, rids) == before
