@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -101,29 +102,44 @@ def _stats(wall: float, lat: list[float], n: int) -> dict:
     return {"round_trips_per_s": n / wall, **{f"latency_{k}": v for k, v in p50_p99(lat, "ms", 1e3).items()}}
 
 
+def _one_run(url: str, redis_url: str, requests: int, concurrency: int, celery_first: bool) -> dict:
+    """Sluice's two routes and Celery, one after the other (never at once)."""
+    run: dict = {"sluice": {}}
+    for side in (["celery", "sluice"] if celery_first else ["sluice", "celery"]):
+        if side == "celery":
+            run["celery"] = _stats(*_celery_round_trips(redis_url, requests, concurrency), requests)
+            typer.echo(f"celery: {json.dumps(run['celery'])}")
+            continue
+        for route, one_call in (("one_call", True), ("submit_and_poll", False)):
+            wall, lat, _ = asyncio.run(_sluice_round_trips(url, requests, concurrency, one_call))
+            run["sluice"][route] = _stats(wall, lat, requests)
+            typer.echo(f"sluice {route}: {json.dumps(run['sluice'][route])}")
+    run["sluice_vs_celery_throughput"] = {route: row["round_trips_per_s"] / run["celery"]["round_trips_per_s"]
+                                          for route, row in run["sluice"].items()}
+    return run
+
+
 def queue(
     requests: int = typer.Option(2000, help="Round trips per system."),
     concurrency: int = typer.Option(32, help="Round trips in flight at once."),
+    repeat: int = typer.Option(1, help="Measure both sides this many times, alternating which goes first, "
+                                       "and report the median ratio (a shared machine drifts between runs)."),
     out: Path = typer.Option(None, help="Write the figures as JSON here."),
 ) -> None:
     """Null engine: Sluice round trips (one call with `Prefer: wait`, and submit + long-poll) vs a
     Celery echo task (delay + get) on the same Redis; then Redis commands per request."""
     with _null_stack(1) as (url, redis_url):
-        sluice = {}
-        for route, one_call in (("one_call", True), ("submit_and_poll", False)):
-            wall, lat, _ = asyncio.run(_sluice_round_trips(url, requests, concurrency, one_call))
-            sluice[route] = _stats(wall, lat, requests)
-            typer.echo(f"sluice {route}: {json.dumps(sluice[route])}")
-        wall, lat = _celery_round_trips(redis_url, requests, concurrency)
-        celery = _stats(wall, lat, requests)
-        typer.echo(f"celery: {json.dumps(celery)}")
+        runs = [_one_run(url, redis_url, requests, concurrency, celery_first=k % 2 == 1)
+                for k in range(max(1, repeat))]
         cost = [per_request(url, redis_url, streamed=streamed) for streamed in (False, True)]
         for row in cost:
             typer.echo(f"redis commands: {json.dumps(row)}")
-    figures = {"requests": requests, "concurrency": concurrency, "sluice": sluice, "celery": celery,
-               "sluice_vs_celery_throughput": {route: row["round_trips_per_s"] / celery["round_trips_per_s"]
-                                               for route, row in sluice.items()},
-               "redis_commands": cost}
+    figures = {"requests": requests, "concurrency": concurrency, **runs[0], "redis_commands": cost}
+    if len(runs) > 1:
+        figures["repeats"] = runs
+        figures["median_sluice_vs_celery_throughput"] = {
+            route: statistics.median([r["sluice_vs_celery_throughput"][route] for r in runs])
+            for route in runs[0]["sluice"]}
     typer.echo(json.dumps(figures, indent=2))
     if out:
         out.write_text(json.dumps(figures, indent=2))

@@ -46,7 +46,8 @@ def test_bench_serve_against_a_running_stack(stack: NullStack, tmp_path: Path, t
 def test_bench_queue_measures_sluice_and_celery(tmp_path: Path) -> None:
     out = tmp_path / "queue.json"
     done = subprocess.run([sys.executable, "-m", "sluice.cli", "bench", "queue", "--requests", "40",
-                           "--concurrency", "4", "--out", str(out)], capture_output=True, text=True, timeout=300)
+                           "--concurrency", "4", "--repeat", "2", "--out", str(out)],
+                          capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     figures = json.loads(out.read_text())
     rows = {"celery": figures["celery"], **{f"sluice {route}": row for route, row in figures["sluice"].items()}}
@@ -55,5 +56,9 @@ def test_bench_queue_measures_sluice_and_celery(tmp_path: Path) -> None:
         assert row["round_trips_per_s"] > 0
         assert row["latency_p99_ms"] >= row["latency_p50_ms"] > 0
     assert figures["sluice_vs_celery_throughput"]["one_call"] > 0
+    runs = figures["repeats"]  # --repeat 2: measured twice, Celery first the second time
+    assert len(runs) == 2 and runs[0]["sluice"] == figures["sluice"]
+    ratios = sorted(r["sluice_vs_celery_throughput"]["one_call"] for r in runs)
+    assert figures["median_sluice_vs_celery_throughput"]["one_call"] == pytest.approx(sum(ratios) / 2)
     for cost in figures["redis_commands"]:
         assert cost["commands_per_request"] > 0
