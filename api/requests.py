@@ -14,7 +14,7 @@ from sluice.api.errors import ApiError
 from sluice.api.intake import Sampling, request_id
 from sluice.api.schemas import RequestView, SubmitRequest, Submitted
 from sluice.api.state import ApiState, state
-from sluice.broker.replies import resume_index
+from sluice.broker.reply_router import resume_index
 from sluice.broker.status import RequestStatus
 from sluice.protocol.states import State
 

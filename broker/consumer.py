@@ -64,8 +64,7 @@ class StreamConsumer:
         self.result_ttl_s = result_ttl_s  # once final (a request admitted with its own keeps that)
         self.reply_ttl_s = reply_ttl_s  # the reply stream, after the final
         self.log_max_len, self.log_max_record_bytes = log_max_len, log_max_record_bytes
-        self.lease_timeout_s = lease_timeout_s
-        self.max_deliveries, self.dlq_max_len = max_deliveries, dlq_max_len
+        self.lease_timeout_s, self.max_deliveries, self.dlq_max_len = lease_timeout_s, max_deliveries, dlq_max_len
         self._token = uuid.uuid4().hex
         self.held: dict[tuple[str, str], Delivery] = {}
         self.reserved_slots = 0  # of a fetch's count, what the bulk lane leaves to interactive work
@@ -267,14 +266,15 @@ class StreamConsumer:
                         fenced.append(d)
         return fenced
 
-    async def commit(self, d: Delivery, result: FinalResult, streamed: list[int] | None = None) -> bool | list[int]:
-        """Final event + status + XACK + XDEL at once; False if fenced out, [row, index, ...] if short of `streamed`."""
+    async def commit(self, d: Delivery, result: FinalResult, streamed: list[int] | None = None,
+                     deltas: list[str] | tuple = (), strict: bool = True) -> bool | list[int]:
+        """Last deltas + final + status + XACK + XDEL at once; False if fenced, [row, index, ...] if refused."""
         rid = d.message.id
         written = await self.scripts.commit(
             keys=[d.stream, self.keys.status(rid), self.keys.reply(rid)],
             args=[GROUP, self.consumer, d.entry_id, result.status.value, result.model_dump_json(exclude_none=True),
                   time.time(), self.result_ttl_s, self.reply_ttl_s, self.keys.for_request(rid).done, rid, d.rows,
-                  *(streamed or ())],
+                  int(strict), len(streamed or ()), *(streamed or ()), *deltas],
         )
         if isinstance(written, list):
             return written

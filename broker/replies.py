@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import re
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -23,6 +22,9 @@ if TYPE_CHECKING:
     from sluice.broker.consumer import Delivery
 
 log = logging.getLogger(__name__)
+
+# Consumer.commit: (delivery, final, tokens sent per row or None, deltas to write first, strict)
+Commit = Callable[["Delivery", FinalResult, "list[int] | None", list[str], bool], Awaitable["bool | list[int]"]]
 
 
 class ReplyWriter:
@@ -58,8 +60,8 @@ class ReplyWriter:
         self._ready.set()
 
     async def flush(self) -> None:
-        """Write what is buffered now (called before a request's commit, so deltas precede the final)."""
-        # The lock makes a flush wait for a write in progress: deltas must precede the final.
+        """Write what is buffered now (a commit takes its own request's deltas: see commit)."""
+        # The lock makes a flush wait for a write in progress: deltas must keep their order.
         async with self._lock:
             pending, self._buffer = self._buffer, []
             loose: set[tuple[str, str]] = set()  # entries allowed a hole they cannot fill (see _refill)
@@ -89,20 +91,30 @@ class ReplyWriter:
                         pending += _refill(d, events, answer, loose)
             self._buffer[:0] = pending
 
-    async def commit(self, d: Delivery, final: FinalResult,
-                     commit: Callable[[Delivery, FinalResult, list[int] | None], Awaitable[bool | list[int]]]) -> bool:
-        """Flush, then commit (deltas precede the final). A commit that finds the stream short of
-        the tokens sent (a failover lost its tail: no later delta of this attempt would find the
-        hole) gets them sent again first; the third try commits anyway (the final is whole)."""
+    async def commit(self, d: Delivery, final: FinalResult, commit: Commit) -> bool:
+        """Commit, this request's deltas not flushed yet riding on the commit (one call, deltas
+        before the final, in one script). A commit refused (the stream short of the tokens sent:
+        a failover lost its tail, which no later delta would find; or a delta past such a hole)
+        gets them sent again from where the stream ends; the third try commits anyway, holes
+        allowed (the final is whole)."""
         outputs = final.rows or ([final.output] if final.output else [])
         for tries in range(3):
-            await self.flush()
-            answer = await commit(d, final, [o.num_output_tokens for o in outputs] if tries < 2 else None)
+            async with self._lock:  # a flush under way ends first: its deltas precede these
+                own = [(o, ev) for o, ev in self._buffer if o.key == d.key]
+                self._buffer = [(o, ev) for o, ev in self._buffer if o.key != d.key]
+            events = [ev for _, ev in _coalesce(own)]
+            last = tries == 2
+            try:
+                answer = await commit(d, final, None if last else [o.num_output_tokens for o in outputs],
+                                      [ev.model_dump_json(exclude_none=True) for ev in events], not last)
+            except BaseException:  # not known to be written: the writer sends them (see flush)
+                self._buffer[:0] = own
+                raise
             if not isinstance(answer, list):
                 return answer
             log.warning("request %s: its reply stream lost tokens (%s): sending them again", d.message.id, answer)
             async with self._lock:
-                self._buffer[:0] = _refill(d, [], answer, set())
+                self._buffer[:0] = _refill(d, events, answer, set())
         return False
 
     async def _write(self, calls: list[tuple[list[str], list[object]]]) -> list[object]:
@@ -271,24 +283,3 @@ async def final_status(redis: Redis, status_key: str) -> FinalResult | None:
     """The request's final result from its status hash, or None while it has none."""
     state, result = await redis.hmget(status_key, ["state", "result"])
     return FinalResult.model_validate_json(result) if state in FINAL_STATES and result else None
-
-
-_ENTRY_ID = re.compile(r"[0-9]{1,20}(-[0-9]{1,20})?")
-
-
-async def resume_index(redis: Redis, model: str, rid: str, last_id: str) -> int:
-    """The next token index after reply entry `last_id` (for SSE Last-Event-ID).
-
-    Raises ValueError when `last_id` is not a stream entry id (a client's header, unchecked).
-    """
-    if not _ENTRY_ID.fullmatch(last_id) or any(int(n) >= 2**64 for n in last_id.split("-")):
-        raise ValueError(f"{last_id!r} is not a stream entry id")
-    key = ModelKeys(model).reply(rid)
-    got = await redis.xrange(key, min=last_id, max=last_id, count=1)
-    if not got:
-        return 0
-    fields = got[0][1]
-    if fields.get("kind") != "delta":
-        return 0
-    ev = DeltaEvent.model_validate_json(fields["data"])
-    return ev.i + len(ev.token_ids)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import re
 import time
 import zlib
 from collections.abc import AsyncIterator
@@ -30,6 +31,7 @@ from redis.exceptions import RedisError
 from sluice.broker.keys import ModelKeys
 from sluice.broker.readers import Readers
 from sluice.broker.replies import ReplyDecoder, ReplyEvent, final_status
+from sluice.protocol.messages import DeltaEvent
 
 log = logging.getLogger(__name__)
 
@@ -244,3 +246,24 @@ class ReplyRouter:
         if await self.redis.xread({follower.key: follower.after}, count=1):
             return None  # entries still to come through the shard
         return ReplyEvent(follower.after, "final", final=final)
+
+
+_ENTRY_ID = re.compile(r"[0-9]{1,20}(-[0-9]{1,20})?")
+
+
+async def resume_index(redis: Redis, model: str, rid: str, last_id: str) -> int:
+    """The next token index after reply entry `last_id` (for SSE Last-Event-ID).
+
+    Raises ValueError when `last_id` is not a stream entry id (a client's header, unchecked).
+    """
+    if not _ENTRY_ID.fullmatch(last_id) or any(int(n) >= 2**64 for n in last_id.split("-")):
+        raise ValueError(f"{last_id!r} is not a stream entry id")
+    key = ModelKeys(model).reply(rid)
+    got = await redis.xrange(key, min=last_id, max=last_id, count=1)
+    if not got:
+        return 0
+    fields = got[0][1]
+    if fields.get("kind") != "delta":
+        return 0
+    ev = DeltaEvent.model_validate_json(fields["data"])
+    return ev.i + len(ev.token_ids)
