@@ -274,7 +274,7 @@ class StreamConsumer:
             keys=[d.stream, self.keys.status(rid), self.keys.reply(rid)],
             args=[GROUP, self.consumer, d.entry_id, result.status.value, result.model_dump_json(exclude_none=True),
                   time.time(), self.result_ttl_s, self.reply_ttl_s, self.keys.for_request(rid).done, rid, d.rows,
-                  int(strict), len(streamed or ()), *(streamed or ()), *deltas],
+                  int(strict), len(streamed or ()), *(streamed or ()), d.attempt, *deltas],
         )
         if isinstance(written, list):
             return written

@@ -13,7 +13,7 @@ from redis.asyncio import Redis
 from redis.exceptions import NoScriptError
 
 from sluice.broker.connection import is_cluster
-from sluice.broker.keys import GROUP, ModelKeys
+from sluice.broker.keys import ModelKeys
 from sluice.broker.scripts import Scripts
 from sluice.protocol.messages import DeltaEvent, FinalResult, TokenLogprob
 from sluice.protocol.states import FINAL_STATES
@@ -75,7 +75,8 @@ class ReplyWriter:
                 try:
                     answers = await self._write([
                         ([d.stream, self.keys.reply(d.message.id), self.keys.status(d.message.id)],
-                         [GROUP, d.consumer, d.entry_id, 0 if d.sent.ttl_set else self.reply_ttl_s,
+                         [max(d.attempt, *(ev.attempt for ev in events)), d.consumer, d.entry_id,
+                          0 if d.sent.ttl_set else self.reply_ttl_s,
                           0 if d.key in loose else 1, *(ev.model_dump_json(exclude_none=True) for ev in events)])
                         for d, events in by_entry.values()])
                 except BaseException:

@@ -7,6 +7,17 @@ local function owns(stream, group, id, consumer)
   return #p == 1 and p[1][2] == consumer
 end
 
+-- Fencing by attempt (a fencing token): every start writes its attempt (the entry's delivery
+-- count, which each takeover raises) and the entry it runs into the status hash, and a worker
+-- writes tokens or a final only while the status names no later attempt and no other entry. A
+-- worker frozen past its lease is fenced out the moment its successor starts; until then its
+-- writes are still the request's only ones. No XPENDING on the per-token and commit paths.
+-- `current`, `entry`: the status's `attempt` and `entry` fields (false when absent).
+local function superseded(current, entry, attempt, entry_id)
+  current = tonumber(current)
+  return (current ~= nil and current > tonumber(attempt)) or (entry and entry ~= entry_id)
+end
+
 local function ack_and_delete(stream, group, id)
   redis.call('XACK', stream, group, id)
   redis.call('XDEL', stream, id)

@@ -134,6 +134,18 @@ async def running_request(redis: Redis, settings: Settings, name: str = "w1"):
     return adm, m, c, d
 
 
+async def take_over(redis: Redis, settings: Settings, d: Delivery, name: str = "w2"):
+    """A real takeover of `d`: its lease lapses, consumer `name` reclaims the entry (XAUTOCLAIM
+    raises its delivery count) and starts it under the next attempt, which fences `d`'s worker
+    out. Returns (consumer, delivery)."""
+    await redis.xclaim(d.stream, GROUP, d.consumer, 0, [d.entry_id], idle=10_000_000, justid=True)
+    c = await ready_consumer(redis, settings, name)
+    (again,) = await c.fetch(1, 100)
+    assert (again.entry_id, again.attempt) == (d.entry_id, d.attempt + 1)
+    assert await c.start(again) == "run"
+    return c, again
+
+
 @contextlib.contextmanager
 def staged_cluster(tmp_path: Path) -> Iterator[LocalCluster]:
     """A local Redis Cluster for a staged failover: nodes a test stopped (SIGSTOP) are resumed

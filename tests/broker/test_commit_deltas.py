@@ -11,7 +11,7 @@ from sluice.broker.keys import GROUP
 from sluice.broker.replies import ReplyWriter, delivered
 from sluice.config.settings import Settings
 from sluice.protocol.messages import DeltaEvent
-from tests.broker.helpers import KEYS, MODEL, done_result, running_request
+from tests.broker.helpers import KEYS, MODEL, done_result, running_request, take_over
 
 
 async def _entries(redis: Redis, rid: str) -> list[tuple[str, str]]:
@@ -98,7 +98,7 @@ async def test_a_fenced_commit_writes_no_deltas(redis: Redis, settings: Settings
     _, m, c, d = await running_request(redis, settings, "w1")
     writer = ReplyWriter(redis, MODEL, reply_ttl_s=settings.reply_ttl_s)
     _three(writer, d)
-    await redis.xclaim(d.stream, GROUP, "w2", 0, [d.entry_id], justid=True)  # taken over
+    await take_over(redis, settings, d)
     assert not await writer.commit(d, done_result(" a b c"), c.commit)
     assert await redis.xlen(KEYS.reply(m.id)) == 0
     assert await redis.hget(KEYS.status(m.id), "state") == "running"

@@ -24,6 +24,7 @@ from tests.broker.helpers import (
     replies,
     running_request,
     submit_n,
+    take_over,
 )
 
 # -- consumer groups and names ----------------------------------------------------------------
@@ -186,17 +187,48 @@ async def test_start_skips_an_expired_request(redis: Redis, settings: Settings) 
     await _assert_finished_by_guard(redis, m.id, "expired")
 
 
-async def test_start_is_fenced_for_an_entry_owned_by_another_consumer(
-        redis: Redis, settings: Settings) -> None:
+async def test_start_is_fenced_once_a_later_attempt_started(redis: Redis, settings: Settings) -> None:
+    """A worker frozen between its fetch and its start, past its lease: another took the entry
+    over and started it. The late start writes nothing and acknowledges nothing."""
     adm = admission(redis, settings)
     (m,) = await submit_n(adm, 1)
     c = await ready_consumer(redis, settings)
     d = await fetch_one(c)
-    await redis.xclaim(KEYS.requests, GROUP, "w2", 0, [d.entry_id], justid=True)
+    await take_over(redis, settings, d)
     assert await c.start(d) == "fenced"
-    assert await redis.hget(KEYS.status(m.id), "state") == "queued"
+    assert await redis.hmget(KEYS.status(m.id), ["state", "attempt", "worker"]) == ["running", "2", "w2"]
     assert await replies(redis, m.id) == []
     assert [p["consumer"] for p in await pending(redis)] == ["w2"]
+
+
+async def test_a_redelivered_start_is_fenced_where_the_entry_is_another_consumers(
+        redis: Redis, settings: Settings) -> None:
+    """A reclaimed entry (attempt > 1) is started only while it is still pending here: a
+    second takeover that raced the first one wins before either started."""
+    _, m, c, d = await running_request(redis, settings)
+    await redis.xclaim(d.stream, GROUP, d.consumer, 0, [d.entry_id], idle=10_000_000, justid=True)
+    w2 = await ready_consumer(redis, settings, "w2")
+    (again,) = await w2.fetch(1, 100)
+    await redis.xclaim(d.stream, GROUP, "w3", 0, [d.entry_id], justid=True)  # w3 reclaimed it meanwhile
+    assert await w2.start(again) == "fenced"
+    assert await redis.hget(KEYS.status(m.id), "attempt") == "1"
+
+
+async def test_a_claim_not_yet_started_leaves_the_first_worker_its_commit(
+        redis: Redis, settings: Settings) -> None:
+    """Fencing is by attempt: an entry reclaimed but not yet started is still the first
+    worker's to finish (its result is whole); the claimer's start then finds the request final
+    and runs nothing. Exactly one final either way."""
+    _, m, c, d = await running_request(redis, settings)
+    await redis.xclaim(d.stream, GROUP, d.consumer, 0, [d.entry_id], idle=10_000_000, justid=True)
+    w2 = await ready_consumer(redis, settings, "w2")
+    (again,) = await w2.fetch(1, 100)
+    assert again.attempt == 2
+    assert await c.commit(d, done_result()) is True
+    assert await w2.start(again) in ("final", "fenced")
+    assert len([e for e in await replies(redis, m.id) if e[1].get("kind") == "final"]) == 1
+    assert await redis.hget(KEYS.status(m.id), "state") == "done"
+    assert (await redis.xpending(KEYS.requests, GROUP))["pending"] == 0
 
 
 async def test_start_skips_an_already_final_request(redis: Redis, settings: Settings) -> None:
@@ -269,7 +301,7 @@ async def test_the_worker_s_log_buffer_writes_batches_together_and_drops_on_fail
 
 async def test_commit_by_a_fenced_out_consumer_writes_nothing(redis: Redis, settings: Settings) -> None:
     adm, m, c, d = await running_request(redis, settings)
-    await redis.xclaim(KEYS.requests, GROUP, "w2", 0, [d.entry_id], justid=True)
+    await take_over(redis, settings, d)
     assert await c.commit(d, done_result()) is False
     assert await replies(redis, m.id) == []
     assert await redis.exists(KEYS.reply(m.id)) == 0

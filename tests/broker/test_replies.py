@@ -18,6 +18,7 @@ from tests.broker.helpers import (
     done_result,
     read_events,
     running_request,
+    take_over,
 )
 from tests.conftest import TOPOLOGY
 
@@ -175,7 +176,7 @@ async def test_a_fenced_worker_writes_no_tokens(redis: Redis, settings: Settings
     writer = ReplyWriter(redis, MODEL, reply_ttl_s=settings.reply_ttl_s)
     writer.delta(d, DeltaEvent(i=0, text="a", token_ids=[1]))
     await writer.flush()
-    await redis.xclaim(KEYS.requests, GROUP, "w2", 0, [d.entry_id], justid=True)  # taken over
+    await take_over(redis, settings, d)
     writer.delta(d, DeltaEvent(i=1, text="b", token_ids=[2]))
     await writer.flush()
     assert [DeltaEvent.model_validate_json(f["data"]).text for _, f in await redis.xrange(KEYS.reply(m.id))] == ["a"]

@@ -83,10 +83,14 @@ async def test_a_request_taken_over_mid_generation_resumes_after_its_streamed_to
         assert time.monotonic() < deadline, "no tokens streamed"
         await asyncio.sleep(0.05)
     entry = r.hget(keys.status(rid), "entry")
-    r.xclaim(keys.requests, GROUP, "ghost", 0, [entry], justid=True)  # fenced, not yet reclaimable
+    # A takeover by "ghost", which then stalls: its claim raises the delivery count to 2 and its
+    # start writes attempt 2 (what start.lua does), so the running worker is fenced out at once;
+    # the entry is not yet reclaimable (ghost's claim is fresh).
+    r.xclaim(keys.requests, GROUP, "ghost", 0, [entry])
+    r.hset(keys.status(rid), mapping={"attempt": 2, "worker": "ghost"})
     result = await wait_done(client, rid, timeout_s=300)
     text, final = await reader
-    assert result["status"] == "done" and result["attempt"] == 2, result
+    assert result["status"] == "done" and result["attempt"] == 3, result
     assert result["output"]["num_output_tokens"] == reference["output"]["num_output_tokens"]
     assert text == result["output"]["text"]
     assert result["output"]["text"] == reference["output"]["text"]
