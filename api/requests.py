@@ -98,17 +98,14 @@ def view(status: RequestStatus) -> RequestView:
                        timings={k: v for k, v in timings.items() if v is not None}, attempt=status.attempt)
 
 
-async def visible_status(s: ApiState, caller: Caller, rid: str) -> RequestStatus:
-    """The request's status (and model), if the caller may see it: another key's request is as
-    missing as an unknown id (404, not 403), so ids cannot be probed."""
-    status = await s.lookup.status_of(rid)
-    if not caller.admin and not caller.owns(status.owner):
-        raise ApiError(404, f"request {rid!r} not found", code="not_found")
-    return status
-
-
 async def visible_model(s: ApiState, caller: Caller, rid: str) -> str:
-    return (await visible_status(s, caller, rid)).model
+    """The request's model, if the caller may see it: another key's request is as missing as
+    an unknown id (404, not 403), so ids cannot be probed."""
+    model = await s.lookup.model_of(rid)
+    status = await s.admission.status(model, rid)
+    if not caller.admin and not caller.owns(status.owner if status else None):
+        raise ApiError(404, f"request {rid!r} not found", code="not_found")
+    return model
 
 
 @router.get("/{rid}", response_model=RequestView, response_model_exclude_none=True)
@@ -118,12 +115,8 @@ async def get_request(
     s: ApiState = Depends(state),
     caller: Caller = Depends(require_key),
 ) -> RequestView:
-    status = await visible_status(s, caller, rid)
-    # Nothing to wait for: shown as read (a final read where admissions wait for replicas is
-    # read again behind a WAIT by wait_final: shown once a failover keeps it).
-    if (status.final or wait <= 0) and not (status.final and s.admission.wait_replicas):
-        return view(status)
-    return view(await s.lookup.wait_final(status.model, rid, min(wait, s.settings.max_wait_s)))
+    model = await visible_model(s, caller, rid)
+    return view(await s.lookup.wait_final(model, rid, min(wait, s.settings.max_wait_s)))
 
 
 @router.delete("/{rid}", status_code=202)

@@ -181,12 +181,10 @@ class Admission:
         entries = await self.redis.xrevrange(ModelKeys(model).log, count=limit)
         return [json.loads(fields["data"]) for _, fields in reversed(entries)]
 
-    async def find_status(self, rid: str, models: list[str]) -> RequestStatus | None:
-        """The status of a request id and so its model (ids do not name their model), read
-        in one round trip: the caller needs the status anyway (its owner, its state)."""
+    async def find_model(self, rid: str, models: list[str]) -> str | None:
+        """Which model a request id belongs to (ids do not name their model)."""
         async with self.redis.pipeline(transaction=False) as pipe:
             for m in models:
-                pipe.hgetall(ModelKeys(m).status(rid))
+                pipe.exists(ModelKeys(m).status(rid))
             found = await pipe.execute()
-        return next((status for m, raw in zip(models, found)
-                     if (status := RequestStatus.from_hash(rid, m, raw)) is not None), None)
+        return next((m for m, hit in zip(models, found) if hit), None)
