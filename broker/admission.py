@@ -80,12 +80,10 @@ class Admission:
             lane_max = -(-max_queued // shards)
             slo_max = None if slo_max is None else -(-slo_max // shards)
         bound = lane_max if slo_max is None else min(lane_max, slo_max)
-        # the other lane's own bound (its length is read only where that bound leaves too little)
-        other_max = max_queued if first.lane == "bulk" else max(int(max_queued * self.bulk_queue_share), 1)
         entries = await self.scripts.admit(
             keys=[stream, other, *(keys.status(m.id) for m in messages)],
             args=[max_queued, bound, self.status_ttl_s, first.enqueued_at, first.model, first.lane,
-                  first.owner or "", result_ttl_s or self.result_ttl_s, other_max,
+                  first.owner or "", result_ttl_s or self.result_ttl_s,
                   *(x for m in messages for x in (m.id, m.model_dump_json()))],
         )
         if entries is None:

@@ -69,14 +69,15 @@ class ReplyWriter:
                 if not pending:
                     return
                 batch = _coalesce(pending)
-                by_entry: dict[tuple[str, str], tuple[Delivery, list[DeltaEvent]]] = {}
+                # One call per entry and attempt: an earlier attempt's leftovers (a worker that gave
+                # the request up, then took it over again under its name) are fenced on their own.
+                by_entry: dict[tuple[tuple[str, str], int], tuple[Delivery, list[DeltaEvent]]] = {}
                 for d, ev in batch:
-                    by_entry.setdefault(d.key, (d, []))[1].append(ev)
+                    by_entry.setdefault((d.key, d.attempt), (d, []))[1].append(ev)
                 try:
                     answers = await self._write([
                         ([d.stream, self.keys.reply(d.message.id), self.keys.status(d.message.id)],
-                         [max(d.attempt, *(ev.attempt for ev in events)), d.consumer, d.entry_id,
-                          0 if d.sent.ttl_set else self.reply_ttl_s,
+                         [d.attempt, d.consumer, d.entry_id, 0 if d.sent.ttl_set else self.reply_ttl_s,
                           0 if d.key in loose else 1, *(ev.model_dump_json(exclude_none=True) for ev in events)])
                         for d, events in by_entry.values()])
                 except BaseException:
@@ -203,9 +204,9 @@ def _coalesce(buffer: list[tuple[Delivery, DeltaEvent]]) -> list[tuple[Delivery,
     """Join the buffered deltas of each (entry, row) into one: when writes lag behind the
     engine, fewer and larger entries keep Redis and the readers from falling further behind."""
     out: list[tuple[Delivery, DeltaEvent]] = []
-    last: dict[tuple[str, int], int] = {}  # (entry, row) -> its latest position in out
+    last: dict[tuple[str, int, int], int] = {}  # (entry, attempt, row) -> its latest position in out
     for d, ev in buffer:
-        at = last.get((d.entry_id, ev.row))
+        at = last.get((d.entry_id, d.attempt, ev.row))
         prev = out[at][1] if at is not None else None
         if prev is not None and prev.finish is None and prev.i + len(prev.token_ids) == ev.i:
             joined = {"text": prev.text + ev.text, "token_ids": prev.token_ids + ev.token_ids, "finish": ev.finish}
@@ -213,7 +214,7 @@ def _coalesce(buffer: list[tuple[Delivery, DeltaEvent]]) -> list[tuple[Delivery,
                 joined["logprobs"] = (prev.logprobs or []) + (ev.logprobs or [])
             out[at] = (d, prev.model_copy(update=joined))
         else:
-            last[(d.entry_id, ev.row)] = len(out)
+            last[(d.entry_id, d.attempt, ev.row)] = len(out)
             out.append((d, ev))
     return out
 

@@ -7,9 +7,7 @@
 -- first status hash and enqueues nothing.
 -- KEYS: stream, the other lane's stream, then one status hash per request
 -- ARGV: max_queued, lane_max, status_ttl, now, model, lane, owner ('' for none), retain_s,
---       other_max (the other lane's own bound), then rid, data for each request
--- The other lane is read only where its own bound could matter: interactive's admission reads
--- the bulk lane's length once its own holds more than max_queued less bulk's share.
+--       then rid, data for each request
 -- Returns the entry ids ('' for one final already; the first ones on a re-run), or false when
 -- the bound refuses them.
 local n = #KEYS - 2
@@ -21,15 +19,12 @@ if redis.call('EXISTS', KEYS[3]) == 1 then
   return entries
 end
 local here = redis.call('XLEN', KEYS[1])
-if here + n > tonumber(ARGV[2]) then
-  return false
-end
-if here + n + tonumber(ARGV[9]) > tonumber(ARGV[1]) and here + redis.call('XLEN', KEYS[2]) + n > tonumber(ARGV[1]) then
+if here + redis.call('XLEN', KEYS[2]) + n > tonumber(ARGV[1]) or here + n > tonumber(ARGV[2]) then
   return false
 end
 for i = 1, n do
-  local rid, status = ARGV[8 + 2 * i], KEYS[2 + i]
-  local entry = redis.call('XADD', KEYS[1], '*', 'id', rid, 'data', ARGV[9 + 2 * i])
+  local rid, status = ARGV[7 + 2 * i], KEYS[2 + i]
+  local entry = redis.call('XADD', KEYS[1], '*', 'id', rid, 'data', ARGV[8 + 2 * i])
   -- retain_s: how long the result is kept once final (write_final reads it)
   redis.call('HSET', status, 'state', 'queued', 'model', ARGV[5], 'enqueued_at', ARGV[4],
              'lane', ARGV[6], 'entry', entry, 'stream', KEYS[1], 'retain_s', ARGV[8])

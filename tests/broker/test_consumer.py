@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 from redis.asyncio import Redis
 
@@ -217,18 +218,37 @@ async def test_a_redelivered_start_is_fenced_where_the_entry_is_another_consumer
 async def test_a_claim_not_yet_started_leaves_the_first_worker_its_commit(
         redis: Redis, settings: Settings) -> None:
     """Fencing is by attempt: an entry reclaimed but not yet started is still the first
-    worker's to finish (its result is whole); the claimer's start then finds the request final
-    and runs nothing. Exactly one final either way."""
+    worker's to finish (its result is whole); the claimer's start then finds the entry no
+    longer pending and runs nothing. Exactly one final either way."""
     _, m, c, d = await running_request(redis, settings)
     await redis.xclaim(d.stream, GROUP, d.consumer, 0, [d.entry_id], idle=10_000_000, justid=True)
     w2 = await ready_consumer(redis, settings, "w2")
     (again,) = await w2.fetch(1, 100)
     assert again.attempt == 2
     assert await c.commit(d, done_result()) is True
-    assert await w2.start(again) in ("final", "fenced")
+    assert await w2.start(again) == "fenced"  # the commit acknowledged and deleted its entry
     assert len([e for e in await replies(redis, m.id) if e[1].get("kind") == "final"]) == 1
     assert await redis.hget(KEYS.status(m.id), "state") == "done"
     assert (await redis.xpending(KEYS.requests, GROUP))["pending"] == 0
+
+
+async def test_start_renews_the_status_ttl_only_where_the_wait_ate_half_of_it(
+        redis: Redis, settings: Settings) -> None:
+    """Admission gives the status status_ttl; a start after a short wait leaves it (one EXPIRE
+    less a request), one after a wait longer than half of it renews it: a request that waited
+    long in the queue never loses its status while it runs."""
+    settings = settings.model_copy(update={"status_ttl_s": 4})
+    adm = admission(redis, settings)
+    quick, slow = await submit_n(adm, 2)
+    c = await ready_consumer(redis, settings)
+    first, second = await c.fetch(2, 100)
+    await redis.expire(KEYS.status(quick.id), 3)  # a marker: a renewal would put it back to 4
+    assert await c.start(first) == "run"
+    assert await redis.ttl(KEYS.status(quick.id)) == 3
+    await redis.hset(KEYS.status(slow.id), "enqueued_at", time.time() - 3)  # waited 3 s of its 4
+    await redis.expire(KEYS.status(slow.id), 1)
+    assert await c.start(second) == "run"
+    assert await redis.ttl(KEYS.status(slow.id)) == 4
 
 
 async def test_start_skips_an_already_final_request(redis: Redis, settings: Settings) -> None:

@@ -10,13 +10,16 @@ from redis.asyncio import Redis
 
 from sluice.broker.dead_letters import DeadLetters
 from sluice.broker.keys import GROUP
+from sluice.broker.replies import ReplyWriter
 from sluice.config.settings import Settings
-from sluice.protocol.messages import FinalResult
+from sluice.protocol.messages import DeltaEvent, FinalResult
 from sluice.protocol.states import State
 from tests.broker.helpers import (
     KEYS,
+    MODEL,
     admission,
     consumer,
+    done_result,
     fetch_one,
     message,
     ready_consumer,
@@ -182,6 +185,29 @@ async def test_a_dead_letter_retry_respects_the_bound_and_becomes_the_current_en
     got = {x.message.id: x for x in await c.fetch(10, 100)}
     assert got[m.id].entry_id == status["entry"]
     assert await c.start(got[m.id]) == "run"
+
+
+async def test_a_worker_still_running_a_retried_dead_letter_writes_nothing(
+        redis: Redis, settings: Settings) -> None:
+    """The worker that ran a request before it was dead-lettered is still at it when `dlq
+    retry` puts it back as a new entry (the retry clears the attempt): its tokens and its commit
+    are fenced by the entry, before the new entry starts and after, and the new run's final is
+    the one final."""
+    adm, m, c, d = await running_request(redis, settings)
+    assert await c.dead_letter(d.stream, d.entry_id, m.id, m.model_dump_json(), "crashed", 3)
+    assert await DeadLetters(redis, KEYS.model).retry(None, max_queued=10) == [m.id]
+    writer = ReplyWriter(redis, MODEL, reply_ttl_s=settings.reply_ttl_s)
+    writer.delta(d, DeltaEvent(i=0, text=" old", token_ids=[1]))
+    await writer.flush()
+    assert await c.commit(d, done_result(" old")) is False
+    assert await replies(redis, m.id) == []
+    w2 = await ready_consumer(redis, settings, "w2")
+    (again,) = await w2.fetch(1, 100)
+    assert again.entry_id != d.entry_id and await w2.start(again) == "run"
+    assert await c.commit(d, done_result(" old")) is False
+    assert await w2.commit(again, done_result(" new")) is True
+    assert [f["status"] for f in finals(await replies(redis, m.id))] == ["done"]
+    assert " new" in await redis.hget(KEYS.status(m.id), "result")
 
 
 async def test_reclaim_takes_over_lapsed_leases_ahead_of_new_entries(redis: Redis, settings: Settings) -> None:

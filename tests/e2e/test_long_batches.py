@@ -9,8 +9,11 @@ import time
 import httpx
 import pytest
 import redis as redis_sync
+import redis.asyncio as aioredis
 
+from sluice.broker.consumer import Delivery, StreamConsumer
 from sluice.broker.keys import GROUP, ModelKeys
+from sluice.protocol.messages import RequestMessage
 from tests.e2e.conftest import CUSTOM, DYNAMIC, LEASE_TIMEOUT_S, MODEL, Stack, configure, submit, wait_done
 from tests.e2e.sse import sse_events
 from tests.e2e.test_batching_modes import log_records
@@ -83,11 +86,14 @@ async def test_a_request_taken_over_mid_generation_resumes_after_its_streamed_to
         assert time.monotonic() < deadline, "no tokens streamed"
         await asyncio.sleep(0.05)
     entry = r.hget(keys.status(rid), "entry")
-    # A takeover by "ghost", which then stalls: its claim raises the delivery count to 2 and its
-    # start writes attempt 2 (what start.lua does), so the running worker is fenced out at once;
-    # the entry is not yet reclaimable (ghost's claim is fresh).
-    r.xclaim(keys.requests, GROUP, "ghost", 0, [entry])
-    r.hset(keys.status(rid), mapping={"attempt": 2, "worker": "ghost"})
+    # A takeover by "ghost", which then stalls: its claim raises the delivery count to 2 and it
+    # starts attempt 2 (start.lua), so the running worker is fenced out at once; the entry is not
+    # yet reclaimable (ghost's claim is fresh).
+    ((_, fields),) = r.xclaim(keys.requests, GROUP, "ghost", 0, [entry])
+    async with aioredis.Redis.from_url(stack.redis_url, decode_responses=True) as ar:
+        ghost = StreamConsumer(ar, model, "ghost", status_ttl_s=3600, reply_ttl_s=600, log_max_len=100)
+        taken = Delivery(keys.requests, entry, RequestMessage.from_fields(fields), "ghost", 2)
+        assert await ghost.start(taken) == "run"
     result = await wait_done(client, rid, timeout_s=300)
     text, final = await reader
     assert result["status"] == "done" and result["attempt"] == 3, result
