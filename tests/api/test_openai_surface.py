@@ -196,7 +196,7 @@ async def test_a_retry_keeps_the_logprobs_its_stream_delivered(redis: Redis) -> 
     assert row.token_ids == [0, 1, 2] and [t.logprob for t in row.logprobs] == [0, -1, -2]
     assert row.prompt_logprobs == [TokenLogprob(token="p", logprob=None)]
     # a lagging writer joins deltas: their log probabilities are joined with them
-    owner = SimpleNamespace(entry_id="1-0")
+    owner = SimpleNamespace(entry_id="1-0", attempt=1)
     joined = _coalesce([(owner, e) for e in first])  # type: ignore[misc]
     assert len(joined) == 1 and [t.token for t in joined[0][1].logprobs] == [" t0", " t1", " t2"]
 

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import pytest
 from redis.asyncio import Redis
 
 from sluice.broker.keys import GROUP
-from sluice.broker.replies import ReplyWriter, delivered
+from sluice.broker.replies import ReplyWriter, _coalesce, delivered
 from sluice.broker.reply_router import resume_index
 from sluice.config.settings import Settings
 from sluice.protocol.messages import DeltaEvent
@@ -377,3 +378,14 @@ async def test_the_deltas_kept_for_a_resend_are_bounded(redis: Redis, settings: 
     kept = d.sent.rows[0]
     assert len(kept) == _KEPT and min(kept) == 100 and max(kept) == _KEPT + 99
     assert (await delivered(redis, MODEL, m.id))[0].token_ids == list(range(_KEPT + 100))
+
+
+async def test_deltas_of_two_attempts_are_never_joined(redis: Redis, settings: Settings) -> None:
+    """A lagging writer joins a row's contiguous deltas, but never across attempts: attempt 1's
+    leftover and attempt 2's next token stay apart, so the earlier one is fenced on its own and
+    the later one is written under its own attempt."""
+    _, m, c, d = await running_request(redis, settings)
+    again = dataclasses.replace(d, attempt=2)
+    joined = _coalesce([(d, DeltaEvent(i=0, text=" a0", token_ids=[0])),
+                        (again, DeltaEvent(i=1, text=" b1", token_ids=[1], attempt=2))])
+    assert [(o.attempt, ev.attempt, ev.i) for o, ev in joined] == [(1, 1, 0), (2, 2, 1)]
