@@ -75,7 +75,8 @@ def api(
     # uvicorn's own logs (its access log: one line per request, at info) follow SLUICE_LOG_LEVEL
     options = {"host": settings.api_host, "port": settings.api_port,
                "log_level": os.environ.get("SLUICE_LOG_LEVEL", "INFO").lower(),
-               "timeout_graceful_shutdown": math.ceil(settings.shutdown_timeout_s) + 2}
+               "timeout_graceful_shutdown": math.ceil(settings.shutdown_timeout_s) + 2,
+               "timeout_keep_alive": math.ceil(settings.api_keep_alive_s)}
     if workers == 1:
         uvicorn.run(create_app(settings), **options)
         return

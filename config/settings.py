@@ -26,6 +26,10 @@ class Settings(BaseSettings):
     api_host: str = "127.0.0.1"
     api_port: int = Field(default=8000, ge=0, le=65535)
     api_keys: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    # An idle keep-alive connection is held this long: longer than clients keep theirs (httpx and
+    # the OpenAI SDK: 5 s) and than a load balancer's idle timeout (60 s is common), so the client
+    # side always closes first; a server that closes first races a client reusing the connection.
+    api_keep_alive_s: float = Field(default=65.0, gt=0)
     max_body_bytes: int = Field(default=8 * 1024 * 1024, gt=0)
     max_prompt_chars: int = Field(default=200_000, gt=0)
     max_wait_s: float = Field(default=300.0, gt=0)  # longest long-poll / synchronous infer
