@@ -84,7 +84,10 @@ class _Shard:
                 continue
             self.changed.clear()
             self.unblocked = False
-            # One position per stream: the earliest of its followers (each skips what it has).
+            # One position per stream: the earliest of its followers. Each follower keeps its own
+            # cursor: a read hands it only entries after the last one it got, and only from a read
+            # that began at or before that position (one that joined while a read from a later
+            # position was under way waits for the next read, which starts from its own).
             streams = {key: min((f.after for f in fs), key=_order) for key, fs in self.followers.items()}
             for fs in self.followers.values():
                 for f in fs:
@@ -106,6 +109,8 @@ class _Shard:
                 continue
             for key, entries in got or []:
                 for f in list(self.followers.get(key, ())):
+                    if _order(f.after) < _order(streams[key]):  # it joined during the read: not its rest
+                        continue
                     for entry in entries:
                         if _order(entry[0]) > _order(f.after):
                             f.after = entry[0]

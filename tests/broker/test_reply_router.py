@@ -4,6 +4,7 @@ out a blocked read, the final from the status hash once a reply stream has expir
 from __future__ import annotations
 
 import asyncio
+import random
 from collections.abc import AsyncIterator, Callable
 
 import pytest
@@ -11,7 +12,7 @@ from redis.asyncio import Redis
 
 from sluice.broker.connection import connect, is_cluster
 from sluice.broker.readers import Readers
-from sluice.broker.reply_router import ReplyRouter
+from sluice.broker.reply_router import ReplyRouter, resume_index
 from sluice.protocol.messages import DeltaEvent, FinalResult, RowOutput, State
 from tests.broker.helpers import KEYS, MODEL
 from tests.fakes import eventually
@@ -179,3 +180,82 @@ async def test_a_read_blocked_past_the_clients_default_timeout_still_takes_in_ne
     assert got[0] - sent < 1.0, f"first token {got[0] - sent:.1f} s late"
     await finish(redis, "req-quiet", "")
     await asyncio.wait_for(quiet, 15)
+
+
+@pytest.mark.parametrize("seed", range(6))
+async def test_every_reader_gets_exactly_the_stream_however_and_whenever_it_joins(
+        redis: Redis, make_router: Callable[..., ReplyRouter], seed: int) -> None:
+    """Issue 28, defect 1: each reader keeps its own cursor. Many requests written at once,
+    each read by a reader from the start, readers that join from the start at random points of
+    the writing (while the shard's read for that stream is under way), a reader that hangs up
+    after a few events and resumes with the last id it got (as Last-Event-ID does), and one
+    that resumes from a random id written so far. Every reader's joined deltas must be exactly
+    the stream after its position, in order, then the final. A reader that joined while a read
+    for its stream was in flight used to get that read's later entries and skip the earlier ones."""
+    rng = random.Random(seed)
+    router = make_router(shards=2)
+    tokens = 24
+    rids = [f"req-readers-{seed}-{n}" for n in range(12)]
+    written: dict[str, list[tuple[str, str]]] = {rid: [] for rid in rids}  # (entry id, text) in order
+    reached = {rid: [asyncio.Event() for _ in range(tokens + 1)] for rid in rids}  # [k]: k tokens written
+
+    def text(rid: str, i: int) -> str:
+        return f" {rid.rpartition('-')[2]}.{i}"
+
+    full = {rid: "".join(text(rid, i) for i in range(tokens)) for rid in rids}
+
+    async def write(rid: str, pauses: list[float]) -> None:
+        reached[rid][0].set()
+        for i in range(tokens):
+            ev = DeltaEvent(i=i, text=text(rid, i), token_ids=[i])
+            entry_id = await redis.xadd(KEYS.reply(rid), {"kind": "delta", "data": ev.model_dump_json()})
+            written[rid].append((entry_id, ev.text))
+            reached[rid][i + 1].set()
+            await asyncio.sleep(pauses[i])
+        await finish(redis, rid, full[rid])
+
+    async def read(rid: str, after: str = "0") -> str:
+        next_index = await resume_index(redis, MODEL, rid, after) if after != "0" else 0
+        return "".join(await texts(router, rid, after=after, next_index=next_index))
+
+    async def late(rid: str, k: int) -> str:
+        await reached[rid][k].wait()
+        return await read(rid)
+
+    async def hang_up_and_resume(rid: str, k: int, m: int) -> str:
+        await reached[rid][k].wait()
+        seen, last = [], "0"
+        stream = router.follow(MODEL, rid)
+        async for ev in stream:
+            seen.append(ev.delta.text if ev.delta else f"final:{ev.final.output.text}")
+            last = ev.entry_id
+            if len(seen) == m or ev.final is not None:
+                break
+        await stream.aclose()
+        if seen[-1].startswith("final:"):
+            return "".join(seen)
+        return "".join(seen) + await read(rid, after=last)
+
+    async def from_random_id(rid: str, k: int) -> tuple[str, str]:
+        await reached[rid][k].wait()
+        n = rng.randrange(k)
+        entry_id = written[rid][n][0]
+        got = await read(rid, after=entry_id)
+        return got, "".join(t for _, t in written[rid][n + 1:]) + f"final:{full[rid]}"
+
+    expected = {rid: full[rid] + f"final:{full[rid]}" for rid in rids}
+    checks: list[tuple[str, str, asyncio.Task]] = []
+    for rid in rids:
+        checks.append(("from the start", rid, asyncio.create_task(read(rid))))
+        for _ in range(3):
+            checks.append(("late", rid, asyncio.create_task(late(rid, rng.randrange(tokens + 1)))))
+        checks.append(("resumed", rid, asyncio.create_task(
+            hang_up_and_resume(rid, rng.randrange(tokens + 1), rng.randint(1, tokens)))))
+    randoms = [(rid, asyncio.create_task(from_random_id(rid, rng.randint(1, tokens)))) for rid in rids]
+    writers = [write(rid, [rng.choice((0, 0, 0, 0.001, 0.003)) for _ in range(tokens)]) for rid in rids]
+    await asyncio.wait_for(asyncio.gather(*writers), 60)
+    await asyncio.wait_for(asyncio.gather(*(t for *_, t in checks), *(t for _, t in randoms)), 60)
+    wrong = [(kind, rid, t.result()) for kind, rid, t in checks if t.result() != expected[rid]]
+    wrong += [("from a random id", rid, t.result()[0]) for rid, t in randoms if t.result()[0] != t.result()[1]]
+    assert not wrong, f"{len(wrong)} readers got another stream than the one written: {wrong[:3]}"
+    assert router.following == 0
