@@ -31,7 +31,6 @@ from redis.exceptions import RedisError
 from sluice.broker.keys import ModelKeys
 from sluice.broker.readers import Readers
 from sluice.broker.replies import ReplyDecoder, ReplyEvent, final_status
-from sluice.protocol.messages import DeltaEvent
 
 log = logging.getLogger(__name__)
 
@@ -178,13 +177,15 @@ class ReplyRouter:
     def following(self) -> int:
         return sum(len(fs) for s in self._shards.values() for fs in s.followers.values())
 
-    async def follow(self, model: str, rid: str, *, after: str = "0", next_index: int = 0,
+    async def follow(self, model: str, rid: str, *, after: str = "0", next_index: int | dict[int, int] = 0,
                      idle_timeout_s: float | None = None) -> AsyncIterator[ReplyEvent]:
         """The request's reply events after entry `after` until the final, each token once
-        (ReplyDecoder); the final from the status hash when the reply stream holds nothing more (it
-        expired); nothing more after `idle_timeout_s` without an entry."""
+        (ReplyDecoder, from `next_index`: row 0's, or per row as `resume_index` gives it); the
+        final from the status hash when the reply stream holds nothing more (it expired);
+        nothing more after `idle_timeout_s` without an entry."""
         keys = ModelKeys(model)
-        decoder = ReplyDecoder(next_index)
+        decoder = ReplyDecoder()
+        decoder.seen.update({0: next_index} if isinstance(next_index, int) else next_index)
         follower = _Follower(keys.reply(rid), after)
         shard = self._shard_for(keys, rid)
         shard.add(follower)
@@ -256,19 +257,21 @@ class ReplyRouter:
 _ENTRY_ID = re.compile(r"[0-9]{1,20}(-[0-9]{1,20})?")
 
 
-async def resume_index(redis: Redis, model: str, rid: str, last_id: str) -> int:
-    """The next token index after reply entry `last_id` (for SSE Last-Event-ID).
+async def resume_index(redis: Redis, model: str, rid: str, last_id: str) -> dict[int, int]:
+    """Per row, the next token index to show a reader that got every event up to reply entry
+    `last_id` (SSE Last-Event-ID): the stream up to that entry read through the decoder a
+    reader from the start used, so a resumed reader sees exactly the rest, for every row.
 
     Raises ValueError when `last_id` is not a stream entry id (a client's header, unchecked).
     """
     if not _ENTRY_ID.fullmatch(last_id) or any(int(n) >= 2**64 for n in last_id.split("-")):
         raise ValueError(f"{last_id!r} is not a stream entry id")
     key = ModelKeys(model).reply(rid)
-    got = await redis.xrange(key, min=last_id, max=last_id, count=1)
-    if not got:
-        return 0
-    fields = got[0][1]
-    if fields.get("kind") != "delta":
-        return 0
-    ev = DeltaEvent.model_validate_json(fields["data"])
-    return ev.i + len(ev.token_ids)
+    decoder, start = ReplyDecoder(), "-"
+    while True:
+        got = await redis.xrange(key, min=start, max=last_id, count=1000)
+        for entry_id, fields in got:
+            decoder.event(entry_id, fields)
+            start = f"({entry_id}"
+        if len(got) < 1000:
+            return decoder.seen

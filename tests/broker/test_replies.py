@@ -100,7 +100,7 @@ async def test_reading_resumes_after_a_given_event(redis: Redis, settings: Setti
     await redis.xadd(KEYS.reply(rid), {"kind": "final", "data": done_result().model_dump_json()})
     first = await _collect(redis, rid)
     last_seen = first[1].entry_id  # the client saw tokens 0 and 1, then lost the connection
-    assert await resume_index(redis, MODEL, rid, last_seen) == 2
+    assert await resume_index(redis, MODEL, rid, last_seen) == {0: 2}
     rest = await _collect(redis, rid, after=last_seen, next_index=2)
     assert [e.delta.i for e in rest if e.kind == "delta"] == [2, 3]
     assert rest[-1].kind == "final"
