@@ -75,14 +75,17 @@ class Intake:
         self.slo = slo
 
     async def enqueue(self, model: ModelConfig, rows: Rows, sampling: Sampling = Sampling(), *,
-                      rid: str | None = None, owner: str | None = None) -> RequestMessage:
+                      rid: str | None = None, owner: str | None = None, keyed: bool = False) -> RequestMessage:
         """Admit one request of `rows` for `model` (503 with Retry-After when its queue is full).
-        `owner`: the digest of the api key that made it (recorded in its status hash)."""
-        (message,) = await self.enqueue_many(model, [rows], sampling, rids=[rid] if rid else None, owner=owner)
+        `owner`: the digest of the api key that made it (recorded in its status hash). `keyed`: an
+        Idempotency-Key names it (its admission leaves a mark that outlives its result)."""
+        (message,) = await self.enqueue_many(model, [rows], sampling, rids=[rid] if rid else None, owner=owner,
+                                             keyed=keyed)
         return message
 
     async def enqueue_many(self, model: ModelConfig, requests: Sequence[Rows], sampling: Sampling = Sampling(), *,
-                           rids: list[str] | None = None, owner: str | None = None) -> list[RequestMessage]:
+                           rids: list[str] | None = None, owner: str | None = None,
+                           keyed: bool = False) -> list[RequestMessage]:
         """Admit several requests (each a list of rows; the choices of one completion call)
         all at once or none of them: one admission against the queue bound, so a call is never
         left half-admitted and never counted one by one. Request i gets seed + i."""
@@ -103,7 +106,7 @@ class Intake:
             lane="bulk" if sampling.priority > 0 else "interactive",
         ) for i, rows in enumerate(checked)]
         bound = {"max_queued": model.max_queued or self.settings.max_queued, "shards": model.shards,
-                 "result_ttl_s": model.result_ttl_s or self.settings.result_ttl_s}
+                 "result_ttl_s": model.result_ttl_s or self.settings.result_ttl_s, "keyed": keyed}
         slo = await self.slo.bound(model) if self.slo and messages[0].lane == "interactive" else None
         if slo is not None:
             bound["slo_max"] = slo.max_in_lane

@@ -77,12 +77,16 @@ async def _submit(body: SubmitRequest, s: ApiState, caller: Caller, idempotency_
             status = await s.admission.status(first_model, first_id)
             if status:
                 return Submitted(id=first_id, status=status.state.value, model=first_model)
+            if await s.admission.was_admitted(first_model, first_id):  # never run one id twice
+                raise ApiError(410, f"request {first_id!r}, made with this Idempotency-Key, has finished and its "
+                                    "result expired (a result is kept for its model's retention after it "
+                                    "finishes); send a new Idempotency-Key to run it again", code="expired")
             model, rid = await s.deployments.get(first_model), first_id
     try:
         sampling = Sampling(temperature=body.temperature, top_p=body.top_p, stop=tuple(body.stop or ()),
                             seed=body.seed, timeout_s=body.timeout_s, priority=body.priority, **body.extras())
         message = await s.intake.enqueue(model, [{"prompt": body.prompt, "max_tokens": body.max_tokens}],
-                                         sampling, rid=rid, owner=caller.digest)
+                                         sampling, rid=rid, owner=caller.digest, keyed=key is not None)
     except ApiError as err:
         if key and (err.status != 503 or err.code == "overloaded"):  # refused: nothing was enqueued
             await s.admission.release_idempotency(key)

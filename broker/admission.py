@@ -54,19 +54,20 @@ class Admission:
         self._waitaof: bool | None = None  # whether the server has WAITAOF (Redis 7.2+), once known
 
     async def submit(self, message: RequestMessage, *, max_queued: int, result_ttl_s: int | None = None,
-                     slo_max: int | None = None, shards: int = 1) -> str:
+                     slo_max: int | None = None, shards: int = 1, keyed: bool = False) -> str:
         """XADD the request unless the bound is reached; returns the stream entry id."""
         return (await self.submit_many([message], max_queued=max_queued, result_ttl_s=result_ttl_s,
-                                       slo_max=slo_max, shards=shards))[0]
+                                       slo_max=slo_max, shards=shards, keyed=keyed))[0]
 
     async def submit_many(self, messages: list[RequestMessage], *, max_queued: int,
                           result_ttl_s: int | None = None, slo_max: int | None = None,
-                          shards: int = 1) -> list[str]:
+                          shards: int = 1, keyed: bool = False) -> list[str]:
         """XADD all the requests (one model, one lane, one owner) or none of them: they count
         against max_queued, both lanes together, and bulk against its share of it; `slo_max`
         bounds this lane further (the entries that can start within the model's TTFT target;
         SloRefused when it is what refuses them). Returns
-        the stream entry ids ('' for a request that is final already).
+        the stream entry ids ('' for a request that is final already). `keyed`: an
+        Idempotency-Key names the requests, so each leaves its admitted mark (`was_admitted`).
 
         Idempotent on the request ids (admit.lua), so redis-py re-running the script after a
         dropped connection enqueues nothing twice. Strict durability: the admission is on
@@ -80,10 +81,11 @@ class Admission:
             lane_max = -(-max_queued // shards)
             slo_max = None if slo_max is None else -(-slo_max // shards)
         bound = lane_max if slo_max is None else min(lane_max, slo_max)
+        marks = [keys.admitted(m.id) for m in messages] if keyed else []
         entries = await self.scripts.admit(
-            keys=[stream, other, *(keys.status(m.id) for m in messages)],
+            keys=[stream, other, *(keys.status(m.id) for m in messages), *marks],
             args=[max_queued, bound, self.status_ttl_s, first.enqueued_at, first.model, first.lane,
-                  first.owner or "", result_ttl_s or self.result_ttl_s,
+                  first.owner or "", result_ttl_s or self.result_ttl_s, self.status_ttl_s if keyed else 0,
                   *(x for m in messages for x in (m.id, m.model_dump_json()))],
         )
         if entries is None:
@@ -118,6 +120,12 @@ class Admission:
             return None
         first = json.loads(await self.redis.get(claim) or "null")
         return (first["model"], first["id"]) if first else None
+
+    async def was_admitted(self, model: str, rid: str) -> bool:
+        """Whether a request named by an Idempotency-Key was admitted (its mark outlives its
+        result: the key's lifetime). A repeat that finds no status but this mark must not run it
+        again under its id: its result expired."""
+        return bool(await self.redis.exists(ModelKeys(model).admitted(rid)))
 
     async def release_idempotency(self, key: str) -> None:
         """Nothing was enqueued under this key: it may be used again."""

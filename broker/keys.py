@@ -80,6 +80,11 @@ class ModelKeys:
         """What a Responses API response repeats of its request (instructions, metadata ...)."""
         return f"{self._rtag(rid)}:resp:{rid}"
 
+    def admitted(self, rid: str) -> str:
+        """The mark that a request named by an Idempotency-Key was admitted (admit.lua): kept as
+        long as the key, so that a repeat after its result expired is not run again."""
+        return f"{self._rtag(rid)}:admitted:{rid}"
+
     def cancel(self, rid: str) -> str:
         return f"{self._rtag(rid)}:cancel:{rid}"
 

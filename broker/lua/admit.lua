@@ -5,15 +5,21 @@
 -- Otherwise enqueue each request and create its status hash, in one step. Idempotent on the
 -- request ids: a script re-run by a client retrying through a dropped connection finds the
 -- first status hash and enqueues nothing.
--- KEYS: stream, the other lane's stream, then one status hash per request
+-- With `keep_s` > 0 (an Idempotency-Key names the request), each request also leaves a mark
+-- that it was admitted, kept `keep_s` (as long as the key): a repeat that finds the mark and no
+-- status knows the result expired, and never runs the request again under its id; a repeat that
+-- finds neither knows this admission never happened (or a failover lost it with its mark).
+-- KEYS: stream, the other lane's stream, then one status hash per request, then (keep_s > 0)
+--       one admitted mark per request
 -- ARGV: max_queued, lane_max, status_ttl, now, model, lane, owner ('' for none), retain_s,
---       then rid, data for each request
+--       keep_s, then rid, data for each request
 -- Returns the entry ids ('' for one final already; the first ones on a re-run), or false when
 -- the bound refuses them.
-local n = #KEYS - 2
+local n = (#ARGV - 9) / 2
+local keep_s = tonumber(ARGV[9])
 local entries = {}
 if redis.call('EXISTS', KEYS[3]) == 1 then
-  for i = 3, #KEYS do
+  for i = 3, 2 + n do
     entries[#entries + 1] = redis.call('HGET', KEYS[i], 'entry') or ''
   end
   return entries
@@ -23,8 +29,8 @@ if here + redis.call('XLEN', KEYS[2]) + n > tonumber(ARGV[1]) or here + n > tonu
   return false
 end
 for i = 1, n do
-  local rid, status = ARGV[7 + 2 * i], KEYS[2 + i]
-  local entry = redis.call('XADD', KEYS[1], '*', 'id', rid, 'data', ARGV[8 + 2 * i])
+  local rid, status = ARGV[8 + 2 * i], KEYS[2 + i]
+  local entry = redis.call('XADD', KEYS[1], '*', 'id', rid, 'data', ARGV[9 + 2 * i])
   -- retain_s: how long the result is kept once final (write_final reads it)
   redis.call('HSET', status, 'state', 'queued', 'model', ARGV[5], 'enqueued_at', ARGV[4],
              'lane', ARGV[6], 'entry', entry, 'stream', KEYS[1], 'retain_s', ARGV[8])
@@ -32,6 +38,9 @@ for i = 1, n do
     redis.call('HSET', status, 'owner', ARGV[7])
   end
   redis.call('EXPIRE', status, ARGV[3])
+  if keep_s > 0 then
+    redis.call('SET', KEYS[2 + n + i], '1', 'EX', keep_s)
+  end
   entries[i] = entry
 end
 return entries

@@ -72,3 +72,35 @@ async def test_a_multi_prompt_completion_is_admitted_whole_or_refused_whole(
             assert refused.status_code == 503, refused.text
             assert await redis.xlen(KEYS.requests) == 0  # not the first three of four
             assert not [k async for k in redis.scan_iter(KEYS.status("*"))]
+
+
+async def test_a_repeat_after_the_result_expired_is_not_run_again(
+        app, api: httpx.AsyncClient, redis: Redis, null_worker) -> None:
+    """The key is kept as long as an unfinished request (status_ttl_s), the result only for its
+    retention: a repeat in between finds no status. It was run already, so it is answered 410
+    (the key still names it), never admitted again under its id."""
+    headers = {"Idempotency-Key": "order-44"}
+    first = await api.post("/v1/requests", json=BODY, headers=headers)
+    assert first.status_code == 202, first.text
+    rid = first.json()["id"]
+    done = await api.get(f"/v1/requests/{rid}", params={"wait": 30})
+    assert done.json()["status"] == "done", done.text
+    await redis.delete(KEYS.status(rid), KEYS.reply(rid))  # the result's retention ran out
+    for _ in range(2):  # the answer holds: the repeat neither runs it nor frees the key
+        again = await api.post("/v1/requests", json=BODY, headers=headers)
+        assert again.status_code == 410, again.text
+        assert again.json()["error"]["code"] == "expired" and rid in again.json()["error"]["message"]
+        assert await redis.xlen(KEYS.requests) == 0
+        assert not await redis.exists(KEYS.status(rid))
+    # another key is another request
+    other = await api.post("/v1/requests", json=BODY, headers={"Idempotency-Key": "order-45"})
+    assert other.status_code == 202 and other.json()["id"] != rid
+
+
+async def test_only_a_keyed_request_leaves_its_admitted_mark(api: httpx.AsyncClient, redis: Redis) -> None:
+    plain = await api.post("/v1/requests", json=BODY)
+    keyed = await api.post("/v1/requests", json=BODY, headers={"Idempotency-Key": "order-46"})
+    assert not await redis.exists(KEYS.admitted(plain.json()["id"]))
+    async with redis.pipeline(transaction=True) as pipe:  # both read at one instant
+        mark, key = await pipe.ttl(KEYS.admitted(keyed.json()["id"])).ttl(idempotency("anonymous:order-46")).execute()
+    assert 0 < key <= mark <= key + 1  # as long as the key (set a moment after it)
