@@ -34,6 +34,7 @@ class Delivery:
     message: RequestMessage
     consumer: str
     attempt: int = 1
+    fence: str = ""  # the fencing token its start took (start.lua); its writes carry it
     sent: Sent = field(default_factory=Sent, compare=False)  # this attempt's deltas, kept for a resend
 
     @property
@@ -243,13 +244,18 @@ class StreamConsumer:
             await self.redis.xdel(stream, entry_id)
 
     async def start(self, d: Delivery) -> StartDecision:
+        """Guard the entry and, where it runs, take a fresh fencing token (kept on `d`): every
+        write of this run carries it, and any later start fences them out."""
         rid = d.message.id
-        return await self.scripts.start(
+        decision = await self.scripts.start(
             keys=[d.stream, self.keys.status(rid), self.keys.cancel(rid), self.keys.reply(rid)],
             args=[GROUP, self.consumer, d.entry_id, time.time(), d.message.deadline, d.attempt,
                   self.status_ttl_s, self.reply_ttl_s, self.keys.for_request(rid).done, rid, int(d.isolated),
-                  self.result_ttl_s],
+                  self.result_ttl_s, uuid.uuid4().hex[:16]],
         )
+        if isinstance(decision, list):  # ['run', fencing token]
+            decision, d.fence = decision
+        return decision
 
     async def lease_held(self) -> list[Delivery]:
         """Refresh the lease of every held entry, waiting or running; returns those this
@@ -274,7 +280,7 @@ class StreamConsumer:
             keys=[d.stream, self.keys.status(rid), self.keys.reply(rid)],
             args=[GROUP, self.consumer, d.entry_id, result.status.value, result.model_dump_json(exclude_none=True),
                   time.time(), self.result_ttl_s, self.reply_ttl_s, self.keys.for_request(rid).done, rid, d.rows,
-                  int(strict), len(streamed or ()), *(streamed or ()), d.attempt, *deltas],
+                  int(strict), len(streamed or ()), *(streamed or ()), d.fence, *deltas],
         )
         if isinstance(written, list):
             return written

@@ -77,7 +77,7 @@ class ReplyWriter:
                 try:
                     answers = await self._write([
                         ([d.stream, self.keys.reply(d.message.id), self.keys.status(d.message.id)],
-                         [d.attempt, d.consumer, d.entry_id, 0 if d.sent.ttl_set else self.reply_ttl_s,
+                         [d.fence, 0 if d.sent.ttl_set else self.reply_ttl_s,
                           0 if d.key in loose else 1, *(ev.model_dump_json(exclude_none=True) for ev in events)])
                         for d, events in by_entry.values()])
                 except BaseException:

@@ -7,15 +7,17 @@ local function owns(stream, group, id, consumer)
   return #p == 1 and p[1][2] == consumer
 end
 
--- Fencing by attempt (a fencing token): every start writes its attempt (the entry's delivery
--- count, which each takeover raises) and the entry it runs into the status hash, and a worker
--- writes tokens or a final only while the status names no later attempt and no other entry. A
--- worker frozen past its lease is fenced out the moment its successor starts; until then its
--- writes are still the request's only ones. No XPENDING on the per-token and commit paths.
--- `current`, `entry`: the status's `attempt` and `entry` fields (false when absent).
-local function superseded(current, entry, attempt, entry_id)
-  current = tonumber(current)
-  return (current ~= nil and current > tonumber(attempt)) or (entry and entry ~= entry_id)
+-- Fencing (DESIGN.md step 5): every start takes a fresh fencing token, `<n>:<nonce>`, where n
+-- counts the request's starts (the status's `starts`, raised by start.lua) and the nonce is the
+-- starting worker's own random value; the status's `fence` names the token of the start under
+-- way. A worker writes tokens (reply.lua) or a final (commit.lua) only while the status's
+-- `fence` is its own token: any later start, of a later attempt or of the same attempt by
+-- another worker, or a `dlq retry` (which clears it), fences it out. The nonce keeps two
+-- starts apart even where a failover lost the first one's counter (both then count 1). A
+-- status without a `fence` (lost, or expired) fences every writer: nothing is written
+-- without the key that carries its TTL. No XPENDING on the per-token and commit paths.
+local function fenced(current, token)  -- current: the status's `fence` (false when absent)
+  return current ~= token
 end
 
 local function ack_and_delete(stream, group, id)

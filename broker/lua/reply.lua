@@ -1,26 +1,30 @@
--- Append token deltas to a request's reply stream (write_deltas), unless a later attempt or
--- another entry superseded this one (fencing by attempt: see superseded): a worker that was
--- fenced out (frozen past its lease, then woken) must not write tokens beside those of the
--- worker that took the request over.
+-- Append token deltas to a request's reply stream (write_deltas), unless the writer was fenced
+-- out (see fenced in _lib.lua: a later start holds the request now, or its status is gone): a
+-- worker frozen past its lease and then woken, or one whose start a failover lost, must not
+-- write tokens beside those of the worker that holds the request.
 -- KEYS: stream (unused), reply, status
--- ARGV: attempt, consumer (unused), entry_id, reply_ttl (0: set already), strict ('1'/'0'), delta_json...
+-- ARGV: fence (the writer's fencing token), reply_ttl (0: set already), strict ('1'/'0'), delta_json...
 -- Returns 1 (written), 0 (fenced: nothing written) or {row, next index, ...}: the rows whose
 -- deltas were refused from that index on (the others were written).
-local got = redis.call('HMGET', KEYS[3], 'state', 'attempt', 'entry', 'next:0')
-if superseded(got[2], got[3], ARGV[1], ARGV[3]) then
+local reply, status = KEYS[2], KEYS[3]
+local fence, reply_ttl, strict = ARGV[1], ARGV[2], ARGV[3] == '1'
+local FIRST_DELTA = 4  -- ARGV[4...]: the deltas
+
+local got = redis.call('HMGET', status, 'state', 'attempt', 'fence', 'next:0')
+if fenced(got[3], fence) then
   return 0
 end
 local deltas = {}
-for i = 6, #ARGV do
+for i = FIRST_DELTA, #ARGV do
   deltas[#deltas + 1] = ARGV[i]
 end
 local known = {state = got[1], attempt = got[2], ['next:0'] = tonumber(got[4]) or 0}
-local gaps, moved = write_deltas(KEYS[3], KEYS[2], ARGV[5] == '1', deltas, known)
+local gaps, moved = write_deltas(status, reply, strict, deltas, known)
 if #moved > 0 then
-  redis.call('HSET', KEYS[3], unpack(moved))
+  redis.call('HSET', status, unpack(moved))
 end
-if ARGV[4] ~= '0' then  -- the stream's TTL: on an attempt's first write (the final shortens it)
-  redis.call('EXPIRE', KEYS[2], ARGV[4])
+if reply_ttl ~= '0' then  -- the stream's TTL: on an attempt's first write (the final shortens it)
+  redis.call('EXPIRE', reply, reply_ttl)
 end
 if #gaps > 0 then
   return gaps

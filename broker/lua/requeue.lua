@@ -11,7 +11,7 @@ if here + redis.call('XLEN', KEYS[5]) >= tonumber(ARGV[1]) or here >= tonumber(A
 end
 local entry = redis.call('XADD', KEYS[1], '*', 'id', ARGV[2], 'data', ARGV[3])
 redis.call('DEL', KEYS[3])
-redis.call('HDEL', KEYS[2], 'result', 'finished_at', 'started_at', 'worker', 'charges', 'attempt')
+redis.call('HDEL', KEYS[2], 'result', 'finished_at', 'started_at', 'worker', 'charges', 'attempt', 'fence')
 for _, field in ipairs(redis.call('HKEYS', KEYS[2])) do
   if string.sub(field, 1, 5) == 'next:' then  -- reply.lua's token counts of the cleared stream
     redis.call('HDEL', KEYS[2], field)

@@ -352,6 +352,7 @@ async def test_waiting_entries_are_leased_from_fetch_to_commit(redis: Redis, set
     assert await c.lease_held() == []
     assert all(p["time_since_delivered"] < 50_000 for p in await pending(redis))
     assert await c.fetch(2, 100) == []  # nothing idle to reclaim, nothing new
+    assert await c.start(ds[0]) == "run"  # (a commit writes under the token its start took)
     assert await c.commit(ds[0], FinalResult(status=State.DONE))
     assert set(c.held) == {(KEYS.requests, ids[1])}  # committed: no longer leased
 
