@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import random
 import secrets
@@ -18,10 +19,11 @@ from sluice.api.tokens import PromptLimits
 from sluice.broker.admission import Admission, NotDurable, QueueFull, SloRefused
 from sluice.config.model import ModelConfig
 from sluice.config.settings import Settings
-from sluice.protocol.ids import new_request_id
+from sluice.protocol.ids import new_request_id, request_shard
 from sluice.protocol.messages import RequestMessage, SamplingSpec, StructuredSpec
 
 Rows = Sequence[Mapping[str, Any]]
+CHUNK = 64  # rows checked, or messages built, between two turns of the event loop
 
 
 @dataclass(frozen=True)
@@ -88,24 +90,39 @@ class Intake:
                            keyed: bool = False) -> list[RequestMessage]:
         """Admit several requests (each a list of rows; the choices of one completion call)
         all at once or none of them: one admission against the queue bound, so a call is never
-        left half-admitted and never counted one by one. Request i gets seed + i."""
-        checked = [await self._checked(model, rows) for rows in requests]
+        left half-admitted and never counted one by one. Request i gets seed + i.
+
+        A call's cost is bounded before any per-row work: at most max_choices_per_call
+        requests (413), and a call of more than one row is first checked against the queue
+        bound by two XLENs (503 at once when it cannot fit). The rows are then checked and the
+        messages built a chunk at a time, giving the event loop back between chunks."""
+        self.check_call_size(len(requests), "prompt")
+        lane = "bulk" if sampling.priority > 0 else "interactive"
+        shard = request_shard(rids[0]) if rids else pick_shard(model, sampling.priority)  # one call: one shard
+        max_queued = model.max_queued or self.settings.max_queued
+        if sum(len(rows) for rows in requests) > 1 and not await self.admission.has_room(
+                model.name, shard, lane, len(requests), max_queued=max_queued, shards=model.shards):
+            raise self._queue_full(model, len(requests))
+        checked = await self._checked_call(model, requests)
         now = time.time()
         seed = sampling.seed if sampling.seed is not None else secrets.randbits(31)
         timeout_s = sampling.timeout_s or model.request_timeout_s or self.settings.request_timeout_s
-        shard = pick_shard(model, sampling.priority)  # one call's requests: one shard
-        messages = [RequestMessage(
-            id=rids[i] if rids else new_request_id(shard),
-            model=model.name,
-            rows=rows,
-            sampling=sampling.spec(rows[0]["max_tokens"], seed + i),
-            enqueued_at=now,
-            deadline=now + timeout_s,
-            owner=owner,
-            priority=sampling.priority,
-            lane="bulk" if sampling.priority > 0 else "interactive",
-        ) for i, rows in enumerate(checked)]
-        bound = {"max_queued": model.max_queued or self.settings.max_queued, "shards": model.shards,
+        messages = []
+        for i, rows in enumerate(checked):
+            if i and i % CHUNK == 0:
+                await asyncio.sleep(0)
+            messages.append(RequestMessage(
+                id=rids[i] if rids else new_request_id(shard),
+                model=model.name,
+                rows=rows,
+                sampling=sampling.spec(rows[0]["max_tokens"], seed + i),
+                enqueued_at=now,
+                deadline=now + timeout_s,
+                owner=owner,
+                priority=sampling.priority,
+                lane=lane,
+            ))
+        bound = {"max_queued": max_queued, "shards": model.shards,
                  "result_ttl_s": model.result_ttl_s or self.settings.result_ttl_s, "keyed": keyed}
         slo = await self.slo.bound(model) if self.slo and messages[0].lane == "interactive" else None
         if slo is not None:
@@ -124,23 +141,51 @@ class Intake:
                            code="overloaded", headers={"Retry-After": str(slo.retry_after_s(refused.depth,
                                                                                          len(messages)))}) from None
         except QueueFull:
-            REJECTED.labels(model.name, "queue_full").inc(len(messages))
-            raise ApiError(503, f"model {model.name!r} is saturated: its queue is full, retry later",
-                           code="overloaded", headers={"Retry-After": "1"}) from None
+            raise self._queue_full(model, len(messages)) from None
         except NotDurable as err:  # strict durability: not known to be on disk, so not accepted
             raise ApiError(503, f"{err}; retry with the same Idempotency-Key", code="not_durable",
                            headers={"Retry-After": "1"}) from None
         ADMITTED.labels(model.name, messages[0].lane).inc(len(messages))
         return messages
 
-    async def _checked(self, model: ModelConfig, rows: Rows) -> list[dict[str, Any]]:
+    def check_call_size(self, count: int, param: str) -> None:
+        """413 when one call asks for more than max_choices_per_call requests (prompts × n)."""
+        cap = self.settings.max_choices_per_call
+        if count > cap:
+            raise ApiError(413, f"{param}: {count} choices (prompts × n) in one call; at most {cap} "
+                                f"(SLUICE_MAX_CHOICES_PER_CALL)", param=param, code="request_too_large")
+
+    @staticmethod
+    def _queue_full(model: ModelConfig, count: int) -> ApiError:
+        REJECTED.labels(model.name, "queue_full").inc(count)
+        return ApiError(503, f"model {model.name!r} is saturated: its queue is full, retry later",
+                        code="overloaded", headers={"Retry-After": "1"})
+
+    async def _checked_call(self, model: ModelConfig, requests: Sequence[Rows]) -> list[list[dict[str, Any]]]:
+        """Every request's rows checked, a chunk of rows at a time; a prompt repeated in the call
+        (its n choices) is measured against the context once."""
+        known: dict[tuple[str, int], str | None] = {}
+        checked, since_yield = [], 0
+        for rows in requests:
+            checked.append(await self._checked(model, rows, known))
+            since_yield += len(rows)
+            if since_yield >= CHUNK:
+                since_yield = 0
+                await asyncio.sleep(0)
+        return checked
+
+    async def _checked(self, model: ModelConfig, rows: Rows,
+                       known: dict[tuple[str, int], str | None]) -> list[dict[str, Any]]:
         try:
             checked = checked_rows(model, rows, max_prompt_chars=self.settings.max_prompt_chars)
         except RowsRefused as refused:
             REJECTED.labels(model.name, refused.reason).inc()
             raise
         for i, row in enumerate(checked):
-            too_long = await self.prompt_limits.check(model, prompt_text(row), row["max_tokens"])
+            key = (prompt_text(row), row["max_tokens"])
+            if key not in known:
+                known[key] = await self.prompt_limits.check(model, *key)
+            too_long = known[key]
             if too_long:
                 REJECTED.labels(model.name, "context").inc()
                 raise ApiError(400, where(too_long, i, len(checked)), param="prompt")

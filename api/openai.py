@@ -231,6 +231,7 @@ class ChatChunks:
 async def completions(body: CompletionRequest, s: ApiState = Depends(state),
                       caller: Caller = Depends(require_key)):
     model = await s.deployments.get(body.model)
+    s.intake.check_call_size(len(body.prompt) * body.n, "prompt")  # before a row is built
     rows = [{"prompt": p, "max_tokens": body.max_tokens} for p in body.prompt for _ in range(body.n)]
     messages = await _enqueue_choices(s, model, body, rows, caller.digest)
     cid, shape = completion_id(messages[0].id, chat=False), body.shape()

@@ -75,11 +75,7 @@ class Admission:
         run with appendfsync always, as the embedded one does in strict mode)."""
         first = messages[0]
         keys = ModelKeys(first.model).for_request(first.id)  # one call's requests share a shard
-        stream, other = (keys.bulk, keys.requests) if first.lane == "bulk" else (keys.requests, keys.bulk)
-        lane_max = max(int(max_queued * self.bulk_queue_share), 1) if first.lane == "bulk" else max_queued
-        if shards > 1 and first.lane != "bulk":  # each shard holds its part of the bounds (one slot each)
-            lane_max = -(-max_queued // shards)
-            slo_max = None if slo_max is None else -(-slo_max // shards)
+        stream, other, lane_max, slo_max = self._bounds(keys, first.lane, max_queued, slo_max, shards)
         bound = lane_max if slo_max is None else min(lane_max, slo_max)
         marks = [keys.admitted(m.id) for m in messages] if keyed else []
         entries = await self.scripts.admit(
@@ -105,6 +101,26 @@ class Admission:
                 raise NotDurable(f"request {first.id} was on {copies} of {self.wait_replicas} replicas "
                                  f"(redis_wait_replicas) after {self.fsync_timeout_ms} ms")
         return list(entries)
+
+    def _bounds(self, keys: ModelKeys, lane: str, max_queued: int, slo_max: int | None,
+                shards: int) -> tuple[str, str, int, int | None]:
+        """The lane's stream, the other lane's, the lane's bound and its SLO bound on this shard."""
+        stream, other = (keys.bulk, keys.requests) if lane == "bulk" else (keys.requests, keys.bulk)
+        lane_max = max(int(max_queued * self.bulk_queue_share), 1) if lane == "bulk" else max_queued
+        if shards > 1 and lane != "bulk":  # each shard holds its part of the bounds (one slot each)
+            lane_max = -(-max_queued // shards)
+            slo_max = None if slo_max is None else -(-slo_max // shards)
+        return stream, other, lane_max, slo_max
+
+    async def has_room(self, model: str, shard: int, lane: str, count: int, *, max_queued: int,
+                       shards: int = 1) -> bool:
+        """Whether `count` more requests fit the queue bounds now (two XLENs): read before any
+        per-row work, so that a call that cannot fit is refused at once. Only a hint: admit.lua
+        checks again, atomically."""
+        stream, other, lane_max, _ = self._bounds(ModelKeys(model).at(shard), lane, max_queued, None, shards)
+        async with self.redis.pipeline(transaction=False) as pipe:
+            here, there = await pipe.xlen(stream).xlen(other).execute()
+        return here + count <= lane_max and here + there + count <= max_queued
 
     async def _has_waitaof(self) -> bool:
         if self._waitaof is None:

@@ -32,6 +32,8 @@ class Settings(BaseSettings):
     api_keep_alive_s: float = Field(default=65.0, gt=0)
     max_body_bytes: int = Field(default=8 * 1024 * 1024, gt=0)
     max_prompt_chars: int = Field(default=200_000, gt=0)
+    # Requests one OpenAI call makes (prompts × n): refused with 413 before any per-row work.
+    max_choices_per_call: int = Field(default=1024, gt=0)
     max_wait_s: float = Field(default=300.0, gt=0)  # longest long-poll / synchronous infer
     # Rows of one infer request; an Arrow body's columns and decoded size are checked from its
     # metadata before anything is decompressed (a few KB of ZSTD can decode to gigabytes).
