@@ -26,6 +26,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from redis.asyncio import Redis
+from redis.asyncio.connection import Connection
 from redis.exceptions import RedisError
 
 from sluice.broker.keys import ModelKeys
@@ -94,6 +95,8 @@ class _Shard:
             try:
                 if self.reader is None:
                     self.reader = await self.readers.open(self.slot_key)
+                    await self.reader.initialize()  # its one connection, made now
+                    self.reader.connection.register_connect_callback(self._connected)
                 if self.client_id is None:
                     self.client_id = await self.reader.client_id()
                 got = await self.reader.xread(streams, count=256, block=self.block_ms)
@@ -114,6 +117,14 @@ class _Shard:
                         if _order(entry[0]) > _order(f.after):
                             f.after = entry[0]
                             f.entries.put_nowait(entry)
+
+    async def _connected(self, connection: Connection) -> None:
+        """The reader's connection was made again: redis-py's retry reconnects a read that
+        Redis dropped (a restart, a broken link) and sends it again, silently. The new
+        connection has another id, which CLIENT UNBLOCK must name (the old one is dead, or
+        after a restart another client's)."""
+        await connection.send_command("CLIENT", "ID", check_health=False)
+        self.client_id = int(await connection.read_response())
 
     async def _reopen(self, refresh: bool = True) -> None:
         self.client_id = None  # a new connection has another id

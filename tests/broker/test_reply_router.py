@@ -5,14 +5,17 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
 
 import pytest
 from redis.asyncio import Redis
+from redis.exceptions import RedisError
 
 from sluice.broker.connection import connect, is_cluster
 from sluice.broker.readers import Readers
 from sluice.broker.reply_router import ReplyRouter, resume_index
+from sluice.cli.processes import EmbeddedRedis as Node
 from sluice.protocol.messages import DeltaEvent, FinalResult, RowOutput, State
 from tests.broker.helpers import KEYS, MODEL
 from tests.fakes import eventually
@@ -259,3 +262,51 @@ async def test_every_reader_gets_exactly_the_stream_however_and_whenever_it_join
     wrong += [("from a random id", rid, t.result()[0]) for rid, t in randoms if t.result()[0] != t.result()[1]]
     assert not wrong, f"{len(wrong)} readers got another stream than the one written: {wrong[:3]}"
     assert router.following == 0
+
+
+async def test_after_redis_restarts_a_new_stream_does_not_wait_out_the_blocked_read(tmp_path: Path) -> None:
+    """Issue 28, defect 10: a shard's XREAD that Redis dropped by restarting is reconnected and
+    sent again by redis-py's retry, silently. The router kept the old connection's id, so its
+    CLIENT UNBLOCK went to a dead id and a new stream's first token waited out the whole block
+    (here 30 s; the stream must end well inside it)."""
+    node = Node(tmp_path / "redis").start()  # a server of the test's own: it is restarted
+    shared = connect(node.url, name="sluice-test-shared", max_connections=8)
+    router = ReplyRouter(shared, Readers(node.url, shared, name=READER), shards=1, block_ms=30_000)
+    try:
+        for _ in range(40):  # client ids after the restart begin at 1 again: the reader's old one is far above
+            one = Redis.from_url(node.url)
+            await one.ping()
+            await one.aclose()
+        router.start()
+        quiet = asyncio.create_task(texts(router, "req-quiet"))  # keeps the shard's read blocked
+
+        async def blocked_reader() -> int | None:
+            readers = [c for c in await shared.client_list() if c.get("name") == READER and c["cmd"] == "xread"]
+            return int(readers[0]["id"]) if readers else None
+
+        await eventually(blocked_reader, interval_s=0.05, what="the shard blocked in its read")
+        before = await blocked_reader()
+        await asyncio.to_thread(node.stop, True)  # kill -9
+        await asyncio.to_thread(node.start)
+        await eventually(lambda: _blocked_again(blocked_reader, before), interval_s=0.05,
+                         what="the shard's read sent again on a new connection")
+
+        new = asyncio.create_task(texts(router, "req-new"))
+        await eventually(lambda: router.following == 2, what="the new stream followed")
+        await delta(shared, "req-new", 0, " now")
+        await finish(shared, "req-new", " now")
+        assert await asyncio.wait_for(new, 15) == [" now", "final: now"]
+        await finish(shared, "req-quiet", "")
+        assert await asyncio.wait_for(quiet, 15) == ["final:"]
+    finally:
+        await router.close()
+        await shared.aclose()
+        node.stop()
+
+
+async def _blocked_again(blocked_reader: Callable[[], Awaitable[int | None]], before: int | None) -> bool:
+    try:
+        now = await blocked_reader()
+    except RedisError:  # still starting
+        return False
+    return now is not None and now != before
