@@ -109,13 +109,20 @@ async def test_a_new_stream_does_not_wait_for_the_blocked_read_to_end(
     router = make_router(shards=1, block_ms=60_000)
     first = asyncio.create_task(texts(router, "req-first"))
     await eventually(lambda: router.following == 1, what="the first stream followed")
-    second = asyncio.create_task(texts(router, "req-second"))
-    await eventually(lambda: router.following == 2, what="the second stream followed")
-    await delta(redis, "req-second", 0, " now")
-    await finish(redis, "req-second", " now")
-    assert await asyncio.wait_for(second, 20) == [" now", "final: now"]
-    await finish(redis, "req-first", "")
-    assert await asyncio.wait_for(first, 20) == ["final:"]
+    await a_new_stream_ends_beside(redis, router, first, "req-first", within_s=20)
+
+
+async def a_new_stream_ends_beside(redis: Redis, router: ReplyRouter, quiet: asyncio.Task, quiet_rid: str, *,
+                                   within_s: float) -> None:
+    """A new stream on the router of `quiet` (a stream with nothing written, its shard's read
+    blocked) gets its token and final within `within_s`, far inside the block; then `quiet` ends."""
+    new = asyncio.create_task(texts(router, "req-new"))
+    await eventually(lambda: router.following == 2, what="the new stream followed")
+    await delta(redis, "req-new", 0, " now")
+    await finish(redis, "req-new", " now")
+    assert await asyncio.wait_for(new, within_s) == [" now", "final: now"]
+    await finish(redis, quiet_rid, "")
+    assert await asyncio.wait_for(quiet, within_s) == ["final:"]
 
 
 async def test_two_readers_of_one_stream_at_different_positions_each_get_their_rest(
@@ -291,13 +298,7 @@ async def test_after_redis_restarts_a_new_stream_does_not_wait_out_the_blocked_r
         await eventually(lambda: _blocked_again(blocked_reader, before), interval_s=0.05,
                          what="the shard's read sent again on a new connection")
 
-        new = asyncio.create_task(texts(router, "req-new"))
-        await eventually(lambda: router.following == 2, what="the new stream followed")
-        await delta(shared, "req-new", 0, " now")
-        await finish(shared, "req-new", " now")
-        assert await asyncio.wait_for(new, 15) == [" now", "final: now"]
-        await finish(shared, "req-quiet", "")
-        assert await asyncio.wait_for(quiet, 15) == ["final:"]
+        await a_new_stream_ends_beside(shared, router, quiet, "req-quiet", within_s=15)
     finally:
         await router.close()
         await shared.aclose()
