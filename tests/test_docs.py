@@ -1,0 +1,126 @@
+"""The docs tell the truth about the code: every `SLUICE_*` setting is documented in
+docs/operations.md's settings table with its default, every `SLUICE_*` name the docs mention
+exists, every relative link resolves (file and heading), and the README stays short."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+from sluice.config.settings import Settings
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("api", "batching", "bench", "broker", "cli", "config", "protocol", "workers")
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "tests" / "README.md",
+        ROOT / "deploy" / "k8s" / "README.md"]
+SKIP_DIRS = {".git", ".venv", "node_modules", "__pycache__", "docs", "wheelhouse", "sluice.egg-info"}
+NAME = re.compile(r"SLUICE_[A-Z0-9_]*[A-Z0-9]")
+UNITS = {"KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "day": 86400, "days": 86400}
+
+
+def settings_table() -> dict[str, str]:
+    """docs/operations.md's `### Settings` table: variable -> its default cell."""
+    text = (ROOT / "docs" / "operations.md").read_text()
+    section = text.split("### Settings", 1)[1]
+    section = re.split(r"\n#{1,3} ", section, maxsplit=1)[0]
+    rows: dict[str, str] = {}
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) >= 3 and re.fullmatch(r"`SLUICE_[A-Z0-9_]+`", cells[0]):
+            name = cells[0].strip("`")
+            assert name not in rows, f"{name} has two rows in the settings table"
+            rows[name] = cells[1]
+    return rows
+
+
+def env_names_in_code() -> set[str]:
+    """Every `SLUICE_*` name the packages read from the environment: the whole of a string
+    literal (os.environ.get("SLUICE_X"), envvar="SLUICE_X", env["SLUICE_X"] = ...)."""
+    names = set()
+    for package in PACKAGES:
+        for path in (ROOT / package).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.Constant) and isinstance(node.value, str) and NAME.fullmatch(node.value):
+                    names.add(node.value)
+    return names
+
+
+def setting_defaults(monkeypatch: pytest.MonkeyPatch) -> dict[str, object]:
+    for var in ("XDG_CACHE_HOME", "XDG_DATA_HOME"):  # platformdirs' defaults, as documented
+        monkeypatch.delenv(var, raising=False)
+    defaults = {}
+    for field, info in Settings.model_fields.items():
+        defaults[f"SLUICE_{field.upper()}"] = info.default_factory() if info.default_factory else info.default
+    return defaults
+
+
+def matches(cell: str, default: object) -> bool:
+    cell = cell.replace("`", "").strip()
+    if default is None:
+        return bool(cell)  # computed at run time: the cell says from what
+    if isinstance(default, bool):
+        return cell.split()[0] == ("on" if default else "off")
+    if isinstance(default, list | tuple):
+        return cell.split()[0] == "none" if not default else cell == ", ".join(map(str, default))
+    if isinstance(default, Path):
+        return cell == str(default).replace(str(Path.home()), "~", 1)
+    if isinstance(default, int | float):
+        m = re.match(r"([0-9][0-9,]*(?:\.[0-9]+)?)\s*(KiB|MiB|GiB|days?)?\b", cell)
+        return bool(m) and float(m.group(1).replace(",", "")) * UNITS.get(m.group(2) or "", 1) == default
+    return cell == str(default)
+
+
+def test_every_setting_is_documented_with_its_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    table = settings_table()
+    defaults = setting_defaults(monkeypatch)
+    missing = sorted((set(defaults) | env_names_in_code()) - set(table))
+    assert not missing, f"not in docs/operations.md's settings table: {missing}"
+    wrong = {name: (table[name], defaults[name]) for name in defaults if not matches(table[name], defaults[name])}
+    assert not wrong, f"documented default (cell, code) disagrees with config/settings.py: {wrong}"
+    assert all(table.values()), "every row of the settings table gives a default"
+
+
+def test_every_documented_name_exists() -> None:
+    """A name the docs mention is read somewhere: a setting, or a name in the code, scripts,
+    compose files or tests (a stale or misspelt name in the docs fails here)."""
+    known = {f"SLUICE_{f.upper()}" for f in Settings.model_fields}
+    for path in ROOT.rglob("*"):
+        if (path.is_file() and path.suffix not in (".md", ".png", ".json", ".pyc")
+                and not SKIP_DIRS & set(path.relative_to(ROOT).parts)):
+            known |= set(NAME.findall(path.read_text(errors="ignore")))
+    unknown = {doc.relative_to(ROOT).as_posix(): sorted(set(NAME.findall(doc.read_text())) - known) for doc in DOCS}
+    assert not {d: n for d, n in unknown.items() if n}, f"SLUICE_* names documented but read nowhere: {unknown}"
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor for a heading."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def anchors(path: Path) -> set[str]:
+    text = re.sub(r"```.*?```", "", path.read_text(), flags=re.S)
+    return {slug(h) for h in re.findall(r"^#{1,6} (.+)$", text, flags=re.M)}
+
+
+def test_every_relative_link_resolves() -> None:
+    broken = []
+    for doc in DOCS:
+        text = re.sub(r"```.*?```", "", doc.read_text(), flags=re.S)
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if re.match(r"[a-z]+:", target):
+                continue
+            file, _, anchor = target.partition("#")
+            resolved = (doc.parent / file).resolve() if file else doc
+            if not resolved.exists():
+                broken.append(f"{doc.relative_to(ROOT)}: {target} (no such file)")
+            elif anchor and resolved.suffix == ".md" and anchor not in anchors(resolved):
+                broken.append(f"{doc.relative_to(ROOT)}: {target} (no such heading)")
+    assert not broken, broken
+
+
+def test_the_readme_is_short() -> None:
+    lines = len((ROOT / "README.md").read_text().splitlines())
+    assert lines <= 250, f"README.md has {lines} lines: move detail into docs/"
