@@ -182,7 +182,7 @@ def stack(daemon: Dockerd) -> Iterator[Stack]:
     finally:
         if "down_s" not in times:  # test_down_leaves_nothing_running did not get there
             s.compose("down", "-v", "--remove-orphans", "--timeout", "20", check=False)
-        # The figures of the README's "Containers" section, from the last run.
+        # The figures of docs/performance.md's "Containers" section, from the last run.
         (CACHE / "compose-test.json").write_text(json.dumps({k: round(v, 1) for k, v in times.items()}, indent=1))
 
 

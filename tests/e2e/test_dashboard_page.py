@@ -30,7 +30,7 @@ WORKER = f"{MODEL}-w0"  # LocalStack's name for the first worker
 # Two at a time, half a second each: about 4 requests/s served, 10/s submitted.
 MODELS = f"models:\n  - name: {MODEL}\n    continuous_batching_config: {{max_concurrent_batch_size: 2}}\n"
 SCREENSHOT = os.environ.get("SLUICE_UPDATE_SCREENSHOT") == "1"
-# Load before the page is opened; for the README's picture, minutes of it, so the trends have points.
+# Load before the page is opened; for the picture in docs/operations.md, minutes of it, so the trends have points.
 WARM_UP_S = 190.0 if SCREENSHOT else 6.0
 BURST_S = 8.0  # the last seconds before the page opens, and while it is open: 10/s, a queue to see
 

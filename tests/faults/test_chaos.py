@@ -1,6 +1,6 @@
 """A 40-second chaos run (`sluice bench chaos`): a worker killed every 2 s and an api every
 8 s on average under load, then every accepted request audited in Redis. Select it with
-`-m chaos`; `sluice bench chaos --seconds 120` is the longer run of the README."""
+`-m chaos`; `sluice bench chaos --seconds 120` is the longer run of docs/performance.md."""
 
 from __future__ import annotations
 

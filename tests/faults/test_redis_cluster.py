@@ -1,7 +1,7 @@
 """Sluice on a real local Redis Cluster (three primaries, three replicas): the api, null
 workers and streams under load while the primary that holds the model's slot is SIGKILLed.
 Its replica takes over; every accepted request ends done once. Run with and without
-`SLUICE_REDIS_WAIT_REPLICAS=1`; the rows go to the fault table (README, "Scaling out")."""
+`SLUICE_REDIS_WAIT_REPLICAS=1`; the rows go to the fault table (docs/performance.md, "Redis Cluster failover")."""
 
 from __future__ import annotations
 

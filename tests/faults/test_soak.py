@@ -1,6 +1,6 @@
 """A 2-minute soak (`sluice bench soak`): under steady mixed traffic with a 30 s retention,
 Redis memory levels off once finished work expires as fast as it comes (generous bounds:
-the README's 10-minute run is held to 1% of the level per minute). A memory target: out of
+docs/performance.md's 10-minute run is held to 1% of the level per minute). A memory target: out of
 the default run (as the other benchmarks are), `pytest -m soak` runs it; every key's TTL,
 which is what keeps memory level, is checked in tests/broker/test_retention.py."""
 
