@@ -18,6 +18,7 @@ from redis.asyncio import Redis
 from sluice.api.auth import Scope, key_digests
 from sluice.api.cancels import BackgroundCancels
 from sluice.api.deployments import Deployments, ModelsFileSync
+from sluice.api.expiry import ExpirySweep
 from sluice.api.intake import Intake
 from sluice.api.lookup import RequestLookup
 from sluice.api.slo import SloBounds
@@ -48,6 +49,7 @@ class ApiState:
     admission: Admission
     deployments: Deployments
     models_sync: ModelsFileSync
+    expiry: ExpirySweep  # requests past their deadline that no worker started end `expired`
     intake: Intake
     lookup: RequestLookup
     replies: ReplyRouter  # follows the reply streams of every open stream on a few connections
@@ -69,10 +71,12 @@ class ApiState:
         self.lookup.done.start()
         self.replies.start()
         self._tasks.append(asyncio.create_task(self.models_sync.run(), name="models-file-sync"))
+        self._tasks.append(asyncio.create_task(self.expiry.run(), name="expiry-sweep"))
 
     async def close(self) -> None:
         await self.cancels.drain(CANCEL_DRAIN_S)
         self.models_sync.stop()
+        self.expiry.stop()
         for task in self._tasks:
             task.cancel()
         if self._tasks:
@@ -106,6 +110,7 @@ def build_state(settings: Settings, models: list[ModelConfig]) -> ApiState:
         admission=admission,
         deployments=deployments,
         models_sync=ModelsFileSync(deployments, models),
+        expiry=ExpirySweep(redis, deployments, settings),
         intake=Intake(settings, admission, PromptLimits(settings.cache_dir),
                       SloBounds(workers, settings.worker_ttl_s)),
         lookup=RequestLookup(admission, DoneListener(redis), deployments, settings.result_ttl_s),

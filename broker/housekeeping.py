@@ -1,5 +1,6 @@
 """What keeps a model's Redis keys bounded beyond their TTLs (log records with a byte budget,
-consumers of dead workers removed from the group), and the cancel flags a worker polls."""
+consumers of dead workers removed from the group, entries past their deadline that no worker
+started), and the cancel flags a worker polls."""
 
 from __future__ import annotations
 
@@ -80,6 +81,48 @@ async def prune_consumers(redis: Redis, scripts: Scripts, keys: ModelKeys,
     if removed:
         log.info("removed %d consumer(s) of dead workers from %s: %s", len(removed), keys.model, removed)
     return removed
+
+
+def entry_deadline(fields: dict[str, str]) -> float | None:
+    """The deadline of a stream entry (its message's), or None when it cannot be read (a
+    worker dead-letters such an entry; the sweep leaves it alone)."""
+    try:
+        deadline = json.loads(fields["data"])["deadline"]
+    except (KeyError, TypeError, ValueError):
+        return None
+    return float(deadline) if isinstance(deadline, int | float) else None
+
+
+async def expire_overdue(redis: Redis, scripts: Scripts, keys: ModelKeys, streams: list[str], *, now: float,
+                         lease_timeout_s: float, result_ttl_s: int, reply_ttl_s: int,
+                         page: int = 200) -> list[str]:
+    """End `expired` every request on these streams (one shard's: one slot) whose deadline has
+    passed and that no worker started, or whose worker stopped renewing its lease: a model
+    without a live worker would otherwise keep them queued until their status expired, and
+    then answer 410 as if a result had existed. Each is decided by expire.lua, atomically
+    against a worker starting it at the same moment. Returns the ids expired."""
+    expired = []
+    for stream in streams:
+        start = "-"
+        while True:
+            entries = await redis.xrange(stream, min=start, count=page)
+            for entry_id, fields in entries:
+                deadline, rid = entry_deadline(fields), fields.get("id")
+                if deadline is None or deadline >= now or not rid:
+                    continue
+                answer = await scripts.expire(
+                    keys=[stream, keys.status(rid), keys.reply(rid)],
+                    args=[GROUP, entry_id, now, deadline, int(lease_timeout_s * 1000), result_ttl_s,
+                          reply_ttl_s, keys.for_request(rid).done, rid])
+                if answer == "expired":
+                    expired.append(rid)
+            if len(entries) < page:
+                break
+            start = f"({entries[-1][0]}"
+    if expired:
+        log.info("expired %d request(s) of %s past their deadline that no worker started", len(expired),
+                 keys.model)
+    return expired
 
 
 async def append_log(redis: Redis, key: str, records: list[dict], max_len: int, max_record_bytes: int) -> None:

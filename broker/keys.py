@@ -88,6 +88,11 @@ class ModelKeys:
     def cancel(self, rid: str) -> str:
         return f"{self._rtag(rid)}:cancel:{rid}"
 
+    @property
+    def sweep_lock(self) -> str:
+        """Held (short TTL) by the api process sweeping this model's overdue entries (api/expiry.py)."""
+        return f"{self.tag}:sweeping"
+
     def consumer_lock(self, consumer: str) -> str:
         """The lock of a consumer name (shard 0's; another shard's is never set, and stands in
         for it in that slot's scripts)."""

@@ -35,6 +35,7 @@ class Scripts:
     reply: AsyncScript
     requeue: AsyncScript
     consumer_drop: AsyncScript
+    expire: AsyncScript  # the housekeeping sweep's (broker/housekeeping.py)
     deploy: AsyncScript  # model deployments (broker/registry.py)
     # bulk jobs (broker/jobs.py)
     job_refresh: AsyncScript

@@ -55,6 +55,9 @@ class Settings(BaseSettings):
     # Delivery
     lease_timeout_s: float = Field(default=30.0, gt=0)
     max_deliveries: int = Field(default=3, gt=0)
+    # How often the api sweeps each model's streams for entries past their deadline that no
+    # worker started (no live worker, or a dead one's lease): they end `expired` (expire.lua).
+    expire_interval_s: float = Field(default=5.0, gt=0)
     dlq_max_len: int = Field(default=10_000, gt=0)  # dead letters kept per model (approximate MAXLEN)
     # "strict": the embedded Redis fsyncs every write (appendfsync always) and, on a server with
     # WAITAOF (Redis 7.2+), a 202 is given only once the admission is on disk.
