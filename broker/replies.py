@@ -64,7 +64,6 @@ class ReplyWriter:
         # The lock makes a flush wait for a write in progress: deltas must keep their order.
         async with self._lock:
             pending, self._buffer = self._buffer, []
-            loose: set[tuple[str, str]] = set()  # entries allowed a hole they cannot fill (see _refill)
             for _ in range(8):  # a resend round per failover met on the way
                 if not pending:
                     return
@@ -77,8 +76,8 @@ class ReplyWriter:
                 try:
                     answers = await self._write([
                         ([d.stream, self.keys.reply(d.message.id), self.keys.status(d.message.id)],
-                         [d.fence, 0 if d.sent.ttl_set else self.reply_ttl_s,
-                          0 if d.key in loose else 1, *(ev.model_dump_json(exclude_none=True) for ev in events)])
+                         [d.fence, 0 if d.sent.ttl_set else self.reply_ttl_s, 1,
+                          *(ev.model_dump_json(exclude_none=True) for ev in events)])
                         for d, events in by_entry.values()])
                 except BaseException:
                     # Not known to be written (Redis away, or restarted without its scripts): keep
@@ -87,28 +86,28 @@ class ReplyWriter:
                     self._buffer[:0] = batch
                     raise
                 pending = []
-                for (d, events), answer in zip(by_entry.values(), answers):
+                for (d, _), answer in zip(by_entry.values(), answers):
                     d.sent.ttl_set = True  # set by this attempt's first write: later ones skip it
                     if isinstance(answer, list):  # refused: the stream ends before them
-                        pending += _refill(d, events, answer, loose)
+                        pending += _refill(d, answer)
             self._buffer[:0] = pending
 
     async def commit(self, d: Delivery, final: FinalResult, commit: Commit) -> bool:
         """Commit, this request's deltas not flushed yet riding on the commit (one call, deltas
         before the final, in one script). A commit refused (the stream short of the tokens sent:
         a failover lost its tail, which no later delta would find; or a delta past such a hole)
-        gets them sent again from where the stream ends; the third try commits anyway, holes
-        allowed (the final is whole)."""
+        gets them sent again from where the stream ends. A commit never goes through over a
+        hole: one this attempt cannot fill (see _refill) leaves the request uncommitted, its
+        entry pending, for a retry that resumes from where the stream ends (False)."""
         outputs = final.rows or ([final.output] if final.output else [])
-        for tries in range(3):
+        for _ in range(3):
             async with self._lock:  # a flush under way ends first: its deltas precede these
                 own = [(o, ev) for o, ev in self._buffer if o.key == d.key]
                 self._buffer = [(o, ev) for o, ev in self._buffer if o.key != d.key]
             events = [ev for _, ev in _coalesce(own)]
-            last = tries == 2
             try:
-                answer = await commit(d, final, None if last else [o.num_output_tokens for o in outputs],
-                                      [ev.model_dump_json(exclude_none=True) for ev in events], not last)
+                answer = await commit(d, final, [o.num_output_tokens for o in outputs],
+                                      [ev.model_dump_json(exclude_none=True) for ev in events], True)
             except BaseException:  # not known to be written: the writer sends them (see flush)
                 self._buffer[:0] = own
                 raise
@@ -116,7 +115,9 @@ class ReplyWriter:
                 return answer
             log.warning("request %s: its reply stream lost tokens (%s): sending them again", d.message.id, answer)
             async with self._lock:
-                self._buffer[:0] = _refill(d, events, answer, set())
+                self._buffer[:0] = _refill(d, answer)
+        log.warning("request %s: its reply stream has a hole this attempt cannot fill: not committed, "
+                    "left for a retry (it resumes from where the stream ends)", d.message.id)
         return False
 
     async def _write(self, calls: list[tuple[list[str], list[object]]]) -> list[object]:
@@ -177,21 +178,18 @@ class Sent:
     ttl_set: bool = False  # the reply stream's TTL (set by the attempt's first write)
 
 
-def _refill(d: Delivery, events: list[DeltaEvent], answer: list[int],
-            loose: set[tuple[str, str]]) -> list[tuple[Delivery, DeltaEvent]]:
+def _refill(d: Delivery, answer: list[int]) -> list[tuple[Delivery, DeltaEvent]]:
     """What to send again after reply.lua refused deltas past a hole: for each refused row, the
     row's index the stream ends at, from which this attempt's deltas are sent again. A failover
     lost them: the old primary acknowledged them, its replica never had them.
 
     A hole this attempt cannot fill (it began after that index, resumed from tokens that the
-    failover then lost; or its kept deltas do not reach back) is accepted: the refused deltas
-    go again, allowed past it. The final holds the whole text either way."""
+    failover then lost; or its kept deltas do not reach back) is never written past: nothing
+    goes again, the row's later deltas are refused too, and the commit does not go through
+    (the retry resumes from where the stream ends, so what was streamed and the final agree)."""
     out: list[tuple[Delivery, DeltaEvent]] = []
     for row, at in zip(answer[::2], answer[1::2]):
         sent = d.sent.rows.get(row, {})
-        if at not in sent:
-            loose.add(d.key)
-            out += [(d, ev) for ev in events if ev.row == row and ev.i >= at]
         while (ev := sent.get(at)) is not None:
             out.append((d, ev))
             if ev.finish is not None or not ev.token_ids:

@@ -19,7 +19,7 @@ from sluice.broker.consumer import Delivery
 from sluice.broker.replies import Delivered, ReplyWriter
 from sluice.protocol.messages import DeltaEvent, FinalResult, RowOutput, Timings, TokenLogprob, Usage
 from sluice.protocol.states import State
-from sluice.workers.engines.base import Engine, GenerationRequest
+from sluice.workers.engines.base import Engine, GenerationRequest, TokenDelta
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +59,7 @@ class RowResult:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprob] | None = None
     replayed: int = 0  # tokens regenerated from the start that the reply stream already holds
+    replayed_text: str = ""  # their text, as the reply stream holds it
 
 
 class Generation:
@@ -80,13 +81,14 @@ class Generation:
         if s.structured is not None and before.finish is None:
             # A grammar cannot start mid-way: a structured row is generated again from its start
             # (same seed), and readers skip the tokens they already have (by index).
-            replayed, before = len(before.token_ids), Delivered(prompt_logprobs=before.prompt_logprobs)
+            replayed, replayed_text = len(before.token_ids), "".join(before.text)
+            before = Delivered(prompt_logprobs=before.prompt_logprobs)
         else:
-            replayed = 0
+            replayed, replayed_text = 0, ""
         max_tokens = int(values.get("max_tokens") or s.max_tokens)
         result = RowResult(text=list(before.text), tokens=len(before.token_ids), finish_reason=before.finish,
                            logprobs=list(before.logprobs), prompt_logprobs=before.prompt_logprobs,
-                           replayed=replayed)
+                           replayed=replayed, replayed_text=replayed_text)
         if result.finish_reason is None and result.tokens >= max_tokens:
             result.finish_reason = "length"
         if result.finish_reason is None:
@@ -126,11 +128,7 @@ class Generation:
                 if run.first_token is None and delta.token_ids:
                     run.first_token = time.time()
                 if result.tokens + len(delta.token_ids) > result.replayed or finish:  # not on the stream yet
-                    self.replies.delta(run.delivery, DeltaEvent(
-                        i=result.tokens, text=delta.text, token_ids=delta.token_ids,
-                        attempt=run.delivery.attempt, row=row, finish=finish, logprobs=delta.logprobs,
-                        prompt_logprobs=delta.prompt_logprobs,
-                    ))
+                    self.replies.delta(run.delivery, _past_replayed(result, delta, row, run.delivery.attempt, finish))
                 result.text.append(delta.text)
                 result.tokens += len(delta.token_ids)
                 result.logprobs.extend(delta.logprobs or ())
@@ -142,6 +140,22 @@ class Generation:
     async def abort(self, run: Running) -> None:
         for eid in run.engine_ids:
             await self.engine.abort(eid)
+
+
+def _past_replayed(result: RowResult, delta: TokenDelta, row: int, attempt: int, finish: str | None) -> DeltaEvent:
+    """The part of an engine delta the reply stream does not hold yet. A regenerated structured
+    row replays the tokens an earlier attempt streamed; a delta that straddles the point that
+    attempt reached is split there, so the stream goes on exactly where it ends (written whole,
+    it would start below the stream's end and be refused, leaving a hole). The same seed gives
+    the same tokens, so the text past the point is the regenerated text past the streamed one."""
+    skip = min(max(0, result.replayed - result.tokens), len(delta.token_ids))
+    if skip == 0:
+        return DeltaEvent(i=result.tokens, text=delta.text, token_ids=delta.token_ids, attempt=attempt, row=row,
+                          finish=finish, logprobs=delta.logprobs, prompt_logprobs=delta.prompt_logprobs)
+    regenerated = "".join(result.text) + delta.text
+    return DeltaEvent(i=result.tokens + skip, text=regenerated[len(result.replayed_text):],
+                      token_ids=delta.token_ids[skip:], attempt=attempt, row=row, finish=finish,
+                      logprobs=delta.logprobs[skip:] if delta.logprobs is not None else None)
 
 
 def _tool_calls(engine: Engine, row: dict[str, Any], text: str) -> tuple[list[dict[str, Any]] | None, str | None]:

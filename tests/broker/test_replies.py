@@ -116,8 +116,9 @@ async def test_buffered_contiguous_deltas_are_joined(redis: Redis, settings: Set
     writer.delta(d, DeltaEvent(i=5, text="<5>", token_ids=[5]))  # not contiguous: kept apart
     await writer.flush()
     entries = [DeltaEvent.model_validate_json(f["data"]) for _, f in await redis.xrange(KEYS.reply(rid))]
+    # (index 5 would leave a hole at 3 and 4: never written past, issue 28 defect 2)
     assert [(e.row, e.i, e.text, e.token_ids) for e in entries] == [
-        (0, 0, "<0><1><2>", [0, 1, 2]), (1, 0, "r1", [7]), (0, 5, "<5>", [5])]
+        (0, 0, "<0><1><2>", [0, 1, 2]), (1, 0, "r1", [7])]
 
 
 async def test_the_reader_gives_up_after_the_idle_timeout(redis: Redis) -> None:
@@ -303,10 +304,11 @@ async def test_deltas_a_failover_lost_are_sent_again(redis: Redis, settings: Set
     assert [(e.row, e.i) for e in entries] == [(0, 0), (1, 0), (0, 1)]  # the resend: one entry, 1 to 3
 
 
-async def test_a_hole_the_attempt_cannot_fill_does_not_stop_its_tokens(redis: Redis, settings: Settings) -> None:
+async def test_a_hole_the_attempt_cannot_fill_is_never_written_past(redis: Redis, settings: Settings) -> None:
     """This attempt resumed after tokens that a failover then lost (it never had them to send
-    again): its deltas are still written, after the hole, and the flush ends."""
-    _, m, _, d = await running_request(redis, settings)
+    again): nothing is written past the hole, the flush ends, and the commit does not go
+    through over it (issue 28, defect 2): a retry resumes from where the stream ends."""
+    _, m, c, d = await running_request(redis, settings)
     writer = ReplyWriter(redis, MODEL, reply_ttl_s=settings.reply_ttl_s)
     for i in range(3):  # an earlier attempt's tokens (this one resumed after them)
         await redis.xadd(KEYS.reply(m.id), {"kind": "delta", "data": DeltaEvent(i=i, text="p", token_ids=[i])
@@ -316,8 +318,13 @@ async def test_a_hole_the_attempt_cannot_fill_does_not_stop_its_tokens(redis: Re
     writer.delta(d, DeltaEvent(i=3, text=" d", token_ids=[3]))
     await asyncio.wait_for(writer.flush(), 10)
     entries = [DeltaEvent.model_validate_json(f["data"]) for _, f in await redis.xrange(KEYS.reply(m.id))]
-    assert [e.i for e in entries] == [0, 3]
-    assert await redis.hget(KEYS.status(m.id), "next:0") == "4"
+    assert [e.i for e in entries] == [0]
+    assert await redis.hget(KEYS.status(m.id), "next:0") == "1"
+    final = done_result("ppp d")
+    final.output.num_output_tokens = 4
+    assert await asyncio.wait_for(writer.commit(d, final, c.commit), 10) is False
+    assert await redis.hget(KEYS.status(m.id), "state") == "running"
+    assert (await redis.xpending(KEYS.requests, GROUP))["pending"] == 1  # left for a retry
 
 
 async def test_a_tail_a_failover_lost_is_sent_again_before_the_final(redis: Redis, settings: Settings) -> None:
@@ -339,13 +346,16 @@ async def test_a_tail_a_failover_lost_is_sent_again_before_the_final(redis: Redi
     assert (row.token_ids, "".join(row.text), row.finish) == ([0, 1, 2], " a b c", "length")
 
 
-async def test_a_tail_that_cannot_be_sent_again_does_not_hold_the_final_back(
+async def test_a_tail_that_cannot_be_sent_again_is_never_committed_over(
         redis: Redis, settings: Settings) -> None:
+    """A commit never goes through over a hole (issue 28, defect 2): the request stays
+    unfinished, its entry pending, for a retry that resumes from where the stream ends."""
     _, m, c, d = await running_request(redis, settings)
     writer = ReplyWriter(redis, MODEL, reply_ttl_s=settings.reply_ttl_s)
     final = done_result()  # 2 tokens, never written by this writer: the stream stays short
-    assert await asyncio.wait_for(writer.commit(d, final, c.commit), 10)
-    assert await redis.hget(KEYS.status(m.id), "state") == "done"
+    assert await asyncio.wait_for(writer.commit(d, final, c.commit), 10) is False
+    assert await redis.hget(KEYS.status(m.id), "state") == "running"
+    assert (await redis.xpending(KEYS.requests, GROUP))["pending"] == 1
 
 
 async def test_a_flush_that_landed_unanswered_and_is_joined_with_later_deltas_leaves_no_hole(
