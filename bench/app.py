@@ -6,7 +6,7 @@ import os
 
 import typer
 
-from sluice.bench import chaos, durability, queue, serve, soak, streams, throughput, tokens
+from sluice.bench import chaos, durability, queue, serve, simulate, soak, streams, throughput, tokens
 
 bench_app = typer.Typer(no_args_is_help=True, help="Measure Sluice against a baseline in the same run.",
                         callback=lambda: os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING"))
@@ -24,6 +24,7 @@ COMMANDS = {
     "chaos": chaos.chaos,
     "durability": durability.durability,
     "soak": soak.soak_command,
+    "simulate": simulate.simulate,
 }
 for name, command in COMMANDS.items():
     bench_app.command(name)(command)

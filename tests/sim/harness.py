@@ -1,0 +1,55 @@
+"""Running seeds against a private redis-server: the pytest entry and `sluice bench simulate`."""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from sluice.broker.connection import connect
+from sluice.cli.processes import EmbeddedRedis
+from tests.sim.run import ALL_FAULTS, Outcome, play, replay_text, shrink
+
+
+@dataclass
+class Report:
+    seeds: int = 0
+    steps: int = 0
+    failures: list[str] = field(default_factory=list)
+    first_failure_steps: list[int] = field(default_factory=list)  # steps drawn before each broke
+
+
+async def run_seeds(seeds: list[int], steps: int, *, faults: tuple[str, ...] = ALL_FAULTS,
+                    budget_s: float | None = None, shrink_budget: int = 150,
+                    say: Callable[[str], None] = print, data_dir: Path | None = None) -> Report:
+    """Each seed against one redis-server (flushed between runs); a failing seed is shrunk and
+    its replay reported. Stops starting seeds once `budget_s` has passed."""
+    report = Report()
+    began = time.monotonic()
+    quiet = logging.getLogger("sluice")
+    level, quiet.level = quiet.level, logging.CRITICAL  # the faults make the broker complain, as they should
+    with tempfile.TemporaryDirectory() as tmp:
+        server = EmbeddedRedis(data_dir or Path(tmp), appendonly=False).start()
+        redis = connect(server.url, name="sluice-sim")
+        try:
+            for seed in seeds:
+                if budget_s is not None and report.seeds and time.monotonic() - began > budget_s:
+                    break
+                out: Outcome = await play(redis, server.url, seed, steps=steps, faults=faults)
+                report.seeds += 1
+                report.steps += len(out.steps)
+                if out.violation is None:
+                    continue
+                report.first_failure_steps.append(len(out.steps) if out.at is None else out.at + 1)
+                small = await shrink(redis, server.url, seed, out, budget=shrink_budget, faults=faults)
+                text = replay_text(seed, small)
+                report.failures.append(text)
+                say(text)
+        finally:
+            await redis.aclose()
+            server.stop()
+            quiet.setLevel(level)
+    return report

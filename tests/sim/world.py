@@ -1,0 +1,343 @@
+"""The simulated deployment: one redis-server, an api (admission, cancels, dead letters, a reply
+router), workers and readers, and the faults. `step()` runs one step: one broker call of one
+actor, or one fault."""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from redis.asyncio import Redis
+
+from sluice.broker.admission import Admission, QueueFull
+from sluice.broker.dead_letters import DeadLetters
+from sluice.broker.keys import GROUP, ModelKeys
+from sluice.broker.readers import Readers
+from sluice.broker.reply_router import ReplyRouter
+from sluice.protocol.messages import RequestMessage, SamplingSpec, StructuredSpec
+from tests.sim.actors import (
+    AGED_MS,
+    CANCEL_TTL_S,
+    MODEL,
+    REPLY_TTL_S,
+    RESULT_TTL_S,
+    STATUS_TTL_S,
+    Lossy,
+    Reader,
+    Worker,
+)
+from tests.sim.clock import SimClock
+
+KEYS = ModelKeys(MODEL)
+MAX_QUEUED = 12
+WORKERS = 3
+OWNER = "owner-digest"
+
+
+@dataclass
+class Req:
+    """What the clients know of a request they sent."""
+
+    idx: int
+    message: RequestMessage
+    key: str | None  # its Idempotency-Key
+
+
+@dataclass
+class Ledger:
+    """What the invariants need to remember; restored with the data when a failover takes
+    writes back (what the lost writes did is undone for the checks too)."""
+
+    accepted: dict[str, str] = field(default_factory=dict)  # rid -> entry id of its admission
+    keys: dict[str, str] = field(default_factory=dict)  # idempotency key -> rid
+    finals: dict[str, dict[str, str]] = field(default_factory=dict)  # rid -> the final status seen
+    expired: set[str] = field(default_factory=set)  # rids whose status the clock expired
+    revived: set[str] = field(default_factory=set)  # rids a dlq retry put back (a new run is allowed)
+
+
+class Violation(AssertionError):
+    def __init__(self, invariant: str, detail: str) -> None:
+        super().__init__(f"{invariant}: {detail}")
+        self.invariant = invariant
+
+
+class World(Lossy):
+    def __init__(self, redis: Redis, url: str, seed: int) -> None:
+        super().__init__()
+        self.redis, self.url, self.seed = redis, url, seed
+        self.clock = SimClock()
+        self.admission = Admission(redis, status_ttl_s=STATUS_TTL_S, reply_ttl_s=REPLY_TTL_S,
+                                   cancel_ttl_s=CANCEL_TTL_S, result_ttl_s=RESULT_TTL_S)
+        self.admission.scripts = self.wrap(self.admission.scripts)
+        self.letters = DeadLetters(redis, MODEL, status_ttl_s=STATUS_TTL_S)
+        self.letters.scripts = self.wrap(self.letters.scripts)
+        self.router = ReplyRouter(redis, Readers(url, redis, name="sim-replies"), shards=2, block_ms=2000,
+                                  recheck_s=0.5)
+        self.workers = [Worker(redis, f"w{i}", 0) for i in range(WORKERS)]
+        self.requests: list[Req] = []
+        self.readers: list[Reader] = []
+        self.ledger = Ledger()
+        self.snapshot: tuple[list[tuple[str, int, bytes]], Ledger] | None = None
+        self.log: list[str] = []  # what each step did (printed with a failing replay)
+
+    async def open(self) -> None:
+        await self.redis.flushall()
+        for w in self.workers:
+            await w.consumer.ensure_groups()
+        self.router.start()
+
+    async def close(self) -> None:
+        for r in self.readers:
+            await r.hang_up()
+        for w in self.workers:
+            w.crash()
+        await self.router.close()
+
+    # -- the api actor
+    def _message(self, idx: int, rows: int, structured: bool, bulk: bool) -> RequestMessage:
+        digest = hashlib.sha256(f"{self.seed}:{idx}".encode()).hexdigest()[:32]
+        now = self.clock.time()
+        return RequestMessage(
+            id=f"req-{int(self.clock.start * 1000):013d}-{digest}", model=MODEL,
+            rows=[{"prompt": f"p{idx}.{r}", "max_tokens": 3 + (idx + r) % 6} for r in range(rows)],
+            sampling=SamplingSpec(max_tokens=8, seed=idx,
+                                  structured=StructuredSpec(regex="t.*") if structured else None),
+            enqueued_at=now, deadline=now + 400 + 150 * (idx % 8), lane="bulk" if bulk else "interactive",
+            owner=OWNER if bulk or rows > 1 else None)  # one call, one owner
+
+    async def admit(self, n: int, rows: int, structured: bool, bulk: bool, idem: int) -> str:
+        """One native submit (`idem`: 0 no Idempotency-Key, 1 a new one, 2+ an earlier one again)
+        or, with n > 1, one call of n requests (a completion's `n`, all or none)."""
+        messages = [self._message(len(self.requests) + i, rows, structured, bulk) for i in range(n)]
+        reqs = [Req(len(self.requests) + i, m, None) for i, m in enumerate(messages)]
+        self.requests += reqs
+        if n == 1 and idem:
+            used = sorted({r.key for r in self.requests if r.key})
+            key = f"k{len(used)}" if idem == 1 or not used else used[idem % len(used)]
+            reqs[0].key = key
+            return await self._admit_keyed(reqs[0], key)
+        try:
+            entries = await self.admission.submit_many(messages, max_queued=MAX_QUEUED, result_ttl_s=RESULT_TTL_S)
+        except QueueFull:
+            return "queue full"
+        for m, entry in zip(messages, entries):
+            self._accepted(m.id, entry)
+        return f"admitted {[r.idx for r in reqs]}"
+
+    async def _admit_keyed(self, req: Req, key: str) -> str:
+        """api/requests.py's _submit: the key binds to an id first; a repeat whose first call left
+        no status admits again under that id."""
+        m = req.message
+        first = await self.admission.claim_idempotency(key, m.id, MODEL)
+        if first is not None:
+            rid = first[1]
+            if self.ledger.keys.get(key, rid) != rid:
+                raise Violation("one key, one id", f"key {key} answered {rid}, first bound to {self.ledger.keys[key]}")
+            self.ledger.keys[key] = rid
+            if await self.admission.status(MODEL, rid):
+                return f"repeat of {rid[-6:]}"
+            m = m.model_copy(update={"id": rid})
+            req.message = m
+        self.ledger.keys[key] = m.id
+        try:
+            entry = await self.admission.submit(m, max_queued=MAX_QUEUED, result_ttl_s=RESULT_TTL_S)
+        except QueueFull:
+            await self.admission.release_idempotency(key)
+            self.ledger.keys.pop(key, None)
+            return "queue full"
+        self._accepted(m.id, entry)
+        return f"admitted {req.idx} as {m.id[-6:]} (key {key})"
+
+    def _accepted(self, rid: str, entry: str) -> None:
+        before = self.ledger.accepted.get(rid)
+        if entry and before and before != entry and rid not in self.ledger.revived:
+            raise Violation("one key, one run", f"request {rid} admitted again as entry {entry} (first {before}): "
+                                                "a second run under one id")
+        if entry or rid not in self.ledger.accepted:
+            self.ledger.accepted[rid] = entry or before or ""
+
+    async def cancel(self, req: int) -> str:
+        return str(await self.admission.cancel(MODEL, self.rid(req)))
+
+    async def dlq(self, req: int, retry: bool) -> str:
+        rid = self.rid(req)
+        if not retry:
+            return f"dropped {await self.letters.drop([rid])}"
+        before = await self._entries_of(rid)
+        listed = [d.request_id for d in await self.letters.list()].count(rid)
+        done = await self.letters.retry([rid], max_queued=MAX_QUEUED)
+        added = await self._entries_of(rid) - before
+        if added > listed:
+            raise Violation("one dead letter, one entry", f"dlq retry of {rid} (listed {listed} time(s)) "
+                                                          f"put {added} entries on the stream")
+        if done:
+            self.ledger.revived.add(rid)
+            self.ledger.finals.pop(rid, None)
+            for r in self.readers:
+                if r.rid == rid:
+                    r.tainted = True  # a new run under an old id: its stream starts again
+        return f"retried {done}"
+
+    async def _entries_of(self, rid: str) -> int:
+        found = 0
+        for stream in (KEYS.requests, KEYS.bulk):
+            found += sum(1 for _, f in await self.redis.xrange(stream) if f.get("id") == rid)
+        return found
+
+    def rid(self, req: int) -> str:
+        return self.requests[req % len(self.requests)].message.id
+
+    # -- readers
+    def join(self, req: int) -> str:
+        reader = Reader(len(self.readers), self.rid(req))
+        self.readers.append(reader)
+        reader.join(self.router, self.redis)
+        return f"reader {reader.idx} follows {reader.rid[-6:]}"
+
+    # -- faults
+    async def crash(self, w: int) -> None:
+        old = self.workers[w]
+        old.crash()
+        self.workers[w] = Worker(self.redis, old.name, old.restarts + 1)
+
+    async def duplicate(self, req: int) -> str:
+        r = self.requests[req % len(self.requests)]
+        status = await self.admission.status(MODEL, r.message.id)
+        if status is None or status.final:
+            return "nothing to duplicate"
+        stream = KEYS.bulk if r.message.lane == "bulk" else KEYS.requests
+        return f"entry {await self.redis.xadd(stream, r.message.to_fields())} repeats {r.idx}"
+
+    async def take_snapshot(self) -> None:
+        dumped = []
+        async for key in self.redis.scan_iter("*"):
+            data = await self.redis.dump(key)
+            if data is not None:
+                dumped.append((key, max(await self.redis.pttl(key), 0), data))
+        self.snapshot = (dumped, copy.deepcopy(self.ledger))
+
+    async def failover(self) -> str:
+        """A replica that missed the writes since the snapshot takes over (asynchronous
+        replication): the data and what the checks remember go back to the snapshot."""
+        if self.snapshot is None:
+            return "no snapshot"
+        dumped, ledger = self.snapshot
+        before = await self._stream_ends()
+        await self.redis.flushall()
+        raw = self.redis.execute_command
+        for key, ttl, data in dumped:
+            await raw("RESTORE", key, ttl, data, "REPLACE")
+        self.ledger = copy.deepcopy(ledger)
+        after = await self._stream_ends()
+        for r in self.readers:  # it read from the primary (no replica reads here): what it showed may be gone
+            r.tainted = r.tainted or before[r.rid] != after[r.rid]
+        return f"restored {len(dumped)} keys"
+
+    async def _stream_ends(self) -> dict[str, str]:
+        """Each followed request's last reply entry."""
+        rids = sorted({r.rid for r in self.readers})
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for rid in rids:
+                pipe.xrevrange(KEYS.reply(rid), count=1)
+            got = await pipe.execute()
+        return {rid: last[0][0] if last else "" for rid, last in zip(rids, got)}
+
+    async def advance(self, seconds: int) -> str:
+        """Time passes: TTLs run down (keys past theirs expire), pending entries grow idle."""
+        self.clock.elapsed += seconds
+        gone = []
+        async for key in self.redis.scan_iter("*"):
+            ttl = await self.redis.pttl(key)
+            if ttl < 0:
+                continue
+            if ttl <= seconds * 1000:
+                await self.redis.delete(key)
+                gone.append(key)
+            else:
+                await self.redis.pexpire(key, ttl - seconds * 1000)
+        for key in gone:
+            if ":status:" in key:
+                self.ledger.expired.add(key.rsplit(":", 1)[1])
+        await self.age_pending(seconds * 1000)
+        return f"{len(gone)} keys expired"
+
+    async def age_pending(self, add_ms: int | None = None) -> None:
+        """Every pending entry idle `add_ms` longer (None: past any lease), whoever holds it."""
+        for stream in (KEYS.requests, KEYS.bulk):
+            for p in await self.redis.xpending_range(stream, GROUP, "-", "+", 10_000):
+                idle = AGED_MS if add_ms is None else p["time_since_delivered"] + add_ms
+                await self.redis.xclaim(stream, GROUP, p["consumer"], 0, [p["message_id"]], idle=idle, justid=True)
+
+    # -- one step
+    async def step(self, action: tuple[Any, ...]) -> str:
+        self.clock.tick()
+        name, *args = action
+        w = self.workers[args[0] % len(self.workers)] if name in WORKER_STEPS else None
+        if name == "admit":
+            return await self.admit(*args)
+        if not self.requests and name in NEEDS_REQUEST:
+            return "no request"
+        if name == "cancel":
+            return await self.cancel(*args)
+        if name == "dlq":
+            return await self.dlq(*args)
+        if name == "join":
+            return self.join(*args)
+        if name in ("hangup", "reconnect"):
+            if not self.readers:
+                return "no reader"
+            reader = self.readers[args[0] % len(self.readers)]
+            if name == "hangup" and reader.live:
+                await reader.hang_up()
+                return f"reader {reader.idx} hung up after {reader.last_id}"
+            if name == "reconnect" and reader.task is not None and not reader.live and reader.final is None:
+                reader.join(self.router, self.redis)
+                return f"reader {reader.idx} resumes after {reader.last_id}"
+            return "nothing"
+        if name == "fetch":
+            return f"fetched {[d.message.id[-6:] + '@' + str(d.attempt) for d in await w.fetch(args[1])]}"
+        if name == "start":
+            return str(await w.start(args[1]))
+        if name == "resume":
+            return str(await w.resume(self.rid(args[1])))
+        if name == "emit":
+            return str(await w.emit(self.rid(args[1]), args[2], args[3]))
+        if name == "flush":
+            await w.flush()
+            return "flushed"
+        if name == "commit":
+            return str(await w.commit(self.rid(args[1])))
+        if name == "lease":
+            return f"lost {await w.lease()}"
+        if name == "watch":
+            await w.watch(self.clock.time())
+            return "watched"
+        if name == "crash":
+            await self.crash(args[0] % len(self.workers))
+            return "crashed"
+        if name == "freeze":
+            await w.age_leases()
+            return "frozen past its lease"
+        if name == "lose":
+            (self if args[0] < 0 else self.workers[args[0] % len(self.workers)]).lose = True
+            return "next reply lost"
+        if name == "dup":
+            return await self.duplicate(*args)
+        if name == "snapshot":
+            await self.take_snapshot()
+            return "snapshot"
+        if name == "failover":
+            return await self.failover()
+        if name == "clock":
+            return await self.advance(*args)
+        raise ValueError(f"unknown step {action!r}")
+
+    def wall(self) -> float:
+        return time.monotonic()
+
+
+WORKER_STEPS = {"fetch", "start", "resume", "emit", "flush", "commit", "lease", "watch", "crash", "freeze"}
+NEEDS_REQUEST = {"cancel", "dlq", "join", "resume", "emit", "commit", "dup"}
