@@ -23,6 +23,7 @@ from sluice.api.intake import request_id as new_id
 from sluice.api.requests import visible_model
 from sluice.api.schemas import require_unicode
 from sluice.api.state import ApiState, state
+from sluice.broker.reply_router import LostFinal
 from sluice.protocol.responses import EventSequence, ResponseRequest, request_id, response_object
 
 router = APIRouter(prefix="/v1/responses", tags=["openai"])
@@ -67,7 +68,9 @@ def _events(s: ApiState, rid: str, model: str, meta: dict, after: int, *, owned:
                 if seq > after:
                     yield {"event": ev["type"], "data": json.dumps(ev)}
             async for reply in s.replies.follow(model, rid):
-                batch = events.delta(reply.delta) if reply.delta is not None else events.end(reply.final)
+                lost_after = after if isinstance(reply, LostFinal) else None  # the reply stream expired
+                batch = events.delta(reply.delta) if reply.delta is not None else \
+                    events.end(reply.final, lost_after=lost_after)
                 for seq, ev in batch:
                     if seq > after:
                         yield {"event": ev["type"], "data": json.dumps(ev)}

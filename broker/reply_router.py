@@ -142,6 +142,12 @@ class _Shard:
             await self.reader.aclose()
 
 
+@dataclass
+class LostFinal(ReplyEvent):
+    """The final from the status hash: the reply stream expired before it was read to its end,
+    so whatever of it the reader had not read yet is gone."""
+
+
 class ReplyRouter:
     def __init__(self, redis: Redis, readers: Readers, *, shards: int = 4, block_ms: int = 5000,
                  recheck_s: float = 30.0) -> None:
@@ -262,7 +268,7 @@ class ReplyRouter:
             return None
         if await self.redis.xread({follower.key: follower.after}, count=1):
             return None  # entries still to come through the shard
-        return ReplyEvent(follower.after, "final", final=final)
+        return LostFinal(follower.after, "final", final=final)
 
 
 _ENTRY_ID = re.compile(r"[0-9]{1,20}(-[0-9]{1,20})?")

@@ -4,7 +4,9 @@ request's status, and the stream of typed events with sequence numbers.
 A response is one single-row chat request; its id is the request id's (`resp_<ms>-<hex>` for
 `req-<ms>-<hex>`). The event sequence is a function of the reply stream alone (fixed events
 around one `response.output_text.delta` per reply-stream delta), so a stream resumed with
-`starting_after=N` is the same sequence from N + 1.
+`starting_after=N` is the same sequence from N + 1. Once the reply stream has expired, only
+the status is left: a stream resumed after more events than can be rebuilt from it gets the
+end events, with the whole text, numbered from N + 1 (EventSequence.end).
 """
 
 from __future__ import annotations
@@ -200,10 +202,17 @@ class EventSequence:
         yield self._event("response.output_text.delta", item_id=self.item_id, output_index=0, content_index=0,
                           delta=delta.text, logprobs=[])
 
-    def end(self, final: FinalResult) -> Iterator[tuple[int, dict[str, Any]]]:
+    def end(self, final: FinalResult, *, lost_after: int | None = None) -> Iterator[tuple[int, dict[str, Any]]]:
+        """The events after the last delta. `lost_after`: the reply stream expired before it
+        was read to its end, and the client resumes after that sequence number. Past the
+        events rebuilt so far, the numbering it saw cannot be rebuilt (nor the text it was
+        shown): the end events, with the whole text, are numbered after it. A stream always
+        ends."""
         done = response_object(self.rid, self.model, self.meta, final.status, final)
         text = final.output.text if final.output else "".join(self.text)
-        if len(text) > len("".join(self.text)):  # the reply stream expired: the rest in one piece
+        if lost_after is not None and lost_after >= self.seq:
+            self.seq = lost_after + 1
+        elif len(text) > len("".join(self.text)):  # the reply stream expired: the rest in one piece
             yield from self.delta(DeltaEvent(i=0, text=text[len("".join(self.text)):], token_ids=[]))
         part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
         yield self._event("response.output_text.done", item_id=self.item_id, output_index=0, content_index=0,

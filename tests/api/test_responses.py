@@ -189,3 +189,30 @@ async def test_a_worker_crash_resumes_a_background_response(app: FastAPI, sdk: o
         events = await _events(api, "GET", f"/v1/responses/{made.id}", params={"stream": "true"})
     deltas = [e["delta"] for e in events if e["type"] == "response.output_text.delta"]
     assert "".join(deltas) == done.output_text and events[-1]["response"]["status"] == "incomplete"
+
+
+async def test_a_stream_resumed_after_its_reply_stream_expired_still_ends(
+        api: httpx.AsyncClient, null_worker: Worker, redis: Redis) -> None:
+    """Issue 28, defect 5: once the reply stream has expired, the events rebuilt from the status
+    are fewer than the stream had, and a resume after more of them than that got nothing, not
+    even the terminal event. Resumed after any number, a stream ends: numbered after it, with
+    the whole text in `response.output_text.done`, the same terminal event as before; the text
+    again as one delta only to a client that had seen none of it."""
+    events = await _events(api, "POST", "/v1/responses", json={"model": MODEL, "input": "hi", "stream": True,
+                                                                "background": True, "max_output_tokens": 6})
+    rid = events[0]["response"]["id"]
+    text = events[-4]["text"]
+    assert text == " t0 t1 t2 t3 t4 t5"
+    await redis.delete(KEYS.reply(request_id(rid)))  # what its TTL does after the final
+    for after in range(-1, len(events) + 2):
+        again = await _events(api, "GET", f"/v1/responses/{rid}", params={"stream": "true", "starting_after": after})
+        assert again, f"nothing after {after}"
+        assert [e["sequence_number"] for e in again] == list(range(after + 1, after + 1 + len(again)))
+        assert again[-1] == {**events[-1], "sequence_number": again[-1]["sequence_number"]}
+        kinds = [e["type"] for e in again]
+        assert kinds[-4:-1] == ["response.output_text.done", "response.content_part.done",
+                                "response.output_item.done"] and again[-4]["text"] == text
+        deltas = [e["delta"] for e in again if e["type"] == "response.output_text.delta"]
+        assert deltas == ([text] if after < 4 else []), (after, kinds)  # events 0-3 come before any text
+        if after < 4:
+            assert again[:4 - after - 1] == events[after + 1:4]
