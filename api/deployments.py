@@ -3,6 +3,7 @@
 Reading never writes. The models file's deployments are registered in Redis by `ModelsFileSync`:
 once at startup and again whenever it finds one missing (a Redis that restarted without its
 data); a request for such a model meanwhile gets a 503 to retry, and wakes the sync at once.
+At startup it also removes the deployments the models file no longer lists.
 """
 
 from __future__ import annotations
@@ -66,19 +67,24 @@ class Deployments:
 class ModelsFileSync:
     """Keeps the models file's deployments in Redis without undoing a run-time reconfiguration
     (keep_existing). Runs once at startup, then every `interval_s` or when woken by a request
-    for a configured model that is missing."""
+    for a configured model that is missing. Its first pass also undeploys the models that Redis
+    holds and the file no longer lists (a model removed from the file stops taking requests once
+    the api restarts with it); an api without a models file undeploys nothing."""
 
     def __init__(self, deployments: Deployments, models: list[ModelConfig], *, interval_s: float = 5.0) -> None:
         self.deployments = deployments
         self.models = models
         self.interval_s = interval_s
         self._stopping = False
+        self._retired = False  # the first pass's undeploy is done
 
     async def sync(self) -> list[str]:
         """Register the models that Redis lacks; the names registered."""
         if not self.models:
             return []
         present = await self.deployments.all(fresh=True)
+        if not self._retired:
+            await self._retire(present)
         registered = []
         for m in self.models:
             if m.name not in present:
@@ -87,6 +93,15 @@ class ModelsFileSync:
         if registered:
             await self.deployments.all(fresh=True)
         return registered
+
+    async def _retire(self, present: dict[str, ModelConfig]) -> None:
+        listed = {m.name for m in self.models}
+        removed = [name for name in sorted(present) if name not in listed
+                   and await self.deployments.registry.undeploy(name)]
+        if removed:
+            log.info("undeployed %s: no longer in the models file", removed)
+            await self.deployments.all(fresh=True)
+        self._retired = True
 
     async def run(self) -> None:
         """Until `stop`; a failed pass (Redis away) is logged and tried again. The first pass is

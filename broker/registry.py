@@ -41,6 +41,11 @@ class ModelRegistry:
         )
         return _decode(model.name, stored)
 
+    async def undeploy(self, name: str) -> bool:
+        """Remove a deployment (a model dropped from the models file); whether it was there. Its
+        workers keep draining what they hold; the api stops admitting requests for it."""
+        return bool(await self.redis.hdel(MODELS, name))
+
     async def get(self, name: str) -> ModelConfig | None:
         stored = await self.redis.hget(MODELS, name)
         return _decode(name, stored) if stored else None

@@ -73,3 +73,25 @@ async def test_the_sync_task_comes_when_woken_and_stops_on_its_flag(redis: Redis
 async def _until_deployed(d: Deployments) -> None:
     while "a" not in await d.all(fresh=True):
         await asyncio.sleep(0.01)
+
+
+async def test_a_model_dropped_from_the_models_file_is_undeployed(redis: Redis) -> None:
+    """An api that starts with a models file no longer listing `b` undeploys it (it once stayed
+    deployed and kept taking requests); `a`'s run-time reconfiguration is kept."""
+    first = deployments(redis, "a", "b")
+    await ModelsFileSync(first, [A, B]).sync()
+    changed = await first.deploy(A.model_copy(update={"continuous_batching_config":
+                                                      ContinuousBatchingConfig(max_concurrent_batch_size=8)}))
+    restarted = deployments(redis, "a")
+    await ModelsFileSync(restarted, [A]).sync()
+    assert sorted(await restarted.all(fresh=True)) == ["a"]
+    assert (await restarted.get("a")).version == changed.version
+    with pytest.raises(ApiError) as gone:
+        await restarted.get("b")
+    assert gone.value.status == 404 and "'b' is not deployed" in gone.value.message
+
+
+async def test_an_api_without_a_models_file_undeploys_nothing(redis: Redis) -> None:
+    await ModelsFileSync(deployments(redis, "a", "b"), [A, B]).sync()
+    await ModelsFileSync(deployments(redis), []).sync()  # models deployed by the workers' files stay
+    assert sorted(await deployments(redis).all(fresh=True)) == ["a", "b"]
