@@ -124,3 +124,55 @@ def test_every_relative_link_resolves() -> None:
 def test_the_readme_is_short() -> None:
     lines = len((ROOT / "README.md").read_text().splitlines())
     assert lines <= 250, f"README.md has {lines} lines: move detail into docs/"
+
+
+def quick_start_tour() -> list[tuple[str, str]]:
+    """The README's curl tour: (the comment above a command, the command), in order."""
+    section = (ROOT / "README.md").read_text().split("## Quick start", 1)[1].split("\n## ", 1)[0]
+    tour = [block for block in re.findall(r"```bash\n(.*?)```", section, flags=re.S) if "curl" in block][0]
+    steps, comment = [], ""
+    for line in tour.replace("\\\n", " ").splitlines():
+        if line.startswith("#"):
+            comment = line.lstrip("# ")
+        elif line.strip():
+            steps.append((comment, line.strip()))
+    return steps
+
+
+def test_the_quick_start_answers_as_the_readme_shows(tmp_path: Path) -> None:
+    """Each curl command of the Quick start, run as written (against a stack on a free port,
+    with a null engine for the default model), answers what its comment says."""
+    import json
+    import shlex
+    import subprocess
+
+    from sluice.cli.stack import LocalStack
+
+    steps = quick_start_tour()
+    assert [c.split()[0] for c, _ in steps] == ["submit", "or", "poll,", "stream", "cancel"], steps
+    with LocalStack(tmp_path, env={"SLUICE_LOG_LEVEL": "WARNING"}) as local:
+        local.up(["smollm2"], engine="null", timeout_s=120)
+        host = local.url.removeprefix("http://")
+        rid = ""
+        answers = []
+        for comment, command in steps:
+            argv = shlex.split(command.replace("localhost:8000", host).replace("<id>", rid))
+            out = subprocess.run([*argv, "-w", "\n%{http_code}", "--max-time", "60"], capture_output=True,
+                                 text=True, check=True).stdout
+            body, _, code = out.rpartition("\n")
+            answers.append((comment, int(code), body))
+            if not rid:
+                rid = json.loads(body)["id"]
+
+    (_, submit_code, submit), (_, wait_code, waited), (_, poll_code, polled), (_, _, events), (_, cancel_code, _) = \
+        answers
+    shown = re.search(r"\((\d{3}): (\{.*\})\)", steps[0][0])  # (202: {"id", "status": "queued", "model"})
+    assert shown and submit_code == int(shown.group(1)), (steps[0][0], submit_code, submit)
+    submitted = json.loads(submit)
+    assert set(submitted) == set(re.findall(r'(?<!: )"(\w+)"', shown.group(2))), (shown.group(2), submitted)
+    assert all(submitted[k] == v for k, v in re.findall(r'"(\w+)": "(\w+)"', shown.group(2))), submitted
+    assert wait_code == 200 and json.loads(waited)["status"] == "done" and "output" in json.loads(waited)
+    assert poll_code == 200 and json.loads(polled)["id"] == rid and json.loads(polled)["status"] == "done"
+    kinds = re.findall(r"^event: (\w+)", events, flags=re.M)
+    assert kinds and set(kinds[:-1]) == {"delta"} and kinds[-1] in ("done", "error"), events
+    assert cancel_code < 500, cancel_code
