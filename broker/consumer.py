@@ -186,11 +186,15 @@ class StreamConsumer:
                 self._quiet_until[stream] = now + self.reclaim_scan_s
         return out
 
-    async def dead_letter(self, stream: str, entry_id: str, rid: str, data: str, error: str, attempts: int) -> bool:
+    async def dead_letter(self, stream: str, entry_id: str, rid: str, data: str, error: str, attempts: int,
+                          message: RequestMessage | None = None) -> bool:
+        """`message`: the request (None: its entry cannot be read), whose owner, model, lane and
+        age a status that expired meanwhile gets back with its failed final."""
+        about = [message.model, message.lane, message.owner or "", message.enqueued_at] if message else [""] * 4
         written = await self.scripts.dead_letter(
             keys=[stream, self.keys.for_request(rid).dead_letters, self.keys.status(rid), self.keys.reply(rid)],
             args=[GROUP, self.consumer, entry_id, rid, data, error, attempts, time.time(), self.result_ttl_s,
-                  self.reply_ttl_s, self.keys.for_request(rid).done, self.dlq_max_len],
+                  self.reply_ttl_s, self.keys.for_request(rid).done, self.dlq_max_len, *about],
         )
         if written == 1:
             self.dead_lettered += 1
@@ -216,7 +220,8 @@ class StreamConsumer:
             if redelivered and charges >= self.max_deliveries - 1:
                 error = (f"no result after {charges + 1} deliveries: the worker running it "
                          f"stopped or crashed each time")
-                await self.dead_letter(stream, entry_id, message.id, message.model_dump_json(), error, charges + 1)
+                await self.dead_letter(stream, entry_id, message.id, message.model_dump_json(), error, charges + 1,
+                                       message)
                 continue
             out.append(Delivery(stream, entry_id, message, self.consumer, attempt))
         return out

@@ -31,13 +31,14 @@ class DeadLetter:
 
 class DeadLetters:
     def __init__(self, redis: Redis, model: str, *, status_ttl_s: int = 86400, bulk_queue_share: float = 0.5,
-                 shards: int = 1):
+                 shards: int = 1, result_ttl_s: int = 3600):
         self.redis = redis
         self.keys = ModelKeys(model)
         self.shards = shards
         self.streams = [k.dead_letters for k in self.keys.shards(shards)]
         self.scripts = Scripts.register(redis)
         self.status_ttl_s = status_ttl_s
+        self.result_ttl_s = result_ttl_s  # the model's retention: a retried result's, where its status expired
         self.bulk_queue_share = bulk_queue_share
 
     async def list(self, count: int = 1000) -> list[DeadLetter]:
@@ -68,8 +69,11 @@ class DeadLetters:
 
     async def retry(self, request_ids: list[str] | None, *, max_queued: int) -> list[str]:
         """Put requests back on their stream as new deliveries (a fresh deadline of the same
-        length), within the stream's bound; their status returns to queued and their old reply
-        stream is cleared. Letters that cannot be read are left for `drop`."""
+        length), within the stream's bound; their status returns to queued (whole again, with
+        its owner, model, lane and retention, where it expired meanwhile) and their old reply
+        stream is cleared. Letters that cannot be read are left for `drop`; a letter gone
+        meanwhile (retried or dropped already: a second retry, a stale listing) is not retried
+        again."""
         retried = []
         for d in await self._select(request_ids):
             if d.message is None:
@@ -85,8 +89,12 @@ class DeadLetters:
                 keys=[d.stream, shard.status(d.request_id), shard.reply(d.request_id),
                       shard.dead_letters, shard.requests if bulk else shard.bulk],
                 args=[max_queued, d.request_id, msg.model_dump_json(), now, self.status_ttl_s, d.entry_id,
-                      lane_max],
+                      lane_max, msg.model, msg.lane, msg.owner or "", self.result_ttl_s],
             )
+            if entry == "":
+                log.warning("dead letter %s (request %s) is gone: retried or dropped already", d.entry_id,
+                            d.request_id)
+                continue
             if entry is None:
                 log.warning("the stream of %s is full: the other dead letters stay", self.keys.model)
                 break

@@ -29,7 +29,8 @@ def _dead_letters(model: str, redis_url: str | None, action):
 
             deployed = await ModelRegistry(redis).get(model)
             letters = DeadLetters(redis, model, status_ttl_s=settings.status_ttl_s,
-                                  shards=deployed.shards if deployed else 1)
+                                  shards=deployed.shards if deployed else 1,
+                                  result_ttl_s=(deployed.result_ttl_s if deployed else None) or settings.result_ttl_s)
             return await action(letters, (deployed.max_queued if deployed else None) or settings.max_queued)
         finally:
             await redis.aclose()

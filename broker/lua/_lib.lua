@@ -20,6 +20,24 @@ local function fenced(current, token)  -- current: the status's `fence` (false w
   return current ~= token
 end
 
+-- The `next:<row>` fields of a status hash (reply.lua's token counts), appended to `into`.
+local function token_counts(status, into)
+  for _, field in ipairs(redis.call('HKEYS', status)) do
+    if string.sub(field, 1, 5) == 'next:' then
+      into[#into + 1] = field
+    end
+  end
+  return into
+end
+
+-- The queue bound (admission's and `dlq retry`'s): whether `n` more entries on `stream` would
+-- take the model's two lanes together past max_queued (entries waiting plus pending: entries
+-- are deleted once acknowledged), or this lane past its own bound.
+local function over_bound(stream, other, n, max_queued, lane_max)
+  local here = redis.call('XLEN', stream)
+  return here + redis.call('XLEN', other) + n > max_queued or here + n > lane_max
+end
+
 local function ack_and_delete(stream, group, id)
   redis.call('XACK', stream, group, id)
   redis.call('XDEL', stream, id)
@@ -58,11 +76,7 @@ local function write_final(status, reply, state, final, now, result_ttl, reply_t
       dropped[#dropped + 1] = 'next:' .. row
     end
   else
-    for _, field in ipairs(redis.call('HKEYS', status)) do
-      if string.sub(field, 1, 5) == 'next:' then  -- reply.lua's token counts
-        dropped[#dropped + 1] = field
-      end
-    end
+    token_counts(status, dropped)
   end
   redis.call('HDEL', status, unpack(dropped))
   redis.call('HSET', status, 'state', state, 'result', final, 'finished_at', now)

@@ -4,22 +4,36 @@
 -- neither copied nor given a second final, so `dlq retry` can never run it again.
 -- KEYS: stream, dlq, status, reply
 -- ARGV: group, consumer, entry_id, rid, data, error, attempts, now, result_ttl, reply_ttl,
---       done_channel, dlq_max_len
+--       done_channel, dlq_max_len, then the request's model, lane, owner and enqueued_at
+--       ('' where unknown: an entry that cannot be read)
 -- Returns 1 (dead-lettered), 2 (acknowledged; final already), 0 (fenced).
-if not owns(KEYS[1], ARGV[1], ARGV[3], ARGV[2]) then
+local stream, dlq, status, reply = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+local group, consumer, entry_id, rid, data, err = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6]
+local attempts, now, result_ttl, reply_ttl, done_channel = ARGV[7], ARGV[8], ARGV[9], ARGV[10], ARGV[11]
+local dlq_max_len, model, lane, owner, enqueued_at = ARGV[12], ARGV[13], ARGV[14], ARGV[15], ARGV[16]
+
+if not owns(stream, group, entry_id, consumer) then
   return 0
 end
-if is_final(KEYS[3]) then
-  ack_and_delete(KEYS[1], ARGV[1], ARGV[3])
+if is_final(status) then
+  ack_and_delete(stream, group, entry_id)
   return 2
 end
-redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[12], '*', 'id', ARGV[4], 'data', ARGV[5], 'error', ARGV[6],
-           'attempts', ARGV[7], 'stream', KEYS[1], 'failed_at', ARGV[8])
-ack_and_delete(KEYS[1], ARGV[1], ARGV[3])
-if redis.call('EXISTS', KEYS[3]) == 0 then
-  -- the status hash expired or was lost: the final still reaches readers of the reply stream
-  redis.call('HSET', KEYS[3], 'state', 'queued')
+redis.call('XADD', dlq, 'MAXLEN', '~', dlq_max_len, '*', 'id', rid, 'data', data, 'error', err,
+           'attempts', attempts, 'stream', stream, 'failed_at', now)
+ack_and_delete(stream, group, entry_id)
+if redis.call('EXISTS', status) == 0 then
+  -- the status hash expired or was lost: the final still reaches readers of the reply stream,
+  -- and the status is whole (its owner finds it; `dlq retry` keeps what it says)
+  local fields = {'state', 'queued', 'retain_s', result_ttl}
+  for _, pair in ipairs({{'model', model}, {'lane', lane}, {'owner', owner}, {'enqueued_at', enqueued_at}}) do
+    if pair[2] ~= '' then
+      fields[#fields + 1] = pair[1]
+      fields[#fields + 1] = pair[2]
+    end
+  end
+  redis.call('HSET', status, unpack(fields))
 end
-write_final(KEYS[3], KEYS[4], 'failed', bare_final(KEYS[3], 'failed', ARGV[6], tonumber(ARGV[7]), ARGV[8]),
-            ARGV[8], ARGV[9], ARGV[10], ARGV[11], ARGV[4])
+write_final(status, reply, 'failed', bare_final(status, 'failed', err, tonumber(attempts), now),
+            now, result_ttl, reply_ttl, done_channel, rid)
 return 1

@@ -1,23 +1,31 @@
 -- Put a dead letter back on its stream (`sluice dlq retry`): within the stream's bound, as
 -- a new entry that becomes the request's current one, with its old reply stream cleared
--- and no charges, and remove it from the dead-letter stream, all at once.
+-- and no charges, and remove it from the dead-letter stream, all at once. Only a dead letter
+-- that is still there: a second retry (or one from a stale listing) finds it gone and puts
+-- nothing on the stream. The status is whole again even where it expired meanwhile: its
+-- owner, model, lane and retention come with the request.
 -- The bound is admit.lua's: both lanes together within max_queued, this lane within lane_max.
 -- KEYS: stream, status, reply, dlq, the other lane's stream
--- ARGV: max_queued, rid, data, now, status_ttl, dlq_entry_id, lane_max
--- Returns the new entry id, or false when the bound refuses it.
-local here = redis.call('XLEN', KEYS[1])
-if here + redis.call('XLEN', KEYS[5]) >= tonumber(ARGV[1]) or here >= tonumber(ARGV[7]) then
+-- ARGV: max_queued, rid, data, now, status_ttl, dlq_entry_id, lane_max, model, lane,
+--       owner ('' for none), retain_s (used where the status has none)
+-- Returns the new entry id, false when the bound refuses it, or '' when the dead letter is
+-- gone (retried or dropped already).
+local stream, status, reply, dlq, other = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
+local max_queued, rid, data, now, status_ttl = tonumber(ARGV[1]), ARGV[2], ARGV[3], ARGV[4], ARGV[5]
+local letter, lane_max, model, lane, owner, retain_s = ARGV[6], tonumber(ARGV[7]), ARGV[8], ARGV[9], ARGV[10], ARGV[11]
+
+if over_bound(stream, other, 1, max_queued, lane_max) then
   return false
 end
-local entry = redis.call('XADD', KEYS[1], '*', 'id', ARGV[2], 'data', ARGV[3])
-redis.call('DEL', KEYS[3])
-redis.call('HDEL', KEYS[2], 'result', 'finished_at', 'started_at', 'worker', 'charges', 'attempt', 'fence')
-for _, field in ipairs(redis.call('HKEYS', KEYS[2])) do
-  if string.sub(field, 1, 5) == 'next:' then  -- reply.lua's token counts of the cleared stream
-    redis.call('HDEL', KEYS[2], field)
-  end
+local entry = redis.call('XADD', stream, '*', 'id', rid, 'data', data)
+redis.call('DEL', reply)
+local dropped = {'result', 'finished_at', 'started_at', 'worker', 'charges', 'attempt', 'fence'}
+redis.call('HDEL', status, unpack(token_counts(status, dropped)))  -- with the cleared stream's counts
+redis.call('HSET', status, 'state', 'queued', 'enqueued_at', now, 'entry', entry, 'stream', stream,
+           'model', model, 'lane', lane, 'retain_s', redis.call('HGET', status, 'retain_s') or retain_s)
+if owner ~= '' then
+  redis.call('HSET', status, 'owner', owner)
 end
-redis.call('HSET', KEYS[2], 'state', 'queued', 'enqueued_at', ARGV[4], 'entry', entry, 'stream', KEYS[1])
-redis.call('EXPIRE', KEYS[2], ARGV[5])
-redis.call('XDEL', KEYS[4], ARGV[6])
+redis.call('EXPIRE', status, status_ttl)
+redis.call('XDEL', dlq, letter)
 return entry

@@ -9,8 +9,9 @@ import time
 from redis.asyncio import Redis
 
 from sluice.broker.dead_letters import DeadLetters
+from sluice.config.settings import Settings
 from sluice.protocol.messages import RequestMessage
-from tests.broker.helpers import KEYS, MODEL, message
+from tests.broker.helpers import KEYS, MODEL, admission, fetch_one, message, ready_consumer
 
 
 async def bury(redis: Redis, m: RequestMessage | None, *, stream: str = KEYS.requests, rid: str = "",
@@ -73,3 +74,57 @@ async def test_retry_and_drop_take_only_the_named_requests(redis: Redis) -> None
     assert [d.request_id for d in await letters.list()] == [a.id]
     assert await letters.drop(None) == [a.id]
     assert await redis.xlen(KEYS.dead_letters) == 0
+
+
+# -- issue 28, defects 8 and 9 ------------------------------------------------------------------
+
+
+async def _dead_lettered_with_an_owner(redis: Redis, settings: Settings) -> RequestMessage:
+    """A request with an owner, admitted with its model's retention, run, and dead-lettered."""
+    m = message().model_copy(update={"owner": "sha256:abc"})
+    await admission(redis, settings).submit(m, max_queued=10, result_ttl_s=777)
+    c = await ready_consumer(redis, settings)
+    d = await fetch_one(c)
+    assert await c.start(d) == "run"
+    assert await c.dead_letter(d.stream, d.entry_id, m.id, m.model_dump_json(), "crashed", 3, m)
+    return m
+
+
+def _whole(status: dict[str, str]) -> tuple:
+    return (status.get("owner"), status.get("model"), status.get("lane"), status.get("retain_s"))
+
+
+async def test_a_retry_after_the_result_expired_gives_the_status_back_whole(
+        redis: Redis, settings: Settings) -> None:
+    """Defect 8: `dlq retry` after the failed result's retention re-created the status without
+    owner, retention, model or lane (with keys on, its owner then got 404 for it forever)."""
+    m = await _dead_lettered_with_an_owner(redis, settings)
+    await redis.delete(KEYS.status(m.id))  # the failed result's retention passed
+    assert await DeadLetters(redis, MODEL, result_ttl_s=555).retry(None, max_queued=10) == [m.id]
+    status = await redis.hgetall(KEYS.status(m.id))
+    assert status["state"] == "queued"
+    assert _whole(status) == ("sha256:abc", MODEL, "interactive", "555")
+    assert (await admission(redis, settings).status(MODEL, m.id)).owner == "sha256:abc"
+
+
+async def test_a_retry_keeps_the_retention_the_request_was_admitted_with(redis: Redis, settings: Settings) -> None:
+    m = await _dead_lettered_with_an_owner(redis, settings)
+    assert await DeadLetters(redis, MODEL, result_ttl_s=555).retry(None, max_queued=10) == [m.id]
+    assert _whole(await redis.hgetall(KEYS.status(m.id))) == ("sha256:abc", MODEL, "interactive", "777")
+
+
+async def test_a_dead_letter_whose_status_expired_fails_with_its_status_whole(
+        redis: Redis, settings: Settings) -> None:
+    """Defect 8, dead_letter.lua's "status expired" branch: the failed final's status had no
+    owner, model, lane or age."""
+    m = message().model_copy(update={"owner": "sha256:abc", "lane": "bulk"})
+    await admission(redis, settings).submit(m, max_queued=10)
+    c = await ready_consumer(redis, settings)
+    d = await fetch_one(c)
+    assert await c.start(d) == "run"
+    await redis.delete(KEYS.status(m.id))
+    assert await c.dead_letter(d.stream, d.entry_id, m.id, m.model_dump_json(), "crashed", 3, m)
+    status = await redis.hgetall(KEYS.status(m.id))
+    assert (status["state"], status["owner"], status["model"], status["lane"]) == ("failed", "sha256:abc", MODEL,
+                                                                                     "bulk")
+    assert float(status["enqueued_at"]) == m.enqueued_at and await redis.ttl(KEYS.status(m.id)) > 0
