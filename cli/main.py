@@ -60,6 +60,7 @@ def api(
 
     from sluice.api.app import create_app
     from sluice.api.auth import anonymous_listen_error, parse_key
+    from sluice.api.connections import guarded, raise_fd_limit
 
     _logging()
     settings = _settings(redis_url=redis_url, api_host=host, api_port=port, models_file=models_file)
@@ -77,8 +78,12 @@ def api(
                "log_level": os.environ.get("SLUICE_LOG_LEVEL", "INFO").lower(),
                "timeout_graceful_shutdown": math.ceil(settings.shutdown_timeout_s) + 2,
                "timeout_keep_alive": math.ceil(settings.api_keep_alive_s)}
+    # Header and body timeouts and a cap on open connections (api/connections.py); the open-file
+    # limit is raised for the cap first (the processes of --workers inherit it).
+    allowed = raise_fd_limit(settings.api_max_connections)
     if workers == 1:
-        uvicorn.run(create_app(settings), **options)
+        uvicorn.run(create_app(settings), http=guarded(settings.model_copy(update={"api_max_connections": allowed})),
+                    **options)
         return
     # Each process builds its app from SLUICE_* (the options above go there too), and writes its
     # metrics where every process's scrape reads them (api/metrics.py).
@@ -87,7 +92,8 @@ def api(
     metrics_dir = Path(tempfile.mkdtemp(prefix="sluice-api-metrics-"))
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(metrics_dir)
     try:
-        uvicorn.run("sluice.api.app:app_from_environment", factory=True, workers=workers, **options)
+        uvicorn.run("sluice.api.app:app_from_environment", factory=True, workers=workers,
+                    http="sluice.api.connections:FromEnvironment", **options)
     finally:
         shutil.rmtree(metrics_dir, ignore_errors=True)
 

@@ -30,6 +30,14 @@ class Settings(BaseSettings):
     # the OpenAI SDK: 5 s) and than a load balancer's idle timeout (60 s is common), so the client
     # side always closes first; a server that closes first races a client reusing the connection.
     api_keep_alive_s: float = Field(default=65.0, gt=0)
+    # Slow clients (api/connections.py): a request's headers must all arrive within
+    # api_header_timeout_s of its first byte (a new connection's: of its opening), and its body
+    # within api_body_timeout_s of the headers plus a second per api_body_min_rate bytes that
+    # came; else the connection is closed. At most api_max_connections are open per api process.
+    api_header_timeout_s: float = Field(default=20.0, gt=0)
+    api_body_timeout_s: float = Field(default=30.0, gt=0)
+    api_body_min_rate: int = Field(default=1024, gt=0)
+    api_max_connections: int = Field(default=2048, gt=0)
     max_body_bytes: int = Field(default=8 * 1024 * 1024, gt=0)
     max_prompt_chars: int = Field(default=200_000, gt=0)
     # Requests one OpenAI call makes (prompts × n): refused with 413 before any per-row work.
