@@ -14,6 +14,9 @@ local stream, status, reply, dlq, other = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KE
 local max_queued, rid, data, now, status_ttl = tonumber(ARGV[1]), ARGV[2], ARGV[3], ARGV[4], ARGV[5]
 local letter, lane_max, model, lane, owner, retain_s = ARGV[6], tonumber(ARGV[7]), ARGV[8], ARGV[9], ARGV[10], ARGV[11]
 
+if #redis.call('XRANGE', dlq, letter, letter) == 0 then
+  return ''
+end
 if over_bound(stream, other, 1, max_queued, lane_max) then
   return false
 end

@@ -128,3 +128,22 @@ async def test_a_dead_letter_whose_status_expired_fails_with_its_status_whole(
     assert (status["state"], status["owner"], status["model"], status["lane"]) == ("failed", "sha256:abc", MODEL,
                                                                                      "bulk")
     assert float(status["enqueued_at"]) == m.enqueued_at and await redis.ttl(KEYS.status(m.id)) > 0
+
+
+async def test_a_dead_letter_is_retried_once_even_from_a_stale_listing(redis: Redis, settings: Settings) -> None:
+    """Defect 9: two `dlq retry` of one dead letter (the second from a listing taken before the
+    first ran) put two entries on the stream for it: requeue.lua ignored whether the dead letter
+    still existed. Now the second finds it gone and puts nothing on the stream."""
+    m = await _dead_lettered_with_an_owner(redis, settings)
+    letters = DeadLetters(redis, MODEL)
+    stale = await letters.list()
+
+    async def listed(_ids):
+        return stale
+
+    assert await letters.retry(None, max_queued=10) == [m.id]
+    letters._select = listed  # type: ignore[method-assign]
+    assert await letters.retry(None, max_queued=10) == []
+    assert await redis.xlen(KEYS.requests) == 1
+    entry = await redis.hget(KEYS.status(m.id), "entry")
+    assert [e for e, _ in await redis.xrange(KEYS.requests)] == [entry]
