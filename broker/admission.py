@@ -12,7 +12,7 @@ from redis.asyncio import Redis
 
 from sluice.broker import keys
 from sluice.broker.connection import has_replicas, read_copied, wait_for_copies
-from sluice.broker.keys import ModelKeys
+from sluice.broker.keys import GROUP, ModelKeys
 from sluice.broker.scripts import Scripts
 from sluice.broker.status import RequestStatus
 from sluice.protocol.messages import RequestMessage
@@ -150,10 +150,10 @@ class Admission:
     async def cancel(self, model: str, rid: str) -> str | None:
         """Returns the resulting state ('cancelled', 'cancelling', or the final one), None if unknown."""
         keys = ModelKeys(model)
+        shard = keys.for_request(rid)  # its entry is on the shard's interactive stream, or on bulk
         return await self.scripts.cancel(
-            keys=[keys.status(rid), keys.cancel(rid), keys.reply(rid)],
-            args=[time.time(), self.cancel_ttl_s, self.result_ttl_s, self.reply_ttl_s,
-                  keys.for_request(rid).done, rid],
+            keys=[keys.status(rid), keys.cancel(rid), keys.reply(rid), shard.requests, shard.bulk],
+            args=[time.time(), self.cancel_ttl_s, self.result_ttl_s, self.reply_ttl_s, shard.done, rid, GROUP],
         )
 
     async def status(self, model: str, rid: str) -> RequestStatus | None:

@@ -1,18 +1,28 @@
--- Cancel: set the flag the worker watches; a request still queued ends cancelled at once
--- (the worker that later fetches it acknowledges it without running it).
--- KEYS: status, cancel, reply   ARGV: now, cancel_ttl, result_ttl, reply_ttl, done_channel, rid
-local state = redis.call('HGET', KEYS[1], 'state')
+-- Cancel: set the flag the worker watches; a request still queued ends cancelled at once, and
+-- its entry is acknowledged and deleted, so that it stops counting against the queue bound (a
+-- worker that fetched it and starts it later finds it final and runs nothing).
+-- KEYS: status, cancel, reply, the request's shard's interactive stream, its bulk stream
+-- ARGV: now, cancel_ttl, result_ttl, reply_ttl, done_channel, rid, group
+local status, flag, reply = KEYS[1], KEYS[2], KEYS[3]
+local now, group = ARGV[1], ARGV[7]
+local known = redis.call('HMGET', status, 'state', 'entry', 'stream')
+local state = known[1]
 if not state then
   return false
 end
-if is_final(KEYS[1]) then
+if is_final_state(state) then
   return state
 end
-redis.call('SET', KEYS[2], '1', 'EX', ARGV[2])  -- the flag running workers watch
-redis.call('HSET', KEYS[1], 'cancel', '1')  -- what a (re)start reads
+redis.call('SET', flag, '1', 'EX', ARGV[2])  -- the flag running workers watch
+redis.call('HSET', status, 'cancel', '1')  -- what a (re)start reads
 if state == 'queued' then
-  local final = bare_final(KEYS[1], 'cancelled', 'cancelled by the client', nil, ARGV[1])
-  write_final(KEYS[1], KEYS[3], 'cancelled', final, ARGV[1], ARGV[3], ARGV[4], ARGV[5], ARGV[6])
+  local final = bare_final(status, 'cancelled', 'cancelled by the client', nil, now)
+  write_final(status, reply, 'cancelled', final, now, ARGV[3], ARGV[4], ARGV[5], ARGV[6])
+  local stream = known[3]
+  if known[2] and (stream == KEYS[4] or stream == KEYS[5]) then
+    redis.pcall('XACK', stream, group, known[2])  -- no group yet: no worker of the model ever started
+    redis.call('XDEL', stream, known[2])
+  end
   return 'cancelled'
 end
 return 'cancelling'

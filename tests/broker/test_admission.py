@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 from redis.asyncio import Redis
 
@@ -96,16 +98,71 @@ async def test_cancel_of_a_queued_request_ends_it_at_once(redis: Redis, settings
     assert FinalResult.model_validate_json(events[0][1]["data"]).status is State.CANCELLED
     await assert_request_keys_expire(redis)
 
-    # the worker that later fetches it drops it without running it or writing again
-    c = await ready_consumer(redis, settings)
-    d = await fetch_one(c)
-    assert await c.start(d) == "final"
+    # its entry is gone: no worker fetches it, and it no longer counts against the bound
     assert await redis.xlen(KEYS.requests) == 0
+    c = await ready_consumer(redis, settings)
+    assert await c.fetch(1, 10) == []
     assert await pending(redis) == []
     assert len(await replies(redis, m.id)) == 1
     # a second cancel reports the final state and changes nothing
     assert await adm.cancel(MODEL, m.id) == "cancelled"
     assert len(await replies(redis, m.id)) == 1
+
+
+async def test_a_cancel_between_a_fetch_and_the_start_runs_nothing(redis: Redis, settings: Settings) -> None:
+    """The worker that fetched the request before the cancel drops it without running it or
+    writing again."""
+    adm = admission(redis, settings)
+    (m,) = await submit_n(adm, 1)
+    c = await ready_consumer(redis, settings)
+    d = await fetch_one(c)
+    assert await adm.cancel(MODEL, m.id) == "cancelled"
+    assert await redis.xlen(KEYS.requests) == 0 and await pending(redis) == []
+    assert await c.start(d) == "final"
+    assert len(await replies(redis, m.id)) == 1
+
+
+@pytest.mark.parametrize("seed", range(8))
+async def test_cancelled_requests_stop_counting_against_the_bound(
+        redis: Redis, settings: Settings, seed: int) -> None:
+    """Admissions (both lanes), cancels, fetches, starts and commits in an order the seed draws:
+    after every step the streams hold exactly the unfinished requests, and an admission is
+    refused only when they fill max_queued. A cancelled queued request once kept its place until
+    a worker read it."""
+    rng = random.Random(seed)
+    adm = admission(redis, settings)
+    c = await ready_consumer(redis, settings)
+    bound, live, fetched, running = 4, [], [], []
+    for _ in range(60):
+        step = rng.choice(["admit", "admit", "cancel", "cancel", "fetch", "commit"])
+        if step == "admit":
+            m = message(lane=rng.choice(["interactive", "bulk"]))
+            if len(live) < bound:  # bulk's share of 4 is 2: room on the lane too
+                lane = [x for x in live if x.lane == m.lane]
+                if m.lane == "bulk" and len(lane) >= 2:
+                    continue
+                await adm.submit(m, max_queued=bound)
+                live.append(m)
+            else:
+                with pytest.raises(QueueFull):
+                    await adm.submit(m, max_queued=bound)
+        elif step == "cancel" and live:
+            m = rng.choice(live)
+            state = await adm.cancel(MODEL, m.id)
+            if m.id not in running:
+                assert state == "cancelled"
+                live.remove(m)
+        elif step == "fetch":
+            for d in await c.fetch(1, 10):
+                if await c.start(d) == "run":
+                    running.append(d.message.id)
+                    fetched.append(d)
+        elif step == "commit" and fetched:
+            d = fetched.pop(0)
+            await c.commit(d, done_result())
+            running.remove(d.message.id)
+            live[:] = [x for x in live if x.id != d.message.id]
+        assert await redis.xlen(KEYS.requests) + await redis.xlen(KEYS.bulk) == len(live), (seed, step)
 
 
 async def test_cancel_of_a_running_request_sets_the_flag(redis: Redis, settings: Settings) -> None:
