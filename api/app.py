@@ -10,7 +10,7 @@ from fastapi import Depends, FastAPI
 from sluice.api import batches, dashboard, errors, health, requests, responses, tokenize
 from sluice.api import models as model_routes
 from sluice.api import openai as openai_routes
-from sluice.api.auth import require_key
+from sluice.api.auth import KeyBeforeBody, require_key
 from sluice.api.limits import BodySizeLimit
 from sluice.api.state import build_state
 from sluice.config.model import load_models
@@ -36,6 +36,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             await app.state.sluice.close()
 
     app = FastAPI(title="Sluice", version="0.1.0", lifespan=lifespan)
+    app.add_middleware(KeyBeforeBody)  # inside BodySizeLimit: a body over the limit is refused by its length first
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes,
                        overrides={"/v1/files": settings.max_file_bytes})
     errors.install(app)

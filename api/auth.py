@@ -23,9 +23,14 @@ from dataclasses import dataclass
 from typing import Literal
 
 from fastapi import Depends, Request
+from fastapi.dependencies.models import Dependant
+from fastapi.routing import APIRoute
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from starlette.routing import Match
+from starlette.types import ASGIApp, Receive, Send
+from starlette.types import Scope as ASGIScope
 
-from sluice.api.errors import ApiError
+from sluice.api.errors import ApiError, ErrorResponse, error_body
 from sluice.config.model import ConfigError
 
 log = logging.getLogger(__name__)
@@ -109,17 +114,17 @@ def anonymous_listen_error(host: str, keys: list[str], allow_anonymous: bool) ->
 bearer = HTTPBearer(auto_error=False, description="an API key from SLUICE_API_KEYS, when keys are set")
 
 
-async def require_key(request: Request,
-                      credentials: HTTPAuthorizationCredentials | None = Depends(bearer)) -> Caller:
-    """The caller (anonymous when no keys are configured); 401 for a missing or unknown key."""
-    scopes: dict[str, Scope] = request.app.state.sluice.key_digests
+def caller_for(scopes: dict[str, Scope], authorization: str) -> Caller:
+    """The caller that an Authorization header names (anonymous when no keys are configured);
+    401 for a missing or unknown key."""
     if not scopes:
         return ANONYMOUS
-    token = credentials.credentials if credentials else ""
+    scheme, _, token = authorization.partition(" ")
+    token = token.strip() if scheme.lower() == "bearer" else ""
     if not token:
         raise ApiError(401, "missing API key: send Authorization: Bearer <key>", code="authentication_error",
                        headers={"WWW-Authenticate": "Bearer"})
-    presented = digest(token.strip())
+    presented = digest(token)
     found: Scope | None = None
     for d, scope in scopes.items():  # every digest compared, so the time does not say which matched
         if hmac.compare_digest(presented, d):
@@ -130,8 +135,49 @@ async def require_key(request: Request,
     return Caller(presented, found)
 
 
+async def require_key(request: Request,
+                      _: HTTPAuthorizationCredentials | None = Depends(bearer)) -> Caller:
+    """The caller (anonymous when no keys are configured); 401 for a missing or unknown key."""
+    return caller_for(request.app.state.sluice.key_digests, request.headers.get("authorization", ""))
+
+
 async def require_admin(caller: Caller = Depends(require_key)) -> Caller:
     if not caller.admin:
         raise ApiError(403, "this route needs an admin key (an admin:<key> entry in SLUICE_API_KEYS)",
                        code="permission_denied")
     return caller
+
+
+def _needs_key(dependant: Dependant) -> bool:
+    return any(d.call is require_key or _needs_key(d) for d in dependant.dependencies)
+
+
+class KeyBeforeBody:
+    """Plain ASGI: a request to a route that needs a key is answered 401 before any of its body
+    is read. FastAPI reads and parses a body (a multipart upload, spooled to disk, included)
+    before it runs the route's dependencies, so without this anyone could make the api read and
+    store up to the body limit without a key. The route's own `require_key` still gives it its
+    caller; the api's protocol closes the connection after an answer that left the body unread."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+        self._routes: dict[int, bool] = {}  # id(route) → whether it needs a key
+
+    async def __call__(self, scope: ASGIScope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and self._needs_key(scope):
+            headers = dict(scope["headers"])
+            try:
+                caller_for(scope["app"].state.sluice.key_digests, headers.get(b"authorization", b"").decode("latin-1"))
+            except ApiError as refused:
+                body = error_body(refused.message, refused.code, refused.param)
+                await ErrorResponse(body, refused.status, headers=refused.headers)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+    def _needs_key(self, scope: ASGIScope) -> bool:
+        for route in scope["app"].router.routes:
+            if isinstance(route, APIRoute) and route.matches(scope)[0] is Match.FULL:
+                if id(route) not in self._routes:
+                    self._routes[id(route)] = _needs_key(route.dependant)
+                return self._routes[id(route)]
+        return False

@@ -28,11 +28,12 @@ Address = tuple[str, int]
 
 
 @asynccontextmanager
-async def serving(app: FastAPI, settings: Settings) -> AsyncIterator[Address]:
-    """`app` (its lifespan already run) behind uvicorn with the api's protocol, on a free port."""
+async def serving(app: FastAPI, settings: Settings, protocol: type | None = None) -> AsyncIterator[Address]:
+    """`app` (its lifespan already run) behind uvicorn with the api's protocol (or `protocol`),
+    on a free port."""
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
-    config = uvicorn.Config(app, http=guarded(settings), lifespan="off", log_level="warning")
+    config = uvicorn.Config(app, http=protocol or guarded(settings), lifespan="off", log_level="warning")
     server = uvicorn.Server(config)
     task = asyncio.create_task(server.serve(sockets=[sock]))
     while not server.started:
