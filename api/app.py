@@ -35,7 +35,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         finally:
             await app.state.sluice.close()
 
-    app = FastAPI(title="Sluice", version="0.1.0", lifespan=lifespan)
+    # No trailing-slash redirect: Starlette's built its Location from the Host header, so
+    # `GET /v1/requests/` with `Host: evil.example` answered 307 to http://evil.example/...
+    app = FastAPI(title="Sluice", version="0.1.0", lifespan=lifespan, redirect_slashes=False)
     app.add_middleware(KeyBeforeBody)  # inside BodySizeLimit: a body over the limit is refused by its length first
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes,
                        overrides={"/v1/files": settings.max_file_bytes})
