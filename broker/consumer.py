@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 import uuid
@@ -14,6 +13,7 @@ from redis.exceptions import ResponseError
 
 from sluice.broker import consumer_names
 from sluice.broker.connection import copied
+from sluice.broker.dead_letters import unreadable
 from sluice.broker.housekeeping import append_log, cancel_flags, prune_consumers
 from sluice.broker.keys import GROUP, ModelKeys
 from sluice.broker.replies import Sent
@@ -212,7 +212,7 @@ class StreamConsumer:
             try:
                 message = RequestMessage.from_fields(fields)
             except (ValueError, KeyError) as err:
-                await self._unreadable(stream, entry_id, fields, err)
+                await unreadable(self, stream, entry_id, fields, err)
                 continue
             attempt, charges = 1, 0
             if redelivered:
@@ -233,20 +233,6 @@ class StreamConsumer:
             pipe.hget(self.keys.status(rid), "charges")
             info, charges = await pipe.execute()
         return (int(info[0]["times_delivered"]) if info else 1), int(charges or 0)
-
-    async def _unreadable(self, stream: str, entry_id: str, fields: dict[str, str], err: Exception) -> None:
-        """An entry that does not parse still ends: `failed`, naming why, found by the request id
-        stored beside the payload; the raw payload goes to the dead-letter stream."""
-        rid = fields.get("id")
-        error = f"the request could not be read by worker {self.consumer}: {type(err).__name__}: {err}"[:2000]
-        log.error("entry %s on %s (request %s) cannot be read: %s", entry_id, stream, rid, err)
-        if rid:
-            await self.dead_letter(stream, entry_id, rid, fields.get("data", ""), error, 1)
-        else:  # nobody to tell: keep it for the operator, off the stream
-            await self.redis.xadd(self.keys.dead_letters, {"id": "", "data": json.dumps(fields), "error": error},
-                                  maxlen=self.dlq_max_len, approximate=True)
-            await self.redis.xack(stream, GROUP, entry_id)
-            await self.redis.xdel(stream, entry_id)
 
     async def start(self, d: Delivery) -> StartDecision:
         """Guard the entry and, where it runs, take a fresh fencing token (kept on `d`): every

@@ -3,16 +3,21 @@ is written in its own slot): list, retry (re-enqueue) and drop requests in it.""
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from pydantic import ValidationError
 from redis.asyncio import Redis
 
-from sluice.broker.keys import ModelKeys
+from sluice.broker.keys import GROUP, ModelKeys
 from sluice.broker.scripts import Scripts
 from sluice.protocol.messages import RequestMessage
+
+if TYPE_CHECKING:
+    from sluice.broker.consumer import StreamConsumer
 
 log = logging.getLogger(__name__)
 
@@ -108,6 +113,23 @@ class DeadLetters:
             if mine:
                 await self.redis.xdel(stream, *mine)
         return [d.request_id for d in letters]
+
+
+async def unreadable(consumer: StreamConsumer, stream: str, entry_id: str, fields: dict[str, str],
+                     err: Exception) -> None:
+    """An entry that does not parse still ends: `failed`, naming why, found by the request id
+    stored beside the payload; the raw payload goes to the dead-letter stream."""
+    c = consumer
+    rid = fields.get("id")
+    error = f"the request could not be read by worker {c.consumer}: {type(err).__name__}: {err}"[:2000]
+    log.error("entry %s on %s (request %s) cannot be read: %s", entry_id, stream, rid, err)
+    if rid:
+        await c.dead_letter(stream, entry_id, rid, fields.get("data", ""), error, 1)
+    else:  # nobody to tell: keep it for the operator, off the stream
+        await c.redis.xadd(c.keys.dead_letters, {"id": "", "data": json.dumps(fields), "error": error},
+                           maxlen=c.dlq_max_len, approximate=True)
+        await c.redis.xack(stream, GROUP, entry_id)
+        await c.redis.xdel(stream, entry_id)
 
 
 def _order(entry_id: str) -> tuple[int, int]:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import Awaitable, Callable, Sequence
+import enum
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from importlib import resources
 
@@ -13,15 +14,28 @@ from redis.commands.core import AsyncScript
 from redis.exceptions import NoScriptError
 
 from sluice.broker.connection import is_cluster
+from sluice.protocol.states import FINAL_BATCH_STATES, FINAL_STATES
 
 
 def _read(name: str) -> str:
     return resources.files("sluice.broker").joinpath(f"lua/{name}.lua").read_text()
 
 
+def _lua_set(states: Iterable[enum.Enum]) -> str:
+    return "{" + ", ".join(f"['{s.value}'] = true" for s in sorted(states, key=lambda s: s.value)) + "}"
+
+
+def prelude() -> str:
+    """Finality, defined once: protocol/states.py's final states as the Lua tables that
+    lua/_lib.lua's is_final_state (a request) and job_move.lua (a batch) ask."""
+    return (f"local FINAL_STATES = {_lua_set(FINAL_STATES)}  -- protocol/states.py\n"
+            f"local BATCH_FINAL = {_lua_set(FINAL_BATCH_STATES)}  -- protocol/states.py\n")
+
+
 def _source(name: str) -> str:
-    """A script with the shared functions of lua/_lib.lua in front (Redis scripts cannot import)."""
-    return _read("_lib") + "\n" + _read(name)
+    """A script with the final states and the shared functions of lua/_lib.lua in front
+    (Redis scripts cannot import)."""
+    return prelude() + _read("_lib") + "\n" + _read(name)
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,6 @@
--- Shared by the scripts below (Scripts.register prepends it): ownership, acknowledgement,
--- finality, and writing a request's final event and status in one place.
+-- Shared by the scripts below (Scripts.register prepends it, after the final states of
+-- protocol/states.py): ownership, fencing, acknowledgement, finality, the queue bound, a job's
+-- lock, and writing a request's final event and status in one place.
 
 -- Whether `consumer` owns pending entry `id` (otherwise it has been fenced out).
 local function owns(stream, group, id, consumer)
@@ -38,14 +39,20 @@ local function over_bound(stream, other, n, max_queued, lane_max)
   return here + redis.call('XLEN', other) + n > max_queued or here + n > lane_max
 end
 
+-- Whether the runner whose lock token is `token` holds a job's lock (bulk jobs: a runner that
+-- lost it changes nothing).
+local function holds_lock(lock, token)
+  return redis.call('GET', lock) == token
+end
+
 local function ack_and_delete(stream, group, id)
   redis.call('XACK', stream, group, id)
   redis.call('XDEL', stream, id)
 end
 
 -- The one place that decides whether a request already has its final result: every script
--- that writes a final asks it first, so no request ever gets a second one.
-local FINAL_STATES = {done = true, failed = true, expired = true, cancelled = true}
+-- that writes a final asks it first, so no request ever gets a second one. FINAL_STATES (and
+-- BATCH_FINAL, a batch's) come from protocol/states.py: Scripts.register puts them in front.
 local function is_final_state(state)  -- a status hash's `state` field (false when absent)
   return state ~= false and state ~= nil and FINAL_STATES[state] == true
 end
@@ -95,9 +102,6 @@ local function bare_final(status, state, err, attempt, now)
   return cjson.encode({status = state, error = err, attempt = attempt,
     timings = {enqueued = tonumber(redis.call('HGET', status, 'enqueued_at')), finished = tonumber(now)}})
 end
-
--- The statuses a batch (an OpenAI batch job) never leaves.
-local BATCH_FINAL = {failed = true, completed = true, expired = true, cancelled = true}
 
 -- Append token deltas (JSON strings) to a request's reply stream: reply.lua's flushes, and the
 -- last deltas that ride on a commit. Idempotent: the status hash keeps each row's next token

@@ -15,31 +15,36 @@
 --       keep_s, then rid, data for each request
 -- Returns the entry ids ('' for one final already; the first ones on a re-run), or false when
 -- the bound refuses them.
+local stream, other = KEYS[1], KEYS[2]
+local max_queued, lane_max, status_ttl, now = tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3], ARGV[4]
+local model, lane, owner, retain_s, keep_s = ARGV[5], ARGV[6], ARGV[7], ARGV[8], tonumber(ARGV[9])
 local n = (#ARGV - 9) / 2
-local keep_s = tonumber(ARGV[9])
+local FIRST_STATUS, FIRST_MARK = 3, 3 + n  -- KEYS[3 .. 2 + n]: statuses; KEYS[3 + n ...]: marks
+local function rid_of(i) return ARGV[8 + 2 * i] end  -- ARGV[10...]: rid, data pairs
+local function data_of(i) return ARGV[9 + 2 * i] end
+
 local entries = {}
-if redis.call('EXISTS', KEYS[3]) == 1 then
-  for i = 3, 2 + n do
-    entries[#entries + 1] = redis.call('HGET', KEYS[i], 'entry') or ''
+if redis.call('EXISTS', KEYS[FIRST_STATUS]) == 1 then
+  for i = 1, n do
+    entries[#entries + 1] = redis.call('HGET', KEYS[FIRST_STATUS + i - 1], 'entry') or ''
   end
   return entries
 end
-local here = redis.call('XLEN', KEYS[1])
-if here + redis.call('XLEN', KEYS[2]) + n > tonumber(ARGV[1]) or here + n > tonumber(ARGV[2]) then
+if over_bound(stream, other, n, max_queued, lane_max) then
   return false
 end
 for i = 1, n do
-  local rid, status = ARGV[8 + 2 * i], KEYS[2 + i]
-  local entry = redis.call('XADD', KEYS[1], '*', 'id', rid, 'data', ARGV[9 + 2 * i])
+  local status = KEYS[FIRST_STATUS + i - 1]
+  local entry = redis.call('XADD', stream, '*', 'id', rid_of(i), 'data', data_of(i))
   -- retain_s: how long the result is kept once final (write_final reads it)
-  redis.call('HSET', status, 'state', 'queued', 'model', ARGV[5], 'enqueued_at', ARGV[4],
-             'lane', ARGV[6], 'entry', entry, 'stream', KEYS[1], 'retain_s', ARGV[8])
-  if ARGV[7] ~= '' then
-    redis.call('HSET', status, 'owner', ARGV[7])
+  redis.call('HSET', status, 'state', 'queued', 'model', model, 'enqueued_at', now,
+             'lane', lane, 'entry', entry, 'stream', stream, 'retain_s', retain_s)
+  if owner ~= '' then
+    redis.call('HSET', status, 'owner', owner)
   end
-  redis.call('EXPIRE', status, ARGV[3])
+  redis.call('EXPIRE', status, status_ttl)
   if keep_s > 0 then
-    redis.call('SET', KEYS[2 + n + i], '1', 'EX', keep_s)
+    redis.call('SET', KEYS[FIRST_MARK + i - 1], '1', 'EX', keep_s)
   end
   entries[i] = entry
 end

@@ -4,14 +4,17 @@
 -- answer: its runner no longer looks for a cancel, so `cancelling` would never end.
 -- KEYS: batch, lock   ARGV: now, retention (s) of a batch cancelled at once
 -- Returns the batch's status afterwards (false for no such batch).
-local status = redis.call('HGET', KEYS[1], 'status')
+local batch, lock = KEYS[1], KEYS[2]
+local now, retention = ARGV[1], ARGV[2]
+
+local status = redis.call('HGET', batch, 'status')
 if status ~= 'validating' and status ~= 'in_progress' then
   return status
 end
-if status == 'validating' and redis.call('EXISTS', KEYS[2]) == 0 then
-  redis.call('HSET', KEYS[1], 'status', 'cancelled', 'cancelling_at', ARGV[1], 'cancelled_at', ARGV[1])
-  redis.call('EXPIRE', KEYS[1], ARGV[2])
+if status == 'validating' and redis.call('EXISTS', lock) == 0 then
+  redis.call('HSET', batch, 'status', 'cancelled', 'cancelling_at', now, 'cancelled_at', now)
+  redis.call('EXPIRE', batch, retention)
   return 'cancelled'
 end
-redis.call('HSET', KEYS[1], 'status', 'cancelling', 'cancelling_at', ARGV[1])
+redis.call('HSET', batch, 'status', 'cancelling', 'cancelling_at', now)
 return 'cancelling'

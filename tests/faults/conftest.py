@@ -24,10 +24,12 @@ from sluice.broker.urls import sync_connect
 from sluice.cli.processes import EmbeddedRedis, free_port
 from sluice.cli.stack import LocalStack
 from sluice.cli.topologies import LocalCluster
+from sluice.protocol.states import FINAL_STATES
 from tests.conftest import TOPOLOGY
 
 MODEL = "echo"
 KEYS = ModelKeys(MODEL)
+FINALS = {s.value for s in FINAL_STATES}  # protocol/states.py
 MODELS_YAML = f"""
 models:
   - name: {MODEL}
@@ -137,7 +139,7 @@ def audit_on(r: redis_sync.Redis, rids: list[str]) -> dict[str, int]:
         state = r.hget(KEYS.status(rid), "state")
         done += state == "done"
         duplicated += len(finals) > 1
-        lost += state not in ("done", "failed", "expired", "cancelled") or not finals
+        lost += state not in FINALS or not finals
     return {"completed": done, "duplicated": duplicated, "lost": lost}
 
 
@@ -147,7 +149,7 @@ def wait_final(c: Cluster, rids: list[str], timeout_s: float = 90) -> None:
     pending = set(rids)
     while pending and time.monotonic() < deadline:
         pending = {rid for rid in pending
-                   if r.hget(KEYS.status(rid), "state") not in ("done", "failed", "expired", "cancelled")}
+                   if r.hget(KEYS.status(rid), "state") not in FINALS}
         time.sleep(0.1)
 
 

@@ -31,6 +31,7 @@ import redis as redis_sync
 
 from sluice.cli.processes import stop_processes
 from tests.e2e.conftest import settled_log
+from tests.faults.conftest import FINALS as FINAL_STATES
 from tests.faults.conftest import KEYS, MODEL, MODELS_YAML, audit, record
 from tests.faults.netns import HUB, NetnsUnavailable, Network
 from tests.faults.test_delivery_modes import finals_agree_with_streams
@@ -41,7 +42,6 @@ pytestmark = [pytest.mark.xdist_group("netns"), pytest.mark.timeout(240)]
 LEASE_S = 3.0
 TOKEN_DELAY_S = 0.1
 MAX_TOKENS = 30  # 3 s of generation per request
-FINAL_STATES = ("done", "failed", "expired", "cancelled")
 
 
 class HostCluster:

@@ -19,11 +19,12 @@ from sluice.cli.processes import free_port
 from sluice.cli.stack import LocalStack
 from sluice.cli.topologies import LocalCluster
 from sluice.protocol.ids import request_shard
+from sluice.protocol.states import FINAL_STATES
 from tests.faults.conftest import KEYS, MODEL, MODELS_YAML, audit_on, record
 
 pytestmark = pytest.mark.xdist_group("redis-cluster")
 
-FINAL = ("done", "failed", "expired", "cancelled")
+FINAL = {s.value for s in FINAL_STATES}
 
 
 def load(url: str, stop: threading.Event, accepted: list[str], counts: dict[str, int]) -> None:
