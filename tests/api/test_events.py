@@ -7,18 +7,22 @@ response, so a stream that never ends would hang the test: each read is bounded.
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 from collections.abc import AsyncIterator
 
 import httpx
 import pytest
+from fastapi import FastAPI
 from redis.asyncio import Redis
 
 from sluice.config.settings import Settings
 from sluice.protocol.messages import DeltaEvent
+from sluice.workers.worker import Worker
 from tests.api.conftest import StartApi, http_client
 from tests.broker.helpers import KEYS, done_result, running_request
 from tests.e2e.sse import SseEvent, sse_events
+from tests.fakes import eventually
 
 IDLE_S = 1.0
 READ_LIMIT_S = 15.0  # far above IDLE_S: reaching it means the stream did not end
@@ -137,3 +141,57 @@ async def test_last_event_id_resumes_a_multi_row_stream_after_any_of_its_events(
         if [(e.event, e.data) for e in rest] != [(e.event, e.data) for e in whole[k + 1:]]:
             wrong.append((k, last.data, [e.data for e in rest][:3]))
     assert not wrong, wrong
+
+
+@pytest.mark.parametrize("seed", range(2))
+async def test_three_readers_of_each_of_many_streamed_requests_each_get_the_final_text(
+        app: FastAPI, null_worker: Worker, redis: Redis, seed: int) -> None:
+    """Issue 28, defect 1, through the api with a null-engine worker: requests streamed at once,
+    each read over /events by a reader from the start, one that joins once a random number of
+    entries is on its reply stream, and one that resumes with Last-Event-ID after a random entry
+    written so far (as a reconnecting EventSource does). Every reader's deltas join to exactly
+    the final text from where it began. Readers joining while the api's reply router had a read
+    under way for their stream used to skip tokens."""
+    rng = random.Random(seed)
+    tokens = 24
+    async with http_client(app) as api:
+
+        async def read(rid: str, last_event_id: str | None = None) -> tuple[str, str]:
+            headers = {"Last-Event-ID": last_event_id} if last_event_id else {}
+            r = await asyncio.wait_for(api.get(f"/v1/requests/{rid}/events", headers=headers), 60)
+            events = await events_of(r)
+            assert events[-1].event == "done", events[-1]
+            return "".join(e.json()["text"] for e in events[:-1]), events[-1].json()["output"]["text"]
+
+        async def entries(rid: str, k: int) -> list[tuple[str, dict]]:
+            got: list = []
+
+            async def enough() -> bool:
+                got[:] = await redis.xrange(KEYS.reply(rid))
+                return len(got) >= k or bool(got) and got[-1][1]["kind"] == "final"  # (deltas come joined)
+
+            await eventually(enough, timeout_s=60, interval_s=0.005, what=f"{k} entries or the final on {rid}'s stream")
+            return got
+
+        async def late(rid: str) -> tuple[str, str]:
+            await entries(rid, rng.randint(0, tokens))
+            return await read(rid)
+
+        async def resumed(rid: str) -> tuple[str, str]:
+            got = await entries(rid, rng.randint(1, tokens))
+            n = rng.randrange(len(got))
+            seen = "".join(json.loads(f["data"])["text"] for _, f in got[:n + 1] if f["kind"] == "delta")
+            rest, final = await read(rid, last_event_id=got[n][0])
+            return seen + rest, final
+
+        rids = []
+        for n in range(16):
+            r = await api.post("/v1/requests", json={"prompt": f"p{seed}.{n}", "max_tokens": tokens})
+            assert r.status_code == 202, r.text
+            rids.append(r.json()["id"])
+        readers = [(kind, rid, asyncio.create_task(f(rid))) for rid in rids
+                   for kind, f in (("from the start", read), ("late", late), ("resumed", resumed))]
+        await asyncio.gather(*(t for *_, t in readers))
+    wrong = [(kind, rid, t.result()) for kind, rid, t in readers if t.result()[0] != t.result()[1]]
+    assert not wrong, f"{len(wrong)} of {len(readers)} readers: {wrong[:3]}"
+    assert all(t.result()[1] == "".join(f" t{i}" for i in range(tokens)) for *_, t in readers)

@@ -295,7 +295,7 @@ async def test_after_redis_restarts_a_new_stream_does_not_wait_out_the_blocked_r
         before = await blocked_reader()
         await asyncio.to_thread(node.stop, True)  # kill -9
         await asyncio.to_thread(node.start)
-        await eventually(lambda: _blocked_again(blocked_reader, before), interval_s=0.05,
+        await eventually(lambda: _blocked_again(blocked_reader, before), timeout_s=30, interval_s=0.05,
                          what="the shard's read sent again on a new connection")
 
         await a_new_stream_ends_beside(shared, router, quiet, "req-quiet", within_s=15)
