@@ -53,6 +53,12 @@ def _tokenizer(s: ApiState, model: ModelConfig) -> tuple[Any, int]:
 @router.post("/tokenize")
 async def tokenize(body: TokenizeRequest, s: ApiState = Depends(state)) -> dict:
     model = await s.deployments.get(body.model)
+    # The prompt limit of the routes that queue (max_prompt_chars), checked before any tokenizing
+    limit, param = s.settings.max_prompt_chars, "prompt" if body.prompt is not None else "messages"
+    chars = len(body.prompt) if body.prompt is not None else sum(len(m.plain()["content"]) for m in body.messages or ())
+    if chars > limit:
+        raise ApiError(413, f"{param}: longer than {limit} characters (SLUICE_MAX_PROMPT_CHARS)", param=param,
+                       code="request_too_large")
     tokenizer, context = _tokenizer(s, model)
     if body.messages is not None:
         require_unicode([m.content for m in body.messages], "messages")

@@ -1,0 +1,53 @@
+"""/tokenize has the prompt limit of the routes that queue (issue 29, finding 15). The model here
+has a tokenizer the api can read: 100 words, so token ids 0 to 99."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import httpx
+import pytest
+from fastapi import FastAPI
+from tokenizers import Tokenizer, models, pre_tokenizers
+
+from tests.api.conftest import StartApi, http_client
+
+VOCAB = 100
+PROMPT_LIMIT = 1000
+
+
+def tiny_model(directory: Path) -> Path:
+    directory.mkdir()
+    tokenizer = Tokenizer(models.WordLevel({"[UNK]": 0, **{f"w{i}": i for i in range(1, VOCAB)}}, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()  # type: ignore[assignment]
+    tokenizer.save(str(directory / "tokenizer.json"))
+    (directory / "config.json").write_text(json.dumps({"max_position_embeddings": 4096}))
+    return directory
+
+
+@pytest.fixture
+async def app(start_api: StartApi, tmp_path: Path) -> AsyncIterator[FastAPI]:
+    models_yaml = (f"models:\n  - name: tiny\n    path: {tiny_model(tmp_path / 'tiny')}\n"
+                   "    default_max_tokens: 16\n    continuous_batching_config: {max_concurrent_batch_size: 4}\n")
+    async with start_api(models_yaml, max_wait_s=0.05, max_prompt_chars=PROMPT_LIMIT) as built:
+        yield built
+
+
+@pytest.fixture
+async def api(app: FastAPI) -> AsyncIterator[httpx.AsyncClient]:
+    async with http_client(app) as client:
+        yield client
+
+
+async def test_tokenize_refuses_a_prompt_over_the_limit_before_tokenizing(
+        api: httpx.AsyncClient, app: FastAPI, monkeypatch: pytest.MonkeyPatch) -> None:
+    r = await api.post("/tokenize", json={"model": "tiny", "prompt": "w1 " * 10})
+    assert r.status_code == 200 and r.json()["count"] == 10, r.text
+    monkeypatch.setattr(app.state.sluice.intake.prompt_limits, "loaded", lambda _: pytest.fail("tokenizer used"))
+    r = await api.post("/tokenize", json={"model": "tiny", "prompt": "w" * (PROMPT_LIMIT + 1)})
+    assert r.status_code == 413 and r.json()["error"]["param"] == "prompt", r.text
+    r = await api.post("/tokenize", json={"model": "tiny", "messages": [{"role": "user", "content": "w" * 600},
+                                                                        {"role": "user", "content": "w" * 401}]})
+    assert r.status_code == 413 and r.json()["error"]["param"] == "messages", r.text
