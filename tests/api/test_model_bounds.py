@@ -1,5 +1,6 @@
-"""/tokenize has the prompt limit of the routes that queue (issue 29, finding 15). The model here
-has a tokenizer the api can read: 100 words, so token ids 0 to 99."""
+"""Values the engine would refuse are refused by the api, naming the field (issue 29, finding 13),
+and /tokenize has the prompt limit of the routes that queue (finding 15). The model here has a
+tokenizer the api can read: 100 words, so token ids 0 to 99."""
 
 from __future__ import annotations
 
@@ -10,8 +11,10 @@ from pathlib import Path
 import httpx
 import pytest
 from fastapi import FastAPI
+from redis.asyncio import Redis
 from tokenizers import Tokenizer, models, pre_tokenizers
 
+from sluice.broker.keys import ModelKeys
 from tests.api.conftest import StartApi, http_client
 
 VOCAB = 100
@@ -39,6 +42,42 @@ async def app(start_api: StartApi, tmp_path: Path) -> AsyncIterator[FastAPI]:
 async def api(app: FastAPI) -> AsyncIterator[httpx.AsyncClient]:
     async with http_client(app) as client:
         yield client
+
+
+ROUTES = [
+    ("/v1/completions", {"model": "tiny", "prompt": "w1 w2"}),
+    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "w1"}]}),
+    ("/v1/requests", {"model": "tiny", "prompt": "w1 w2"}),
+]
+REFUSED = [
+    ({"top_k": 10**30}, "top_k"),
+    ({"top_k": 2**31}, "top_k"),
+    ({"stop_token_ids": [VOCAB]}, "stop_token_ids"),
+    ({"stop_token_ids": [3, 10**30]}, "stop_token_ids"),
+    ({"stop_token_ids": [-2]}, "stop_token_ids"),
+    ({"min_tokens": 9, "max_tokens": 8}, "min_tokens"),
+    ({"min_tokens": 17}, "min_tokens"),  # over the model's default max_tokens (16)
+]
+
+
+@pytest.mark.parametrize(("url", "body"), ROUTES)
+@pytest.mark.parametrize(("extra", "field"), REFUSED)
+async def test_values_the_engine_refuses_are_a_400_naming_the_field(
+        api: httpx.AsyncClient, redis: Redis, url: str, body: dict, extra: dict, field: str) -> None:
+    r = await api.post(url, json={**body, **extra})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == field and r.json()["error"]["message"].startswith(field), r.text
+    assert await redis.xlen(ModelKeys("tiny").requests) == 0
+
+
+@pytest.mark.parametrize(("url", "body"), ROUTES)
+@pytest.mark.parametrize("extra", [{"top_k": 50, "stop_token_ids": [0, VOCAB - 1], "min_tokens": 16},
+                                   {"top_k": -1, "min_tokens": 8, "max_tokens": 8}, {"top_k": 2**31 - 1}])
+async def test_values_in_bounds_are_queued(api: httpx.AsyncClient, redis: Redis, url: str, body: dict,
+                                           extra: dict) -> None:
+    r = await api.post(url, json={**body, **extra})
+    assert r.status_code in (202, 504), r.text  # queued (no worker runs)
+    assert await redis.xlen(ModelKeys("tiny").requests) == 1
 
 
 async def test_tokenize_refuses_a_prompt_over_the_limit_before_tokenizing(
