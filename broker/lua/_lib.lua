@@ -45,6 +45,20 @@ local function holds_lock(lock, token)
   return redis.call('GET', lock) == token
 end
 
+-- HSET the field, value pairs whose value is known (not ''): `hset_known(key, f1, v1, ...)`.
+local function hset_known(key, ...)
+  local pairs_in, fields = {...}, {}
+  for i = 1, #pairs_in, 2 do
+    if pairs_in[i + 1] ~= '' then
+      fields[#fields + 1] = pairs_in[i]
+      fields[#fields + 1] = pairs_in[i + 1]
+    end
+  end
+  if #fields > 0 then
+    redis.call('HSET', key, unpack(fields))
+  end
+end
+
 local function ack_and_delete(stream, group, id)
   redis.call('XACK', stream, group, id)
   redis.call('XDEL', stream, id)

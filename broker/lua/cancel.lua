@@ -3,8 +3,9 @@
 -- worker that fetched it and starts it later finds it final and runs nothing).
 -- KEYS: status, cancel, reply, the request's shard's interactive stream, its bulk stream
 -- ARGV: now, cancel_ttl, result_ttl, reply_ttl, done_channel, rid, group
-local status, flag, reply = KEYS[1], KEYS[2], KEYS[3]
-local now, group = ARGV[1], ARGV[7]
+local status, flag, reply, interactive, bulk = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
+local now, cancel_ttl, result_ttl, reply_ttl = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
+local done_channel, rid, group = ARGV[5], ARGV[6], ARGV[7]
 local known = redis.call('HMGET', status, 'state', 'entry', 'stream')
 local state = known[1]
 if not state then
@@ -13,13 +14,13 @@ end
 if is_final_state(state) then
   return state
 end
-redis.call('SET', flag, '1', 'EX', ARGV[2])  -- the flag running workers watch
+redis.call('SET', flag, '1', 'EX', cancel_ttl)  -- the flag running workers watch
 redis.call('HSET', status, 'cancel', '1')  -- what a (re)start reads
 if state == 'queued' then
   local final = bare_final(status, 'cancelled', 'cancelled by the client', nil, now)
-  write_final(status, reply, 'cancelled', final, now, ARGV[3], ARGV[4], ARGV[5], ARGV[6])
+  write_final(status, reply, 'cancelled', final, now, result_ttl, reply_ttl, done_channel, rid)
   local stream = known[3]
-  if known[2] and (stream == KEYS[4] or stream == KEYS[5]) then
+  if known[2] and (stream == interactive or stream == bulk) then
     redis.pcall('XACK', stream, group, known[2])  -- no group yet: no worker of the model ever started
     redis.call('XDEL', stream, known[2])
   end

@@ -25,14 +25,8 @@ ack_and_delete(stream, group, entry_id)
 if redis.call('EXISTS', status) == 0 then
   -- the status hash expired or was lost: the final still reaches readers of the reply stream,
   -- and the status is whole (its owner finds it; `dlq retry` keeps what it says)
-  local fields = {'state', 'queued', 'retain_s', result_ttl}
-  for _, pair in ipairs({{'model', model}, {'lane', lane}, {'owner', owner}, {'enqueued_at', enqueued_at}}) do
-    if pair[2] ~= '' then
-      fields[#fields + 1] = pair[1]
-      fields[#fields + 1] = pair[2]
-    end
-  end
-  redis.call('HSET', status, unpack(fields))
+  hset_known(status, 'state', 'queued', 'retain_s', result_ttl, 'model', model, 'lane', lane, 'owner', owner,
+             'enqueued_at', enqueued_at)
 end
 write_final(status, reply, 'failed', bare_final(status, 'failed', err, tonumber(attempts), now),
             now, result_ttl, reply_ttl, done_channel, rid)
