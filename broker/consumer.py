@@ -16,6 +16,7 @@ from sluice.broker.connection import copied
 from sluice.broker.dead_letters import unreadable
 from sluice.broker.housekeeping import append_log, cancel_flags, prune_consumers
 from sluice.broker.keys import GROUP, ModelKeys
+from sluice.broker.quarantine import SUSPECT_ATTEMPT, Quarantine, group_cap, history
 from sluice.broker.replies import Sent
 from sluice.broker.scripts import Scripts
 from sluice.protocol.messages import FinalResult, RequestMessage
@@ -34,6 +35,7 @@ class Delivery:
     message: RequestMessage
     consumer: str
     attempt: int = 1
+    group: int = 0  # a suspect's quarantine group: its cap while parked, its size once handed out
     fence: str = ""  # the fencing token its start took (start.lua); its writes carry it
     sent: Sent = field(default_factory=Sent, compare=False)  # this attempt's deltas, kept for a resend
 
@@ -43,8 +45,9 @@ class Delivery:
 
     @property
     def isolated(self) -> bool:
-        """A redelivered entry may have brought its last worker down: it runs alone (quarantined)."""
-        return self.attempt > 1
+        """Redelivered again after a retry that ran together crashed too: a suspect, run in a
+        quarantine group with nothing else in the engine (broker/quarantine.py)."""
+        return self.attempt >= SUSPECT_ATTEMPT
 
     @property
     def key(self) -> tuple[str, str]:
@@ -68,6 +71,7 @@ class StreamConsumer:
         self.lease_timeout_s, self.max_deliveries, self.dlq_max_len = lease_timeout_s, max_deliveries, dlq_max_len
         self._token = uuid.uuid4().hex
         self.held: dict[tuple[str, str], Delivery] = {}
+        self.quarantine = Quarantine()  # suspects held until the engine is empty
         self.reserved_slots = 0  # of a fetch's count, what the bulk lane leaves to interactive work
         self.reclaimed = self.dead_lettered = 0  # running totals, for the worker's metrics
         # Own pending entries are re-read once after a (re)start, following a cursor.
@@ -103,10 +107,10 @@ class StreamConsumer:
                     raise
 
     async def fetch(self, count: int, block_ms: int, *, isolated: int = 1) -> list[Delivery]:
-        """At most `count` entries, of which at most `isolated` redelivered ones: first own
-        pending entries (after a restart), then entries whose lease expired elsewhere, then
-        new ones, held (and leased by lease_held()) until released. A consumer group that is
-        gone (Redis lost its data, or was flushed) is created again; the read answers nothing."""
+        """At most `count` entries: own pending ones (after a restart), then those whose lease
+        lapsed elsewhere (suspects wait for a quarantine group of at most `isolated`: see
+        Quarantine.sort), then new ones, held (and leased by lease_held()) until released. A lost
+        consumer group (Redis lost its data, or was flushed) is created again; the read answers nothing."""
         try:
             return await self._fetch(count, block_ms, isolated)
         except ResponseError as err:
@@ -117,9 +121,11 @@ class StreamConsumer:
             return []
 
     async def _fetch(self, count: int, block_ms: int, isolated: int) -> list[Delivery]:
-        out = await self._redelivered(min(count, isolated)) if count > 0 else []
-        if out or count <= 0:
-            return self._hold(out)
+        room = count - len(self.quarantine.parked)
+        out = self._hold(await self._redelivered(room) if room > 0 else [])
+        handed = await self.quarantine.sort(out, count, isolated, block_ms / 1000)
+        if handed is not None:
+            return handed
         # Interactive first, then bulk, without blocking; then block on the interactive lane
         # alone (one stream: COUNT bounds the whole read, so nothing is taken that cannot start;
         # a bulk row arriving meanwhile waits at most block_ms).
@@ -144,6 +150,7 @@ class StreamConsumer:
     def release(self, d: Delivery) -> None:
         """The entry is committed, skipped or fenced: no longer this worker's to lease."""
         self.held.pop(d.key, None)
+        self.quarantine.freed.set()
 
     async def _redelivered(self, count: int) -> list[Delivery]:
         """Own pending entries left by a previous run of this worker (read once after a start,
@@ -214,25 +221,18 @@ class StreamConsumer:
             except (ValueError, KeyError) as err:
                 await unreadable(self, stream, entry_id, fields, err)
                 continue
-            attempt, charges = 1, 0
+            attempt, charges, last = 1, 0, 0
             if redelivered:
-                attempt, charges = await self._history(stream, entry_id, message.id)
+                status = self.keys.status(message.id)
+                attempt, charges, last = await history(self.redis, stream, GROUP, entry_id, status)
             if redelivered and charges >= self.max_deliveries - 1:
-                error = (f"no result after {charges + 1} deliveries: the worker running it "
-                         f"stopped or crashed each time")
-                await self.dead_letter(stream, entry_id, message.id, message.model_dump_json(), error, charges + 1,
+                error = (f"no result after {attempt} deliveries: the worker running it stopped or crashed "
+                         f"each time, {charges + 1} of them with the request alone in its engine")
+                await self.dead_letter(stream, entry_id, message.id, message.model_dump_json(), error, attempt,
                                        message)
                 continue
-            out.append(Delivery(stream, entry_id, message, self.consumer, attempt))
+            out.append(Delivery(stream, entry_id, message, self.consumer, attempt, group_cap(last)))
         return out
-
-    async def _history(self, stream: str, entry_id: str, rid: str) -> tuple[int, int]:
-        """The entry's delivery count, and how many of its runs were quarantined (charged)."""
-        async with self.redis.pipeline(transaction=False) as pipe:
-            pipe.xpending_range(stream, GROUP, entry_id, entry_id, 1)
-            pipe.hget(self.keys.status(rid), "charges")
-            info, charges = await pipe.execute()
-        return (int(info[0]["times_delivered"]) if info else 1), int(charges or 0)
 
     async def start(self, d: Delivery) -> StartDecision:
         """Guard the entry and, where it runs, take a fresh fencing token (kept on `d`): every
@@ -241,11 +241,13 @@ class StreamConsumer:
         decision = await self.scripts.start(
             keys=[d.stream, self.keys.status(rid), self.keys.cancel(rid), self.keys.reply(rid)],
             args=[GROUP, self.consumer, d.entry_id, time.time(), d.message.deadline, d.attempt,
-                  self.status_ttl_s, self.reply_ttl_s, self.keys.for_request(rid).done, rid, int(d.isolated),
-                  self.result_ttl_s, uuid.uuid4().hex[:16]],
-        )
+                  self.status_ttl_s, self.reply_ttl_s, self.keys.for_request(rid).done, rid,
+                  int(d.isolated and d.group == 1), self.result_ttl_s, uuid.uuid4().hex[:16]],
+        )  # (charged only alone: a crash then is its own)
         if isinstance(decision, list):  # ['run', fencing token]
             decision, d.fence = decision
+        if decision == "run" and d.isolated:  # the group its members' next crash halves
+            await self.redis.hset(self.keys.status(rid), "group", d.group)
         return decision
 
     async def lease_held(self) -> list[Delivery]:
@@ -260,18 +262,19 @@ class StreamConsumer:
                 for entry_id in await self.scripts.lease(keys=[stream], args=[GROUP, self.consumer, *ids[i:i + 500]]):
                     d = self.held.pop((stream, entry_id), None)
                     if d is not None:
+                        self.quarantine.drop(d)
                         fenced.append(d)
         return fenced
 
     async def commit(self, d: Delivery, result: FinalResult, streamed: list[int] | None = None,
-                     deltas: list[str] | tuple = (), strict: bool = True) -> bool | list[int]:
+                     deltas: list[str] | tuple = ()) -> bool | list[int]:
         """Last deltas + final + status + XACK + XDEL at once; False if fenced, [row, index, ...] if refused."""
         rid = d.message.id
         written = await self.scripts.commit(
             keys=[d.stream, self.keys.status(rid), self.keys.reply(rid)],
             args=[GROUP, self.consumer, d.entry_id, result.status.value, result.model_dump_json(exclude_none=True),
                   time.time(), self.result_ttl_s, self.reply_ttl_s, self.keys.for_request(rid).done, rid, d.rows,
-                  int(strict), len(streamed or ()), *(streamed or ()), d.fence, *deltas],
+                  len(streamed or ()), *(streamed or ()), d.fence, *deltas],
         )
         if isinstance(written, list):
             return written

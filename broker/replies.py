@@ -23,8 +23,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-# Consumer.commit: (delivery, final, tokens sent per row or None, deltas to write first, strict)
-Commit = Callable[["Delivery", FinalResult, "list[int] | None", list[str], bool], Awaitable["bool | list[int]"]]
+# Consumer.commit: (delivery, final, tokens sent per row or None, deltas to write first)
+Commit = Callable[["Delivery", FinalResult, "list[int] | None", list[str]], Awaitable["bool | list[int]"]]
 
 
 class ReplyWriter:
@@ -76,7 +76,7 @@ class ReplyWriter:
                 try:
                     answers = await self._write([
                         ([d.stream, self.keys.reply(d.message.id), self.keys.status(d.message.id)],
-                         [d.fence, 0 if d.sent.ttl_set else self.reply_ttl_s, 1,
+                         [d.fence, 0 if d.sent.ttl_set else self.reply_ttl_s,
                           *(ev.model_dump_json(exclude_none=True) for ev in events)])
                         for d, events in by_entry.values()])
                 except BaseException:
@@ -107,7 +107,7 @@ class ReplyWriter:
             events = [ev for _, ev in _coalesce(own)]
             try:
                 answer = await commit(d, final, [o.num_output_tokens for o in outputs],
-                                      [ev.model_dump_json(exclude_none=True) for ev in events], True)
+                                      [ev.model_dump_json(exclude_none=True) for ev in events])
             except BaseException:  # not known to be written: the writer sends them (see flush)
                 self._buffer[:0] = own
                 raise

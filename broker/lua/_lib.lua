@@ -118,16 +118,16 @@ local function bare_final(status, state, err, attempt, now)
 end
 
 -- Append token deltas (JSON strings) to a request's reply stream: reply.lua's flushes, and the
--- last deltas that ride on a commit. Idempotent: the status hash keeps each row's next token
--- index, and a delta below it is dropped, so a pipeline re-sent after a lost reply (Redis died
--- after running it) writes nothing twice; a delta of an attempt older than the request's
--- current one is dropped. No holes: a delta that starts past its row's next index, or
--- straddles it, is refused (in strict mode): after a failover the old primary acknowledged
--- deltas its replica never had, and the writer, told the index the stream now ends at, sends
--- them again from there. `known`: the status's `state`, `attempt` and `next:<row>` fields read
--- already (updated here). Returns {row, next index, ...} for the refused rows (the others are
--- written), and the new `next:<row>` values as HSET arguments (the caller writes them).
-local function write_deltas(status, reply, strict, deltas, known)
+-- last deltas that ride on a commit (both fenced first: the status is there). Idempotent: the
+-- status hash keeps each row's next token index, and a delta below it is dropped, so a pipeline
+-- re-sent after a lost reply (Redis died after running it) writes nothing twice; a delta of an
+-- attempt older than the request's current one is dropped. No holes: a delta that starts past
+-- its row's next index, or straddles it, is refused: after a failover the old primary
+-- acknowledged deltas its replica never had, and the writer, told the index the stream now ends
+-- at, sends them again from there. `known`: the status's `state`, `attempt` and `next:<row>`
+-- fields read already (updated here). Returns {row, next index, ...} for the refused rows (the
+-- others are written), and the new `next:<row>` values as HSET arguments (the caller writes them).
+local function write_deltas(status, reply, deltas, known)
   local refused, gaps, moved = {}, {}, {}
   for _, data in ipairs(deltas) do
     local delta = cjson.decode(data)
@@ -138,7 +138,6 @@ local function write_deltas(status, reply, strict, deltas, known)
         local got = redis.call('HMGET', status, 'state', field, 'attempt')
         known.state, known[field], known.attempt = got[1], tonumber(got[2]) or 0, got[3]
       end
-      local tracked = known.state ~= false  -- never create a status hash without its TTL
       local next_index = known[field]
       -- An earlier attempt's delta, still buffered in a worker that gave the request up and then
       -- took it over again under the same consumer name, is not written: the run now under way
@@ -146,16 +145,14 @@ local function write_deltas(status, reply, strict, deltas, known)
       -- Nor is a delta written after the final (cancelled or expired meanwhile: readers stop there).
       if (delta.attempt or 1) >= (tonumber(known.attempt) or 0) and not is_final_state(known.state) then
         local ends = delta.i + #delta.token_ids
-        if strict and tracked and (delta.i > next_index or (delta.i < next_index and ends > next_index)) then
+        if delta.i > next_index or (delta.i < next_index and ends > next_index) then
           refused[row] = next_index
           gaps[#gaps + 1] = row
           gaps[#gaps + 1] = next_index
-        elseif delta.i >= next_index then
+        elseif delta.i == next_index then
           redis.call('XADD', reply, '*', 'kind', 'delta', 'data', data)
-          if tracked then
-            known[field] = ends
-            moved[field] = ends
-          end
+          known[field] = ends
+          moved[field] = ends
         end
       end
     end

@@ -5,8 +5,7 @@
 -- announce it, all at once. Otherwise it has been fenced out and writes nothing.
 -- KEYS: stream, status, reply
 -- ARGV: group, consumer, entry_id, state, final_json, now, result_ttl, reply_ttl,
---       done_channel, rid, rows (the request's row count), strict ('1'/'0', for the deltas),
---       n (how many counts follow), then n counts (per row, the tokens the worker sent to the
+--       done_channel, rid, rows (the request's row count), n (how many counts follow), then n counts (per row, the tokens the worker sent to the
 --       reply stream; none: not checked), then fence (the worker's fencing token), then the
 --       deltas to write first (JSON, as reply.lua's)
 -- Returns 1 (committed), 2 (acknowledged; the request was final already), 0 (fenced), or
@@ -17,8 +16,8 @@
 local stream, status, reply = KEYS[1], KEYS[2], KEYS[3]
 local group, entry_id, state, final, now = ARGV[1], ARGV[3], ARGV[4], ARGV[5], ARGV[6]
 local result_ttl, reply_ttl, done_channel, rid = ARGV[7], ARGV[8], ARGV[9], ARGV[10]
-local rows, strict, n = tonumber(ARGV[11]), ARGV[12] == '1', tonumber(ARGV[13])
-local COUNTS = 14  -- ARGV[14 .. 13 + n]: the counts
+local rows, n = tonumber(ARGV[11]), tonumber(ARGV[12])
+local COUNTS = 13  -- ARGV[13 .. 12 + n]: the counts
 local fence = ARGV[COUNTS + n]
 local FIRST_DELTA = COUNTS + n + 1
 
@@ -39,7 +38,7 @@ local deltas = {}
 for i = FIRST_DELTA, #ARGV do
   deltas[#deltas + 1] = ARGV[i]
 end
-local gaps, moved = write_deltas(status, reply, strict, deltas, known)
+local gaps, moved = write_deltas(status, reply, deltas, known)
 if #gaps == 0 and known.state and not is_final_state(known.state) then
   for row = 0, n - 1 do  -- a status without its tail, not yet final: short of the tokens sent?
     if known['next:' .. row] < tonumber(ARGV[COUNTS + row]) then

@@ -3,12 +3,12 @@
 -- worker frozen past its lease and then woken, or one whose start a failover lost, must not
 -- write tokens beside those of the worker that holds the request.
 -- KEYS: stream (unused), reply, status
--- ARGV: fence (the writer's fencing token), reply_ttl (0: set already), strict ('1'/'0'), delta_json...
+-- ARGV: fence (the writer's fencing token), reply_ttl (0: set already), delta_json...
 -- Returns 1 (written), 0 (fenced: nothing written) or {row, next index, ...}: the rows whose
 -- deltas were refused from that index on (the others were written).
 local reply, status = KEYS[2], KEYS[3]
-local fence, reply_ttl, strict = ARGV[1], ARGV[2], ARGV[3] == '1'
-local FIRST_DELTA = 4  -- ARGV[4...]: the deltas
+local fence, reply_ttl = ARGV[1], ARGV[2]
+local FIRST_DELTA = 3  -- ARGV[3...]: the deltas
 
 local got = redis.call('HMGET', status, 'state', 'attempt', 'fence', 'next:0')
 if fenced(got[3], fence) then
@@ -19,7 +19,7 @@ for i = FIRST_DELTA, #ARGV do
   deltas[#deltas + 1] = ARGV[i]
 end
 local known = {state = got[1], attempt = got[2], ['next:0'] = tonumber(got[4]) or 0}
-local gaps, moved = write_deltas(status, reply, strict, deltas, known)
+local gaps, moved = write_deltas(status, reply, deltas, known)
 if #moved > 0 then
   redis.call('HSET', status, unpack(moved))
 end
