@@ -108,11 +108,29 @@ async def create_batch(body: CreateBatch, s: ApiState = Depends(state),
     if meta["purpose"] != "batch":
         raise ApiError(400, f"input_file_id: file {body.input_file_id} has purpose {meta['purpose']!r}, "
                             "not 'batch'", param="input_file_id")
+    await _within_limits(s, body.input_file_id)
     batch = await s.jobs.create(body.input_file_id, body.endpoint, body.completion_window, body.metadata,
                                    owner=caller.digest)
     # kombu publishes synchronously: keep it off the event loop.
     await asyncio.to_thread(s.celery.send_task, JOB_TASK, [batch["id"]], queue=JOB_QUEUE)
     return batch
+
+
+async def _within_limits(s: ApiState, file_id: str) -> None:
+    """A 400 naming the limit for an input file over one: read off the event loop, and only as
+    far as the first line over a limit."""
+    lines, line_bytes = s.settings.max_batch_lines, s.settings.max_batch_line_bytes
+    try:
+        scan = await s.files.scan(file_id, lines, line_bytes)
+    except FileError as err:
+        raise _file_error(err) from None
+    if scan.too_long is not None:
+        raise ApiError(400, f"input_file_id: line {scan.too_long + 1} of file {file_id} is longer than "
+                            f"{line_bytes} bytes, the limit for one request (SLUICE_MAX_BATCH_LINE_BYTES)",
+                       param="input_file_id")
+    if scan.lines > lines:
+        raise ApiError(400, f"input_file_id: file {file_id} has more than {lines} requests, the limit for one "
+                            "batch (SLUICE_MAX_BATCH_LINES)", param="input_file_id")
 
 
 @router.get("/batches")

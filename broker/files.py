@@ -8,6 +8,8 @@ import asyncio
 import io
 import json
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -22,6 +24,54 @@ _CHUNK = 1024 * 1024
 # its metadata milliseconds after its rename; an upload in progress touches its .part constantly.
 _FILE_IDLE_S = 60.0
 _PART_IDLE_S = 600.0
+
+
+def read_lines(source: BinaryIO, max_line_bytes: int) -> Iterator[tuple[int, bytes | None]]:
+    """The non-blank lines of `source` as (index, bytes), read in chunks: a line over
+    `max_line_bytes` comes as (index, None) and is never held whole. `index` is the line's
+    0-based position (blank lines counted); lines end at b"\\n" only (JSON Lines)."""
+    index, line, over, told, blank = 0, bytearray(), False, False, True
+    while chunk := source.read(_CHUNK):
+        start = 0
+        while True:
+            end = chunk.find(b"\n", start)
+            piece = chunk[start:] if end < 0 else chunk[start:end]
+            blank = blank and not piece.strip()
+            if not over and len(line) + len(piece) > max_line_bytes:
+                over, line = True, bytearray()
+            elif not over:
+                line += piece
+            if over and not blank and not told:  # said at once: a reader may stop here
+                told = True
+                yield index, None
+            if end < 0:
+                break
+            if not blank and not over:
+                yield index, bytes(line)
+            index, line, over, told, blank, start = index + 1, bytearray(), False, False, True, end + 1
+    if not blank and not over:
+        yield index, bytes(line)
+
+
+@dataclass(frozen=True)
+class LineScan:
+    """What a batch input file holds, as far as its limits: `lines` counts its non-blank lines
+    up to `max_lines` + 1; `too_long` is the index of its first line over the byte limit."""
+
+    lines: int
+    too_long: int | None
+
+
+def scan_lines(source: BinaryIO, max_lines: int, max_line_bytes: int) -> LineScan:
+    """Stops at the first line over either limit: bounded time and memory whatever the file."""
+    lines = 0
+    for index, line in read_lines(source, max_line_bytes):
+        if line is None:
+            return LineScan(lines, index)
+        lines += 1
+        if lines > max_lines:
+            break
+    return LineScan(lines, None)
 
 
 class FileError(Exception):
@@ -129,6 +179,20 @@ class FileStore:
     async def content(self, file_id: str) -> bytes:
         await self.get(file_id)
         return await asyncio.to_thread(self.path(file_id).read_bytes)
+
+    async def open(self, file_id: str) -> BinaryIO:
+        """The file's content to read from disk (the caller closes it); once open, it stays
+        readable whole even if the file is deleted meanwhile."""
+        await self.get(file_id)
+        try:
+            return await asyncio.to_thread(self.path(file_id).open, "rb")
+        except FileNotFoundError:
+            raise FileError(404, f"file {file_id!r} not found") from None
+
+    async def scan(self, file_id: str, max_lines: int, max_line_bytes: int) -> LineScan:
+        """The file's lines against a batch's limits, read off the event loop."""
+        with await self.open(file_id) as source:
+            return await asyncio.to_thread(scan_lines, source, max_lines, max_line_bytes)
 
     async def list(self, purpose: str | None = None) -> list[dict[str, Any]]:
         now = time.time()

@@ -143,6 +143,10 @@ class JobStore:
         """Bind a line to its request id (once: a line keeps the id it was first given)."""
         await self._put(job_id, token, "rids", line, rid, {})
 
+    async def recorded(self, job_id: str) -> set[int]:
+        """The lines that have their output record."""
+        return {int(k) for k in await self.redis.hkeys(_key(job_id, "out"))}
+
     async def outputs(self, job_id: str) -> dict[int, dict[str, Any]]:
         return {int(k): json.loads(v) for k, v in (await self.redis.hgetall(_key(job_id, "out"))).items()}
 

@@ -101,6 +101,11 @@ class Settings(BaseSettings):
     max_file_bytes: int = Field(default=200 * 1024 * 1024, gt=0)
     file_ttl_s: int = Field(default=30 * 86400, gt=0)  # a file without expires_after (OpenAI's default)
     batch_ttl_s: int = Field(default=30 * 86400, gt=0)  # a finished batch object
+    # A batch input file: at most this many requests (non-blank lines; OpenAI's limit is 50,000)
+    # of at most this many bytes each, refused at batches.create; the jobs worker reads it a
+    # line at a time (README, "Security").
+    max_batch_lines: int = Field(default=50_000, gt=0)
+    max_batch_line_bytes: int = Field(default=2 * 1024 * 1024, gt=0)
     bulk_outstanding: int = Field(default=64, gt=0)  # rows of one job on the bulk stream at once
     job_lock_ttl_s: float = Field(default=15.0, gt=0)
     jobs_concurrency: int = Field(default=4, gt=0)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from sluice.broker.admission import Admission, QueueFull
@@ -45,34 +45,41 @@ class LineFeed:
         self.outstanding: dict[int, tuple[Line, str]] = {}  # line index -> (line, request id)
         self.cancelling = False
 
-    async def run(self, lines: list[Line]) -> None:
-        """Until every line has its record, or (after a cancel) every submitted line has."""
+    async def run(self, lines: AsyncIterator[Line]) -> None:
+        """Until every line has its record, or (after a cancel) every submitted line has.
+        `lines` (the file's valid lines, in order) is read only as far as slots free up."""
         inbox = self.done.inbox()
         try:
             await self._run(inbox, lines)
         finally:
             inbox.close()
 
-    async def _run(self, inbox: Inbox, lines: list[Line]) -> None:
-        done = await self.store.outputs(self.job_id)
-        bound = await self.store.request_ids(self.job_id)
-        todo = [x for x in lines if x.index not in done]
-        # Resume: a line bound to a request that exists is waited for, not submitted again.
-        for x in todo:
+    async def _next(self, inbox: Inbox, lines: AsyncIterator[Line], done: set[int],
+                    bound: dict[int, str]) -> Line | None:
+        """The next line to submit. Resume: a line already recorded is passed over, and a line
+        bound to a request that exists is waited for (outstanding), not submitted again."""
+        async for x in lines:
+            if x.index in done:
+                continue
             if x.index in bound:
                 inbox.watch(x.model, [bound[x.index]])
                 if await self.admission.status(x.model, bound[x.index]) is not None:
                     self.outstanding[x.index] = (x, bound[x.index])
-                else:
-                    inbox.forget(bound[x.index])
-        queue = [x for x in todo if x.index not in self.outstanding]
+                    continue
+                inbox.forget(bound[x.index])
+            return x
+        return None
+
+    async def _run(self, inbox: Inbox, lines: AsyncIterator[Line]) -> None:
+        done = await self.store.recorded(self.job_id)
+        bound = await self.store.request_ids(self.job_id)
+        line = await self._next(inbox, lines, done, bound)
         last_full = float("-inf")  # when every outstanding status was last read
-        while self.outstanding or (queue and not self.cancelling):
+        while self.outstanding or (line and not self.cancelling):
             self.check_lock()
             await self._notice_cancel()
-            while queue and not self.cancelling and len(self.outstanding) < self.bound_outstanding:
+            while line and not self.cancelling and len(self.outstanding) < self.bound_outstanding:
                 self.check_lock()
-                line = queue[0]
                 # A line keeps its first id, so a submission lost with its runner is not run twice.
                 rid = bound.setdefault(line.index, new_request_id())
                 await self.store.bind(self.job_id, self.token, line.index, rid)
@@ -82,8 +89,8 @@ class LineFeed:
                 except QueueFull:
                     inbox.forget(rid)
                     break  # the bulk lane is full: wait for results to make room
-                queue.pop(0)
                 self.outstanding[line.index] = (line, rid)
+                line = await self._next(inbox, lines, done, bound)
             announced = inbox.take()
             # Every re-check interval all of them are read, announced or not: an announcement
             # lost in a reconnect, or a writer that does not announce, costs one interval.
@@ -91,7 +98,7 @@ class LineFeed:
             if full:
                 last_full = time.monotonic()
             await self._collect(inbox, None if full else announced)
-            if not self.outstanding and not (queue and not self.cancelling):
+            if not self.outstanding and not (line and not self.cancelling):
                 return
             await inbox.wait(max(last_full + self.done.recheck_s - time.monotonic(), 0.0))
 

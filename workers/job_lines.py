@@ -7,6 +7,7 @@ that hostile input files are tested without a broker.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass
 from typing import Any
@@ -56,28 +57,50 @@ def error_record(custom_id: str | None, code: str, message: str, rid: str | None
 
 
 def parse_file(text: str, endpoint: str, default_max_tokens: int = 256) -> ParsedFile:
-    """Every non-blank line of an input file. A custom_id seen on an earlier line makes the
-    later line an error: results are matched to inputs by custom_id, so two lines sharing one
-    could not be told apart in the output."""
+    """Every non-blank line of an input file (whole in memory: for tests and small files; a
+    job reads its file a chunk at a time through LineCheck)."""
+    check = LineCheck(endpoint, default_max_tokens)
     lines: list[Line] = []
     errors: dict[int, Record] = {}
-    seen: set[str] = set()
-    total = 0
-    for index, raw in enumerate(text.splitlines()):
-        if not raw.strip():
-            continue
-        total += 1
-        parsed = parse_line(index, raw, endpoint, default_max_tokens)
-        if isinstance(parsed, Line) and parsed.custom_id in seen:
-            errors[index] = error_record(parsed.custom_id, "duplicate_custom_id",
-                                         f"line {index + 1}: custom_id {parsed.custom_id!r} is used by an "
-                                         f"earlier line")
-        elif isinstance(parsed, Line):
-            seen.add(parsed.custom_id)
-            lines.append(parsed)
-        else:
-            errors[index] = parsed
-    return ParsedFile(lines, errors, total)
+    for index, raw in enumerate(text.split("\n")):
+        if raw.strip():
+            parsed = check(index, raw)
+            if isinstance(parsed, Line):
+                lines.append(parsed)
+            else:
+                errors[index] = parsed
+    return ParsedFile(lines, errors, check.total)
+
+
+class LineCheck:
+    """An input file's non-blank lines, checked in order, one at a time. A custom_id seen on an
+    earlier line makes the later line an error: results are matched to inputs by custom_id, so
+    two lines sharing one could not be told apart in the output. Only a digest of each custom_id
+    is kept, so memory grows by a few dozen bytes a line, whatever the lines hold."""
+
+    def __init__(self, endpoint: str, default_max_tokens: int = 256, max_line_bytes: int | None = None):
+        self.endpoint = endpoint
+        self.default_max_tokens = default_max_tokens
+        self.max_line_bytes = max_line_bytes
+        self.seen: set[bytes] = set()
+        self.total = 0  # non-blank lines checked so far
+
+    def __call__(self, index: int, raw: str | bytes | None) -> Line | Record:
+        """Line `index`; `raw` None: a line over max_line_bytes, left unread."""
+        self.total += 1
+        if raw is None:
+            return error_record(None, "line_too_long", f"line {index + 1}: longer than {self.max_line_bytes} bytes "
+                                                       "(SLUICE_MAX_BATCH_LINE_BYTES)")
+        text = raw.decode("utf-8", errors="replace") if isinstance(raw, bytes) else raw
+        parsed = parse_line(index, text, self.endpoint, self.default_max_tokens)
+        if not isinstance(parsed, Line):
+            return parsed
+        digest = hashlib.blake2b(parsed.custom_id.encode(errors="surrogatepass"), digest_size=16).digest()
+        if digest in self.seen:
+            return error_record(parsed.custom_id, "duplicate_custom_id",
+                                f"line {index + 1}: custom_id {parsed.custom_id!r} is used by an earlier line")
+        self.seen.add(digest)
+        return parsed
 
 
 def parse_line(index: int, text: str, endpoint: str, default_max_tokens: int = 256) -> Line | Record:

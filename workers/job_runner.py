@@ -11,24 +11,42 @@ collecting is workers/job_feed.py.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
-from typing import Any
+from collections.abc import AsyncIterator, Iterator
+from typing import Any, BinaryIO
 
 from redis.asyncio import Redis
 
 from sluice.broker.admission import Admission
-from sluice.broker.files import FileStore
+from sluice.broker.files import FileStore, read_lines
 from sluice.broker.jobs import JobStore, LockLost
 from sluice.broker.notifications import DoneListener
 from sluice.broker.registry import ModelRegistry
 from sluice.config.settings import Settings
 from sluice.protocol.states import ACTIVE_BATCH_STATES, FINAL_BATCH_STATES, BatchState
 from sluice.workers.job_feed import LineFeed
-from sluice.workers.job_lines import Record, error_record, jsonl, parse_file
+from sluice.workers.job_lines import Line, LineCheck, Record, error_record, jsonl
 from sluice.workers.job_lock import JobLock
 
 log = logging.getLogger(__name__)
+
+# The lines checked at once, off the event loop: at most this many, or the first past this size.
+_CHUNK_LINES = 256
+_CHUNK_BYTES = 4 * 1024 * 1024
+
+
+def _checked_chunk(lines: Iterator[tuple[int, bytes | None]], check: LineCheck) -> list[tuple[int, Line | Record]]:
+    """The file's next lines, checked (an empty list at its end)."""
+    out: list[tuple[int, Line | Record]] = []
+    size = 0
+    for index, raw in lines:
+        out.append((index, check(index, raw)))
+        size += len(raw or b"")
+        if len(out) >= _CHUNK_LINES or size >= _CHUNK_BYTES:
+            break
+    return out
 
 
 class JobRunner:
@@ -82,24 +100,59 @@ class JobRunner:
             return
         # Its rows and output files belong to whoever made the batch (the object does not show it).
         batch["owner"] = await self.store.owner(self.job_id)
-        text = (await self.files.content(batch["input_file_id"])).decode("utf-8", errors="replace")
-        parsed = parse_file(text, batch["endpoint"])
-        for index, record in parsed.errors.items():
-            await self._record(index, record, failed=1)
-        status = await self.store.move(self.job_id, BatchState.IN_PROGRESS, [BatchState.VALIDATING], self.token,
-                                       total=parsed.total)
-        if status in FINAL_BATCH_STATES:  # cancelled before any runner started it
-            return
         deployed = {m.name for m in await self.models.all()}
-        for line in parsed.lines:
-            if line.model not in deployed:
-                await self._record(line.index, error_record(
-                    line.custom_id, "model_not_found", f"model {line.model!r} is not deployed"), failed=1)
-        feed = LineFeed(store=self.store, admission=self.admission, done=self.done, job_id=self.job_id,
-                        batch=batch, token=self.token, record=self._record, check_lock=self.lock.check,
-                        outstanding=self.settings.bulk_outstanding, max_queued=self.settings.max_queued)
-        await feed.run([x for x in parsed.lines if x.model in deployed])
+        with await self.files.open(batch["input_file_id"]) as source:
+            total = await self._validate(source, batch["endpoint"], deployed)
+            if total is None:
+                await self.store.move(self.job_id, BatchState.FAILED, ACTIVE_BATCH_STATES, self.token,
+                                      error=f"input file: more than {self.settings.max_batch_lines} requests "
+                                            "(SLUICE_MAX_BATCH_LINES)")
+                return
+            status = await self.store.move(self.job_id, BatchState.IN_PROGRESS, [BatchState.VALIDATING],
+                                           self.token, total=total)
+            if status in FINAL_BATCH_STATES:  # cancelled before any runner started it
+                return
+            feed = LineFeed(store=self.store, admission=self.admission, done=self.done, job_id=self.job_id,
+                            batch=batch, token=self.token, record=self._record, check_lock=self.lock.check,
+                            outstanding=self.settings.bulk_outstanding, max_queued=self.settings.max_queued)
+            async with contextlib.aclosing(self._lines(source, batch["endpoint"])) as lines:
+                await feed.run(lines)
         await self._finish(batch)
+
+    def _check(self, endpoint: str) -> LineCheck:
+        return LineCheck(endpoint, max_line_bytes=self.settings.max_batch_line_bytes)
+
+    async def _checked(self, source: BinaryIO, check: LineCheck) -> AsyncIterator[list[tuple[int, Line | Record]]]:
+        """The input file's lines from its start, checked a chunk at a time in a thread: memory
+        holds one chunk, and the event loop stays free to keep the job's lock."""
+        await asyncio.to_thread(source.seek, 0)
+        lines = read_lines(source, self.settings.max_batch_line_bytes)
+        while chunk := await asyncio.to_thread(_checked_chunk, lines, check):
+            self.lock.check()
+            yield chunk
+
+    async def _validate(self, source: BinaryIO, endpoint: str, deployed: set[str]) -> int | None:
+        """Record every line that cannot run; the number of requests in the file, or None when
+        it has more than the limit (reading stops there)."""
+        check = self._check(endpoint)
+        async for chunk in self._checked(source, check):
+            if check.total > self.settings.max_batch_lines:
+                return None
+            for index, parsed in chunk:
+                if isinstance(parsed, Line) and parsed.model not in deployed:
+                    parsed = error_record(parsed.custom_id, "model_not_found",
+                                          f"model {parsed.model!r} is not deployed")
+                if not isinstance(parsed, Line):
+                    await self._record(index, parsed, failed=1)
+        return check.total
+
+    async def _lines(self, source: BinaryIO, endpoint: str) -> AsyncIterator[Line]:
+        """The valid lines, read again as the feed needs them (those recorded as errors are
+        skipped by the feed, as every line with a record is)."""
+        async for chunk in self._checked(source, self._check(endpoint)):
+            for _, parsed in chunk:
+                if isinstance(parsed, Line):
+                    yield parsed
 
     async def _finish(self, batch: dict[str, Any]) -> None:
         """Write the output and error files and end the batch: `completed` (or `expired`), or

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import io
 import os
+import random
 import time
 from pathlib import Path
 
 import pytest
 from redis.asyncio import Redis
 
-from sluice.broker.files import FileError, FileStore, _key
+from sluice.broker.files import FileError, FileStore, LineScan, _key, read_lines, scan_lines
 
 
 @pytest.fixture
@@ -95,3 +96,38 @@ async def test_the_sweep_takes_only_idle_content_whose_metadata_is_gone(store: F
     assert sorted(await store.sweep()) == sorted([expired["id"], part.name])
     assert store.path(kept["id"]).exists()
     assert store.path(fresh["id"]).exists()  # just written: its metadata may be on its way
+
+
+class Trickle(io.BytesIO):
+    """A file that answers each read with at most a few bytes, and counts what it gave."""
+
+    def __init__(self, data: bytes, rng: random.Random, most: int):
+        super().__init__(data)
+        self.rng, self.most, self.given = rng, most, 0
+
+    def read(self, size: int | None = -1) -> bytes:  # type: ignore[override]
+        chunk = super().read(self.rng.randint(1, self.most))
+        self.given += len(chunk)
+        return chunk
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_lines_are_read_whatever_the_chunks_and_a_long_one_is_never_held(seed: int) -> None:
+    rng = random.Random(seed)
+    pieces = [rng.choice([b"", b"  ", b"\r", b'{"a": 1}', b"x" * rng.randint(1, 40), b"\t \xe2\x80\xa8"])
+              for _ in range(rng.randint(0, 30))]
+    data = b"\n".join(pieces) + rng.choice([b"", b"\n", b"\n\n"])
+    limit = rng.randint(1, 20)
+    expected = [(i, None if len(x) > limit else x) for i, x in enumerate(data.split(b"\n")) if x.strip()]
+    assert list(read_lines(Trickle(data, rng, rng.randint(1, 50)), limit)) == expected
+
+
+def test_a_scan_stops_at_the_first_line_over_a_limit() -> None:
+    rng = random.Random(0)
+    many = Trickle(b'{"custom_id": "x"}\n' * 100_000, rng, 4096)
+    assert scan_lines(many, max_lines=10, max_line_bytes=100) == LineScan(11, None)
+    assert many.given < 64 * 1024  # not the 1.9 MB file
+    long = Trickle(b"{}\n\n" + b"x" * 10_000_000, rng, 1 << 20)
+    assert scan_lines(long, max_lines=10, max_line_bytes=1000) == LineScan(1, 2)
+    assert long.given < 3 << 20
+    assert scan_lines(io.BytesIO(b"{}\n" * 10 + b"\n \n"), 10, 2) == LineScan(10, None)

@@ -1,0 +1,87 @@
+"""Files and batches at the api: limits refused with a 400 naming them (and their setting)
+before anything is queued."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from fastapi import FastAPI
+from redis.asyncio import Redis
+
+from sluice.config.settings import Settings
+from tests.api.keyed_app import ALICE, client, keyed_app
+
+
+class Jobs:
+    """Stands for the Celery client: records the batches sent to the jobs worker."""
+
+    def __init__(self) -> None:
+        self.sent: list[str] = []
+
+    def send_task(self, _name: str, args: list[str], **_kw: Any) -> None:
+        self.sent.extend(args)
+
+
+@pytest.fixture
+def limits() -> dict[str, Any]:
+    return {"max_batch_lines": 5, "max_batch_line_bytes": 200}
+
+
+@pytest.fixture
+async def app(redis: Redis, settings: Settings, tmp_path: Path, limits: dict[str, Any]) -> AsyncIterator[FastAPI]:
+    async with keyed_app(settings, tmp_path, **limits) as app:
+        app.state.sluice.celery = Jobs()
+        yield app
+
+
+@pytest.fixture
+async def alice(app: FastAPI) -> AsyncIterator[httpx.AsyncClient]:
+    async with client(app, ALICE) as c:
+        yield c
+
+
+def request(i: int, prompt: str = "hi") -> bytes:
+    return json.dumps({"custom_id": f"r{i}", "method": "POST", "url": "/v1/completions",
+                       "body": {"model": "m", "prompt": prompt}}).encode()
+
+
+async def upload(c: httpx.AsyncClient, data: bytes, purpose: str = "batch") -> str:
+    r = await c.post("/v1/files", files={"file": ("in.jsonl", data)}, data={"purpose": purpose})
+    assert r.status_code == 200, r.text
+    return r.json()["id"]
+
+
+async def create(c: httpx.AsyncClient, file_id: str, **extra: Any) -> httpx.Response:
+    return await c.post("/v1/batches", json={"input_file_id": file_id, "endpoint": "/v1/completions", **extra})
+
+
+@pytest.mark.parametrize(("lines", "says"), [
+    ([request(i) for i in range(6)], "has more than 5 requests, the limit for one batch (SLUICE_MAX_BATCH_LINES)"),
+    ([request(0), request(1, "x" * 300)], "line 2 of file {id} is longer than 200 bytes, the limit for one request "
+                                          "(SLUICE_MAX_BATCH_LINE_BYTES)"),
+    ([request(0), b"", b" " * 300, request(1, "x" * 300)], "line 4 of file"),
+])
+async def test_a_batch_over_a_file_limit_is_refused_at_create(app: FastAPI, alice: httpx.AsyncClient,
+                                                              lines: list[bytes], says: str) -> None:
+    file_id = await upload(alice, b"\n".join(lines))
+    r = await create(alice, file_id)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert says.format(id=file_id) in error["message"] and error["param"] == "input_file_id"
+    assert app.state.sluice.celery.sent == []
+    assert (await alice.get("/v1/batches")).json()["data"] == []
+
+
+async def test_a_batch_at_the_file_limits_is_created(app: FastAPI, alice: httpx.AsyncClient) -> None:
+    lines = [request(i) for i in range(5)] + [b"", b"  "]
+    lines[0] = request(0, "x" * (200 - len(request(0, ""))))
+    assert len(lines[0]) == 200
+    file_id = await upload(alice, b"\n".join(lines) + b"\n")
+    r = await create(alice, file_id)
+    assert r.status_code == 200, r.text
+    assert app.state.sluice.celery.sent == [r.json()["id"]]
