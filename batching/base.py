@@ -15,9 +15,10 @@ log = logging.getLogger(__name__)
 class Item(Protocol):
     """Something to run: a request of one or more rows (never split).
 
-    An `isolated` item (a redelivered request that may have crashed its last worker) runs in
-    quarantine: in a batch of its own, at most one at a time, so that a crash is charged to
-    it alone."""
+    An `isolated` item (a suspect: a request whose retry crashed too) runs in quarantine:
+    isolated items come from the source as one group, which runs with nothing else in the
+    engine, so that its crash is its members' own (the source halves the group at each crash,
+    and charges a request only for a crash it had alone)."""
 
     @property
     def rows(self) -> int: ...
@@ -31,8 +32,9 @@ T = TypeVar("T", bound=Item)
 
 class Source(Protocol[T]):
     async def fetch(self, count: int, timeout_s: float, isolated: int) -> list[T]:
-        """Up to `count` items, of which at most `isolated` isolated ones, waiting at most
-        `timeout_s` for the first one."""
+        """Up to `count` items, waiting at most `timeout_s` for the first one: either ordinary
+        ones, or (`isolated` > 0: the caller's engine is empty) a quarantine group of at most
+        `isolated` isolated ones."""
         ...
 
 

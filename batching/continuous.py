@@ -9,8 +9,9 @@ from sluice.config.batching import ContinuousBatchingConfig
 
 
 class ContinuousAdmission(BatchingPolicy[T]):
-    """Up to `max_concurrent_batch_size` single-row requests in the engine at once, one of
-    the slots at most taken by an isolated request (the quarantine slot)."""
+    """Up to `max_concurrent_batch_size` single-row requests in the engine at once. Isolated
+    requests (a quarantine group) run alone: they are asked for only when nothing runs, and
+    nothing is admitted beside them until the last of them is done."""
 
     def __init__(self, config: ContinuousBatchingConfig, *, poll_s: float = 0.5):
         super().__init__()
@@ -32,10 +33,10 @@ class ContinuousAdmission(BatchingPolicy[T]):
     async def run(self, source: Source[T], handle: Handler[T], stopping: asyncio.Event) -> None:
         while not stopping.is_set():
             free = self.admitted - self.in_flight
-            if free <= 0:
+            if free <= 0 or self._quarantine:
                 await self._wait_freed_or(stopping)
                 continue
-            for item in await source.fetch(free, self.poll_s, 0 if self._quarantine else 1):
+            for item in await source.fetch(free, self.poll_s, 0 if self.in_flight else free):
                 task = self._launch(handle, [item])
                 if item.isolated:
                     self._quarantine.add(task)

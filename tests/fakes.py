@@ -79,14 +79,15 @@ class Req:
 
 
 def take_items(items: list[Req], count: int, isolated: int) -> tuple[list[Req], list[Req]]:
-    """The FIFO prefix a source may hand out: at most `count` items and `isolated` isolated
-    ones (an isolated item that may not go yet stops the prefix: nothing overtakes it)."""
+    """The FIFO prefix a source may hand out, as the broker's consumer does: at most `count`
+    ordinary items up to the first isolated one, or (the first is isolated) a quarantine group of
+    at most `isolated` isolated items, never both; an isolated item that may not go yet stops the
+    prefix: nothing overtakes it."""
     got: list[Req] = []
-    for item in items[:count]:
-        if item.isolated:
-            if isolated <= 0:
-                break
-            isolated -= 1
+    group = bool(items) and items[0].isolated
+    for item in items[:min(count, isolated) if group else count]:
+        if item.isolated != group:
+            break
         got.append(item)
     return got, items[len(got):]
 

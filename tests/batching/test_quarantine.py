@@ -34,32 +34,42 @@ async def test_an_isolated_request_is_a_dynamic_batch_of_its_own(clock: FakeCloc
     await stop(policy, source, stopping, task, handler)
 
 
-async def test_isolated_requests_in_a_row_run_one_by_one(clock: FakeClock) -> None:
+async def test_a_quarantine_group_is_a_dynamic_batch_of_its_own(clock: FakeClock) -> None:
     source, handler = FakeSource(clock), RecordingHandler()
     policy = dynamic_batcher(clock, delay_ms=10_000, target=2, limit=8)
     stopping, task = await start(policy, source, handler)
     source.push(Req(0, isolated=True), Req(1, isolated=True), Req(2), Req(3))
     await settle()
-    assert handler.sizes == [[0]]
+    assert handler.sizes == [[0, 1]]  # the group together, at once, nothing else with it
     await handler.release_all()
-    assert handler.sizes == [[0], [1]]
-    await handler.release_all()
-    assert handler.sizes == [[0], [1], [2, 3]]
+    assert handler.sizes == [[0, 1], [2, 3]]
     await stop(policy, source, stopping, task, handler)
 
 
-async def test_continuous_admission_runs_one_isolated_request_beside_fresh_ones() -> None:
+async def test_continuous_admission_runs_a_quarantine_group_alone() -> None:
+    """The group is asked for only once nothing runs, and nothing is admitted beside it until
+    its last request is done: a crash then is its own."""
     clock = FakeClock()
     source, handler = FakeSource(clock), RecordingHandler()
     policy = ContinuousAdmission(ContinuousBatchingConfig(max_concurrent_batch_size=4), poll_s=10.0)
     stopping = asyncio.Event()
     task = asyncio.create_task(policy.run(source, handler, stopping))
-    source.push(Req(0, isolated=True), Req(1), Req(2, isolated=True), Req(3))
+    source.push(Req(0))
     await settle()
-    assert [b[0].n for b in handler.batches] == [0, 1]  # the quarantine slot is taken: 2 waits
+    asked_before = len(source.calls)
+    source.push(Req(1, isolated=True), Req(2, isolated=True), Req(3))
+    await clock.advance(10.0)  # the fetch made while 0 runs may not take the group: it ends empty-handed
+    assert [b[0].n for b in handler.batches] == [0]
+    assert all(c.isolated == 0 for c in source.calls[asked_before:])
+    await handler.release_all()  # 0 is done: the engine is empty
+    await clock.advance(10.0)
+    assert [b[0].n for b in handler.batches] == [0, 1, 2]  # the group, alone
     assert handler.max_running == 2
-    await handler.release_all()  # both finish; the quarantine slot is free again
-    await clock.advance(10.0)  # the fetch made while it was taken ends empty-handed
+    handler.release(1)
+    await settle()
+    assert [b[0].n for b in handler.batches] == [0, 1, 2]  # 3 waits for the whole group
+    handler.release(2)
+    await clock.advance(10.0)
     assert [b[0].n for b in handler.batches] == [0, 1, 2, 3]
     stopping.set()
     handler.auto = True

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 
+import pytest
 from redis.asyncio import Redis
 
 from sluice.broker.dead_letters import DeadLetters
@@ -18,7 +20,6 @@ from tests.broker.helpers import (
     KEYS,
     MODEL,
     admission,
-    consumer,
     done_result,
     fetch_one,
     message,
@@ -119,14 +120,16 @@ async def test_a_running_request_reclaimed_after_its_worker_died_runs_again(
     await expire_lease(redis, d, "dead")
     live = await ready_consumer(redis, settings, "live")
     (again,) = await live.fetch(5, 100)
-    assert (again.message.id, again.attempt, again.isolated) == (m.id, 2, True)
+    # the first retry of a crashed run goes as ordinary work (a crash beside it was not its own)
+    assert (again.message.id, again.attempt, again.isolated) == (m.id, 2, False)
     assert await live.start(again) == "run"
     assert await redis.hget(KEYS.status(m.id), "worker") == "live"
     assert not await dead.commit(d, FinalResult(status=State.DONE))  # fenced
 
 
-async def test_reclaim_hands_out_redelivered_entries_one_quarantine_slot_at_a_time(
-        redis: Redis, settings: Settings) -> None:
+async def test_a_crashed_batch_is_retried_together_first(redis: Redis, settings: Settings) -> None:
+    """The requests of a worker that died are reclaimed all at once, ahead of new entries, and
+    run as ordinary work: one extra run each (they once went one quarantine slot at a time)."""
     adm = admission(redis, settings)
     sent = await submit_n(adm, 3)
     dead = await ready_consumer(redis, settings, "dead")
@@ -135,40 +138,63 @@ async def test_reclaim_hands_out_redelivered_entries_one_quarantine_slot_at_a_ti
         await expire_lease(redis, d, "dead")
     fresh = await submit_n(adm, 2)
     live = await ready_consumer(redis, settings, "live")
-    first = await live.fetch(10, 100)  # reclaim comes first, one isolated entry at a time
-    assert [d.message.id for d in first] == [sent[0].id]
-    assert [d.message.id for d in await live.fetch(10, 100, isolated=0)] == [m.id for m in fresh]
-    assert [d.message.id for d in await live.fetch(10, 100, isolated=5)] == [m.id for m in sent[1:]]
+    again = await live.fetch(10, 100, isolated=0)  # an engine busy with other work takes them too
+    assert [(d.message.id, d.attempt, d.isolated) for d in again] == [(m.id, 2, False) for m in sent]
+    for d in again:
+        assert await live.start(d) == "run"
+        assert await live.commit(d, done_result())
+    assert [d.message.id for d in await live.fetch(10, 100)] == [m.id for m in fresh]
 
 
-async def test_only_quarantined_runs_are_charged(redis: Redis, settings: Settings) -> None:
-    """A poison request is charged for each crash it had alone; its neighbours, reclaimed with
-    it after the first crash, are not, and finish on their next delivery."""
-    adm = admission(redis, settings)
-    poison, neighbour = await submit_n(adm, 2)
-    w = await ready_consumer(redis, settings, "w")
-    for d in await w.fetch(2, 100):  # both run together; the worker dies
+async def crash_until_settled(redis: Redis, settings: Settings, poison: str, batch: list) -> tuple[int, int]:
+    """`batch` (fetched by worker w0) runs and crashes (the poison brings down whatever runs with
+    it); then worker after worker takes what is left, runs what the consumer hands out (a
+    quarantine group only in an empty engine) and crashes whenever the poison is in the run.
+    Returns (crashes, runs of healthy requests)."""
+    w = await ready_consumer(redis, settings, "w0")
+    for d in batch:
         assert await w.start(d) == "run"
-        await expire_lease(redis, d, "w")
-    deliveries = 1
+        await expire_lease(redis, d, "w0")
+    crashes, healthy_runs, k = 1, 0, 0
     while True:
-        c = consumer(redis, settings, f"w{deliveries}")
-        got = await c.fetch(10, 100, isolated=10)
+        k += 1
+        c = await ready_consumer(redis, settings, f"w{k}")
+        got = await c.fetch(64, 10, isolated=64)  # an empty engine: a quarantine group may go
         if not got:
-            break
-        deliveries += 1
-        for d in got:
-            assert d.isolated
-            assert await c.start(d) == "run"
-            if d.message.id == neighbour.id:
-                assert await c.commit(d, FinalResult(status=State.DONE))
-            else:  # the poison brings its (quarantined) worker down again
-                await expire_lease(redis, d, c.consumer)
-    assert await redis.hget(KEYS.status(neighbour.id), "state") == "done"
-    assert await redis.hget(KEYS.status(poison.id), "state") == "failed"
+            got = await c.fetch(64, 10, isolated=64)  # what the first fetch parked
+        if not got:
+            return crashes, healthy_runs
+        assert len({d.isolated for d in got}) == 1  # a group never runs beside ordinary work
+        runs = [d for d in got if await c.start(d) == "run"]
+        crashed = any(d.message.id == poison for d in runs)
+        for d in runs if not crashed else []:
+            healthy_runs += 1
+            assert await c.commit(d, done_result())
+        crashes += crashed
+        for d in list(c.held.values()):  # this worker died (or stops here): the next takes them over
+            await expire_lease(redis, d, c.consumer)
+
+
+@pytest.mark.parametrize("healthy", [1, 4, 8, 16])
+async def test_a_poison_request_is_isolated_by_bisection_and_only_it_is_charged(
+        redis: Redis, settings: Settings, healthy: int) -> None:
+    """A poison request crashes its worker with `healthy` requests beside it. Retried together,
+    it crashes again; the suspects are then split in halves, each run alone, so the poison runs
+    alone after about log2(n) more crashes and is dead-lettered after its charges (crashes it
+    had alone); every neighbour finishes, never charged."""
+    adm = admission(redis, settings)
+    sent = await submit_n(adm, healthy + 1)
+    poison = sent[healthy // 2].id
+    w = await ready_consumer(redis, settings, "w0")
+    crashes, healthy_runs = await crash_until_settled(redis, settings, poison, await w.fetch(64, 100))
+    for m in sent:
+        assert await redis.hget(KEYS.status(m.id), "state") == ("failed" if m.id == poison else "done")
     (letter,) = await DeadLetters(redis, KEYS.model).list()
-    assert letter.request_id == poison.id and letter.attempts == settings.max_deliveries
-    assert deliveries == settings.max_deliveries  # one shared run, then two quarantined ones
+    assert letter.request_id == poison
+    # 1 crash fresh, 1 retried together, about log2(n) halvings, then max_deliveries - 1 alone
+    bound = 2 + math.ceil(math.log2(healthy + 1)) + settings.max_deliveries - 1
+    assert crashes <= bound, (crashes, bound)
+    assert healthy_runs == healthy  # each neighbour ran to its end once
 
 
 async def test_a_dead_letter_retry_respects_the_bound_and_becomes_the_current_entry(
@@ -225,12 +251,8 @@ async def test_reclaim_takes_over_lapsed_leases_ahead_of_new_entries(redis: Redi
         await expire_lease(redis, d, "dead")
     fresh = await submit_n(adm, 3)
     await asyncio.sleep(live.reclaim_scan_s)
-    taken = []
-    for _ in range(3):  # one redelivered entry per fetch (quarantine), back to back
-        (d,) = await live.fetch(4, 100)
-        assert d.attempt == 2
-        taken.append(d.message.id)
-    assert taken == [m.id for m in orphans]
+    taken = await live.fetch(4, 100)  # all at once: a crashed batch is retried together first
+    assert [(d.message.id, d.attempt) for d in taken] == [(m.id, 2) for m in orphans]
     assert [d.message.id for d in await live.fetch(4, 100)] == [m.id for m in fresh]
 
 

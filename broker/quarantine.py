@@ -1,0 +1,97 @@
+"""Retries without a throughput cliff: a crashed batch is retried together first, and split
+only when it crashes again (DESIGN.md, delivery step 7).
+
+- A request's first redelivery (attempt 2) runs as fresh work, beside anything: most crashes (a
+  worker killed, its machine lost) take healthy requests down, and they all finish on that
+  retry. A crash beside healthy requests costs each of them one extra run, not one run each
+  in turn.
+- A request redelivered again (attempt 3 on: it was in two runs that crashed) is a suspect: it
+  runs in quarantine, in a group of suspects with nothing else in the engine. Each crash
+  halves the group its members may run in (the group's size is kept on their status,
+  `group`), the first group being half of the suspects waiting: bisection, so a poison request
+  among n runs alone after about log2(n) crashes.
+- Only a run alone that crashes is charged (start.lua's `charges`): past N charges the request
+  is dead-lettered, and no healthy request is ever charged for its neighbour.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from typing import Protocol
+
+from redis.asyncio import Redis
+
+SUSPECT_ATTEMPT = 3  # the attempt from which a redelivered request runs in quarantine
+
+
+class Held(Protocol):
+    group: int  # while parked: the largest group it may run in (0: not known); handed out: its group's size
+
+    @property
+    def isolated(self) -> bool: ...
+
+
+def group_cap(last_group: int | None) -> int:
+    """The largest group a suspect may run in: half the group it last crashed in (0: not known)."""
+    return max(1, last_group // 2) if last_group else 0
+
+
+async def history(redis: Redis, stream: str, group: str, entry_id: str, status: str) -> tuple[int, int, int]:
+    """A redelivered entry's delivery count, how many of its runs alone crashed (its charges), and
+    the size of the last quarantine group it ran in (0: none yet)."""
+    async with redis.pipeline(transaction=False) as pipe:
+        pipe.xpending_range(stream, group, entry_id, entry_id, 1)
+        pipe.hmget(status, "charges", "group")
+        info, (charges, last) = await pipe.execute()
+    return (int(info[0]["times_delivered"]) if info else 1), int(charges or 0), int(last or 0)
+
+
+class Quarantine:
+    """The suspects a worker holds (leased) until its engine is empty, handed out a group at a
+    time. While any wait, the worker takes no fresh work, so that the engine empties."""
+
+    def __init__(self) -> None:
+        self.parked: list[Held] = []
+        self.freed = asyncio.Event()  # a held entry was released: the engine may be empty now
+
+    async def sort(self, redelivered: list, count: int, isolated: int, block_s: float) -> list | None:
+        """What a fetch of `count` hands out of what it reclaimed (held): the suspects are parked,
+        the rest goes at once. A quarantine group goes when the caller's engine is empty
+        (`isolated` > 0, at most that many); until then nothing fresh is handed out (waiting up to
+        `block_s` for a release). None: nothing from here, read new entries."""
+        self.parked.extend(d for d in redelivered if d.isolated)
+        if self.parked and isolated > 0:
+            return self.next_group(min(count, isolated))
+        fresh = [d for d in redelivered if not d.isolated]
+        if fresh or count <= 0:
+            return fresh
+        if self.parked:
+            await self.wait_freed(block_s)
+            return []
+        return None
+
+    def drop(self, held: Held) -> None:
+        """A parked suspect this worker lost (another took it over)."""
+        self.parked = [d for d in self.parked if d is not held]
+
+    def next_group(self, room: int) -> list[Held]:
+        """The next group, at most `room`: the suspects with the smallest cap first (a known cap
+        before an unknown one: half of those parked without one)."""
+        if not self.parked or room <= 0:
+            return []
+        self.parked.sort(key=lambda d: d.group or math.inf)
+        unknown = sum(1 for d in self.parked if not d.group)
+        size = min(self.parked[0].group or max(1, math.ceil(unknown / 2)), room)
+        group, self.parked = self.parked[:size], self.parked[size:]
+        for d in group:
+            d.group = len(group)
+        return group
+
+    async def wait_freed(self, timeout_s: float) -> None:
+        """Until a held entry is released (or `timeout_s`): a fetch that withholds fresh work."""
+        self.freed.clear()
+        try:
+            await asyncio.wait_for(self.freed.wait(), timeout_s)
+        except TimeoutError:
+            pass
