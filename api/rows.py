@@ -13,6 +13,9 @@ from typing import Any
 
 from sluice.api.errors import ApiError
 from sluice.config.model import ModelConfig
+from sluice.protocol.rows import prompt_text, row_problem, rows_problem, where
+
+__all__ = ["RowsRefused", "checked_rows", "prompt_text", "where"]  # the checks live in protocol/rows.py
 
 
 class RowsRefused(ApiError):
@@ -23,38 +26,12 @@ class RowsRefused(ApiError):
         self.reason = reason
 
 
-def prompt_text(row: Mapping[str, Any]) -> str:
-    """The text a row sends the model: its prompt, or its chat messages' contents (the chat
-    template is applied by the worker's engine, so this is a lower bound of what it sees)."""
-    prompt = row.get("prompt")
-    if prompt:
-        return str(prompt)
-    messages = row.get("messages") or ()
-    return "".join(str(m.get("content") or "") for m in messages if isinstance(m, Mapping))
-
-
-def where(field: str, index: int, rows: int) -> str:
-    """How an error names a field: bare for a one-row request, `rows[i].field` otherwise."""
-    return field if rows == 1 else f"rows[{index}].{field}"
-
-
 def checked_rows(model: ModelConfig, rows: Sequence[Mapping[str, Any]], *,
                  max_prompt_chars: int) -> list[dict[str, Any]]:
     """Copies of `rows` with `max_tokens` filled in; RowsRefused naming the problem otherwise."""
-    if not rows:
-        raise RowsRefused(400, "rows: at least one row is needed", reason="no_rows", param="rows")
-    error = model.rows_error(len(rows))
-    if error:
-        raise RowsRefused(400, error, reason="batch_size", param="rows")
-    limit = model.framework_config.max_model_len
-    checked = []
-    for i, row in enumerate(rows):
-        if len(prompt_text(row)) > max_prompt_chars:
-            raise RowsRefused(413, f"{where('prompt', i, len(rows))}: longer than {max_prompt_chars} characters",
-                              reason="prompt_too_long", param="prompt")
-        max_tokens = row.get("max_tokens") or model.default_max_tokens
-        if limit is not None and max_tokens >= limit:
-            raise RowsRefused(422, f"{where('max_tokens', i, len(rows))}: must be below the model's context "
-                                   f"length ({limit})", reason="max_tokens", param="max_tokens")
-        checked.append({**row, "max_tokens": max_tokens})
-    return checked
+    problems = [rows_problem(model, len(rows))]
+    problems += [row_problem(model, row, i, len(rows), max_prompt_chars=max_prompt_chars) for i, row in enumerate(rows)]
+    problem = next((p for p in problems if p), None)
+    if problem:
+        raise RowsRefused(problem.status, problem.message, reason=problem.reason, param=problem.param)
+    return [{**row, "max_tokens": row.get("max_tokens") or model.default_max_tokens} for row in rows]

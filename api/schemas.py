@@ -9,24 +9,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validat
 from sluice.api.errors import ApiError
 from sluice.protocol.messages import SamplingExtras
 from sluice.protocol.openai import stop_list
-
-MAX_TOKENS = 1_000_000
-
-
-def unicode_problem(value: object) -> str | None:
-    """Why `value` (a string, or lists and dicts of them) cannot be stored as UTF-8, or None.
-
-    JSON may escape a lone surrogate ("\\ud800"); Python decodes it into a str that no UTF-8
-    encoder accepts, so it would fail at the first Redis write or tokenizer call instead of here.
-    """
-    if isinstance(value, str):
-        try:
-            value.encode()
-        except UnicodeEncodeError as err:
-            return f"not valid Unicode (a lone surrogate {value[err.start]!r} at position {err.start})"
-        return None
-    items = value.values() if isinstance(value, dict) else value if isinstance(value, list) else ()
-    return next((p for p in map(unicode_problem, items) if p), None)
+from sluice.protocol.rows import MAX_TOKENS, unicode_problem  # also imported from here
 
 
 def require_unicode(value: object, where: str) -> None:

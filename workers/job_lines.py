@@ -9,16 +9,19 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from pydantic import ValidationError
 
+from sluice.config.model import ModelConfig
 from sluice.protocol.ids import batch_line_id, completion_id
 from sluice.protocol.messages import FinalResult, SamplingSpec
 from sluice.protocol.openai import ChatCompletionRequest, CompletionRequest
 from sluice.protocol.openai_objects import Shape, chat_object, completion_object
 from sluice.protocol.responses import ResponseRequest, response_object
+from sluice.protocol.rows import row_problem, unicode_problem
 from sluice.protocol.states import State
 
 Record = dict[str, Any]  # one line of an output or error file, as OpenAI writes them
@@ -51,15 +54,24 @@ class ParsedFile:
     total: int
 
 
+@dataclass(frozen=True)
+class Rules:
+    """What a line is checked against besides its own shape, as the route it names checks a
+    request (protocol/rows.py): the deployed models, by name, and the api's prompt limit."""
+
+    models: Mapping[str, ModelConfig]
+    max_prompt_chars: int
+
+
 def error_record(custom_id: str | None, code: str, message: str, rid: str | None = None) -> Record:
     return {"id": batch_line_id(rid), "custom_id": custom_id, "response": None,
             "error": {"code": code, "message": message}, "request_id": rid}
 
 
-def parse_file(text: str, endpoint: str, default_max_tokens: int = 256) -> ParsedFile:
+def parse_file(text: str, endpoint: str, default_max_tokens: int = 256, rules: Rules | None = None) -> ParsedFile:
     """Every non-blank line of an input file (whole in memory: for tests and small files; a
     job reads its file a chunk at a time through LineCheck)."""
-    check = LineCheck(endpoint, default_max_tokens)
+    check = LineCheck(endpoint, default_max_tokens, rules=rules)
     lines: list[Line] = []
     errors: dict[int, Record] = {}
     for index, raw in enumerate(text.split("\n")):
@@ -78,9 +90,11 @@ class LineCheck:
     two lines sharing one could not be told apart in the output. Only a digest of each custom_id
     is kept, so memory grows by a few dozen bytes a line, whatever the lines hold."""
 
-    def __init__(self, endpoint: str, default_max_tokens: int = 256, max_line_bytes: int | None = None):
+    def __init__(self, endpoint: str, default_max_tokens: int = 256, max_line_bytes: int | None = None,
+                 rules: Rules | None = None):
         self.endpoint = endpoint
         self.default_max_tokens = default_max_tokens
+        self.rules = rules
         self.max_line_bytes = max_line_bytes
         self.seen: set[bytes] = set()
         self.total = 0  # non-blank lines checked so far
@@ -92,7 +106,7 @@ class LineCheck:
             return error_record(None, "line_too_long", f"line {index + 1}: longer than {self.max_line_bytes} bytes "
                                                        "(SLUICE_MAX_BATCH_LINE_BYTES)")
         text = raw.decode("utf-8", errors="replace") if isinstance(raw, bytes) else raw
-        parsed = parse_line(index, text, self.endpoint, self.default_max_tokens)
+        parsed = parse_line(index, text, self.endpoint, self.default_max_tokens, self.rules)
         if not isinstance(parsed, Line):
             return parsed
         digest = hashlib.blake2b(parsed.custom_id.encode(errors="surrogatepass"), digest_size=16).digest()
@@ -103,8 +117,10 @@ class LineCheck:
         return parsed
 
 
-def parse_line(index: int, text: str, endpoint: str, default_max_tokens: int = 256) -> Line | Record:
-    """A valid line, or the error record that stands for it in the error file."""
+def parse_line(index: int, text: str, endpoint: str, default_max_tokens: int = 256,
+               rules: Rules | None = None) -> Line | Record:
+    """A valid line, or the error record that stands for it in the error file. With `rules`, a
+    line passes the checks of the route it names, and its max_tokens defaults to its model's."""
     where = f"line {index + 1}"
     try:
         data = json.loads(text)
@@ -112,6 +128,9 @@ def parse_line(index: int, text: str, endpoint: str, default_max_tokens: int = 2
         return error_record(None, "invalid_json", f"{where}: {err}")
     if not isinstance(data, dict):
         return error_record(None, "invalid_request", f"{where}: expected a JSON object")
+    unicode = unicode_problem(data)  # JSON may escape a lone surrogate: no Redis write or file takes it
+    if unicode:
+        return error_record(None, "invalid_request", f"{where}: {unicode}")
     custom_id = data.get("custom_id")
     if not isinstance(custom_id, str) or not custom_id:
         return error_record(None, "invalid_request", f"{where}: custom_id must be a non-empty string")
@@ -119,7 +138,7 @@ def parse_line(index: int, text: str, endpoint: str, default_max_tokens: int = 2
         return error_record(custom_id, "invalid_request",
                             f"{where}: method must be POST and url {endpoint} (the batch's endpoint)")
     if endpoint == "/v1/responses":
-        return _response_line(index, custom_id, data.get("body"), where, default_max_tokens)
+        return _response_line(index, custom_id, data.get("body"), where, default_max_tokens, rules)
     schema = CompletionRequest if endpoint == "/v1/completions" else ChatCompletionRequest
     try:
         body = schema.model_validate(data.get("body"))
@@ -133,11 +152,17 @@ def parse_line(index: int, text: str, endpoint: str, default_max_tokens: int = 2
         bad.append("model (required)")
     if bad:
         return _unsupported(custom_id, where, bad)
-    max_tokens = body.max_tokens or default_max_tokens
+    model = _deployment(rules, custom_id, body.model)
+    if isinstance(model, dict):
+        return model
+    max_tokens = body.max_tokens or (model.default_max_tokens if model else default_max_tokens)
     if isinstance(body, CompletionRequest):
         row: dict[str, Any] = {"prompt": body.prompt[0], "max_tokens": max_tokens}
     else:
         row = {**body.rows(), "max_tokens": max_tokens}
+    refused = _refused(rules, model, custom_id, where, row)
+    if refused:
+        return refused
     # The line's index seeds it when the client gave no seed: a re-run samples the same text.
     sampling = SamplingSpec(max_tokens=max_tokens, seed=body.seed if body.seed is not None else index,
                             **body.sampling_fields())
@@ -154,7 +179,27 @@ def _unsupported(custom_id: str, where: str, bad: list[str]) -> Record:
     return error_record(custom_id, "invalid_request", f"{where}: not supported in a batch: " + ", ".join(bad))
 
 
-def _response_line(index: int, custom_id: str, raw: Any, where: str, default_max_tokens: int) -> Line | Record:
+def _deployment(rules: Rules | None, custom_id: str, name: str) -> ModelConfig | Record | None:
+    """The deployment a line names (None without rules), or the error record of a model that is
+    not deployed."""
+    if rules is None:
+        return None
+    model = rules.models.get(name)
+    return model if model is not None else error_record(custom_id, "model_not_found",
+                                                        f"model {name!r} is not deployed")
+
+
+def _refused(rules: Rules | None, model: ModelConfig | None, custom_id: str, where: str,
+             row: dict[str, Any]) -> Record | None:
+    """The error record of a row its route would refuse (protocol/rows.py), or None."""
+    if rules is None or model is None:
+        return None
+    problem = row_problem(model, row, max_prompt_chars=rules.max_prompt_chars)
+    return error_record(custom_id, problem.reason, f"{where}: {problem.message}") if problem else None
+
+
+def _response_line(index: int, custom_id: str, raw: Any, where: str, default_max_tokens: int,
+                   rules: Rules | None) -> Line | Record:
     try:
         body = ResponseRequest.model_validate(raw)
     except ValidationError as err:
@@ -165,12 +210,18 @@ def _response_line(index: int, custom_id: str, raw: Any, where: str, default_max
         bad.append("model (required)")
     if bad:
         return _unsupported(custom_id, where, bad)
-    max_tokens = body.max_output_tokens or default_max_tokens
+    model = _deployment(rules, custom_id, body.model)
+    if isinstance(model, dict):
+        return model
+    max_tokens = body.max_output_tokens or (model.default_max_tokens if model else default_max_tokens)
+    row = {"messages": body.messages(), "max_tokens": max_tokens}
+    refused = _refused(rules, model, custom_id, where, row)
+    if refused:
+        return refused
     sampling = SamplingSpec(max_tokens=max_tokens, seed=body.seed if body.seed is not None else index,
                             temperature=body.temperature, top_p=body.top_p, structured=body.structured(),
                             **body.extras())
-    return Line(index, custom_id, body.model, {"messages": body.messages(), "max_tokens": max_tokens}, sampling,
-                Shape(chat=True), response=body.meta(0))
+    return Line(index, custom_id, body.model, row, sampling, Shape(chat=True), response=body.meta(0))
 
 
 def result_record(line: Line, rid: str, final: FinalResult) -> Record:

@@ -27,7 +27,7 @@ from sluice.broker.registry import ModelRegistry
 from sluice.config.settings import Settings
 from sluice.protocol.states import ACTIVE_BATCH_STATES, FINAL_BATCH_STATES, BatchState
 from sluice.workers.job_feed import LineFeed
-from sluice.workers.job_lines import Line, LineCheck, Record, error_record, jsonl
+from sluice.workers.job_lines import Line, LineCheck, Record, Rules, jsonl
 from sluice.workers.job_lock import JobLock
 
 log = logging.getLogger(__name__)
@@ -100,9 +100,9 @@ class JobRunner:
             return
         # Its rows and output files belong to whoever made the batch (the object does not show it).
         batch["owner"] = await self.store.owner(self.job_id)
-        deployed = {m.name for m in await self.models.all()}
+        rules = Rules({m.name: m for m in await self.models.all()}, self.settings.max_prompt_chars)
         with await self.files.open(batch["input_file_id"]) as source:
-            total = await self._validate(source, batch["endpoint"], deployed)
+            total = await self._validate(source, batch["endpoint"], rules)
             if total is None:
                 await self.store.move(self.job_id, BatchState.FAILED, ACTIVE_BATCH_STATES, self.token,
                                       error=f"input file: more than {self.settings.max_batch_lines} requests "
@@ -115,12 +115,13 @@ class JobRunner:
             feed = LineFeed(store=self.store, admission=self.admission, done=self.done, job_id=self.job_id,
                             batch=batch, token=self.token, record=self._record, check_lock=self.lock.check,
                             outstanding=self.settings.bulk_outstanding, max_queued=self.settings.max_queued)
-            async with contextlib.aclosing(self._lines(source, batch["endpoint"])) as lines:
+            async with contextlib.aclosing(self._lines(source, batch["endpoint"], rules)) as lines:
                 await feed.run(lines)
         await self._finish(batch)
 
-    def _check(self, endpoint: str) -> LineCheck:
-        return LineCheck(endpoint, max_line_bytes=self.settings.max_batch_line_bytes)
+    def _check(self, endpoint: str, rules: Rules) -> LineCheck:
+        """Each line passes the checks of the route it names, against the models deployed now."""
+        return LineCheck(endpoint, max_line_bytes=self.settings.max_batch_line_bytes, rules=rules)
 
     async def _checked(self, source: BinaryIO, check: LineCheck) -> AsyncIterator[list[tuple[int, Line | Record]]]:
         """The input file's lines from its start, checked a chunk at a time in a thread: memory
@@ -131,25 +132,22 @@ class JobRunner:
             self.lock.check()
             yield chunk
 
-    async def _validate(self, source: BinaryIO, endpoint: str, deployed: set[str]) -> int | None:
+    async def _validate(self, source: BinaryIO, endpoint: str, rules: Rules) -> int | None:
         """Record every line that cannot run; the number of requests in the file, or None when
         it has more than the limit (reading stops there)."""
-        check = self._check(endpoint)
+        check = self._check(endpoint, rules)
         async for chunk in self._checked(source, check):
             if check.total > self.settings.max_batch_lines:
                 return None
             for index, parsed in chunk:
-                if isinstance(parsed, Line) and parsed.model not in deployed:
-                    parsed = error_record(parsed.custom_id, "model_not_found",
-                                          f"model {parsed.model!r} is not deployed")
                 if not isinstance(parsed, Line):
                     await self._record(index, parsed, failed=1)
         return check.total
 
-    async def _lines(self, source: BinaryIO, endpoint: str) -> AsyncIterator[Line]:
+    async def _lines(self, source: BinaryIO, endpoint: str, rules: Rules) -> AsyncIterator[Line]:
         """The valid lines, read again as the feed needs them (those recorded as errors are
         skipped by the feed, as every line with a record is)."""
-        async for chunk in self._checked(source, self._check(endpoint)):
+        async for chunk in self._checked(source, self._check(endpoint, rules)):
             for _, parsed in chunk:
                 if isinstance(parsed, Line):
                     yield parsed

@@ -92,3 +92,19 @@ async def test_a_line_over_the_byte_cap_is_an_error_line_and_the_others_run(redi
     assert "line 2: longer than 300 bytes (SLUICE_MAX_BATCH_LINE_BYTES)" == errors[0]["error"]["message"]
     ok = file_records(job_settings, batch["output_file_id"])
     assert sorted(r["custom_id"] for r in ok) == ["row-0", "row-2"]
+
+
+async def test_a_line_its_route_would_refuse_gets_its_error_in_the_error_file(redis: Redis, settings: Settings) -> None:
+    job_settings = settings.model_copy(update={"max_prompt_chars": 50})
+    lines = [request(0), request(1, "x" * 51), request(2, "y" * 50),
+             json.dumps({"custom_id": "row-3", "method": "POST", "url": "/v1/completions",
+                         "body": {"model": MODEL, "prompt": "z", "max_tokens": 2_000_000}})]
+    batch_id = await batch_of(redis, job_settings, lines)
+    async with null_worker(redis, delay_s=0) as seen:
+        await asyncio.wait_for(runner(redis, job_settings, batch_id).run(), timeout=30)
+    batch = await JobStore(redis).get(batch_id)
+    assert batch["request_counts"] == {"total": 4, "completed": 2, "failed": 2}, batch
+    assert len(seen) == 2  # the refused lines never reached the queue
+    errors = {e["custom_id"]: e["error"] for e in file_records(job_settings, batch["error_file_id"])}
+    assert errors["row-1"] == {"code": "prompt_too_long", "message": "line 2: prompt: longer than 50 characters"}
+    assert errors["row-3"]["code"] == "max_tokens" and "at most 1000000" in errors["row-3"]["message"]

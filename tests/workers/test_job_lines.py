@@ -4,13 +4,27 @@ valid ones typed lines; a final result becomes exactly one output or error line.
 from __future__ import annotations
 
 import json
+import random
 from typing import Any
 
 import pytest
 
+from sluice.api.rows import RowsRefused, checked_rows
+from sluice.config.engine import VLLMConfig
+from sluice.config.model import ModelConfig
 from sluice.protocol.messages import FinalResult, RowOutput, Timings, TokenLogprob, Usage
+from sluice.protocol.openai import CompletionRequest
 from sluice.protocol.states import State
-from sluice.workers.job_lines import Line, error_record, jsonl, output_tokens, parse_file, parse_line, result_record
+from sluice.workers.job_lines import (
+    Line,
+    Rules,
+    error_record,
+    jsonl,
+    output_tokens,
+    parse_file,
+    parse_line,
+    result_record,
+)
 
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 
@@ -213,3 +227,73 @@ def test_a_responses_line_a_batch_cannot_run_is_refused(body: dict[str, Any], sa
                        "body": {"model": "m", "input": "hi", **body}})
     err = error_of(text, RESPONSES)
     assert err["code"] == "invalid_request" and says in err["message"]
+
+
+# A line passes the checks of the route it names (protocol/rows.py, as api/rows.py applies them).
+SMALL = ModelConfig(name="m", framework_config=VLLMConfig(max_model_len=100), default_max_tokens=8)
+RULES = Rules({"m": SMALL}, max_prompt_chars=10)
+
+
+def checked(text: str, endpoint: str = COMPLETIONS) -> Line | dict[str, Any]:
+    return parse_line(4, text, endpoint, rules=RULES)
+
+
+def a_line(url: str, body: dict[str, Any], custom_id: Any = "a") -> str:
+    return json.dumps({"custom_id": custom_id, "method": "POST", "url": url, "body": body})
+
+
+@pytest.mark.parametrize(("url", "body", "code", "says"), [
+    (COMPLETIONS, {"model": "m", "prompt": "x" * 11}, "prompt_too_long", "line 5: prompt: longer than 10 characters"),
+    (CHAT, {"model": "m", "messages": [{"role": "user", "content": "x" * 6}, {"role": "user", "content": "y" * 5}]},
+     "prompt_too_long", "line 5: prompt: longer than 10 characters"),
+    (RESPONSES, {"model": "m", "input": "x" * 6, "instructions": "y" * 5}, "prompt_too_long", "longer than 10"),
+    (COMPLETIONS, {"model": "m", "prompt": "x", "max_tokens": 100}, "max_tokens",
+     "line 5: max_tokens: must be below the model's context length (100)"),
+    (RESPONSES, {"model": "m", "input": "x", "max_output_tokens": 500}, "max_tokens", "context length (100)"),
+    (COMPLETIONS, {"model": "other", "prompt": "x"}, "model_not_found", "model 'other' is not deployed"),
+    (COMPLETIONS, {"model": "m", "prompt": "a\ud800"}, "invalid_request", "line 5: not valid Unicode"),
+    (CHAT, {"model": "m", "messages": [{"role": "user", "content": "\udfff"}]}, "invalid_request", "not valid Unicode"),
+    (COMPLETIONS, {"model": "m", "prompt": "x", "stop": ["\ud83d"]}, "invalid_request", "not valid Unicode"),
+])
+def test_a_line_its_route_would_refuse_is_an_error_line(url: str, body: dict[str, Any], code: str,
+                                                        says: str) -> None:
+    err = checked(a_line(url, body), url)
+    assert isinstance(err, dict) and err["response"] is None, err
+    assert err["error"]["code"] == code and says in err["error"]["message"], err
+
+
+def test_a_custom_id_that_is_not_unicode_is_refused_without_repeating_it() -> None:
+    err = checked(a_line(COMPLETIONS, {"model": "m", "prompt": "x"}, custom_id="\ud800"))
+    assert isinstance(err, dict) and err["custom_id"] is None and "not valid Unicode" in err["error"]["message"]
+    json.dumps(err).encode()  # the error file can hold it
+
+
+def test_a_line_without_max_tokens_gets_its_models_default() -> None:
+    parsed = checked(a_line(CHAT, {"model": "m", "messages": [{"role": "user", "content": "x" * 10}]}), CHAT)
+    assert isinstance(parsed, Line) and parsed.row["max_tokens"] == 8 and parsed.sampling.max_tokens == 8
+    parsed = checked(a_line(RESPONSES, {"model": "m", "input": "x"}), RESPONSES)
+    assert isinstance(parsed, Line) and parsed.row["max_tokens"] == 8
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_a_line_is_refused_exactly_when_the_route_refuses_its_row(seed: int) -> None:
+    """Random prompts and budgets against random deployments: a batch line and an api row get
+    the same verdict and message."""
+    rng = random.Random(seed)
+    for _ in range(40):
+        model = ModelConfig(name="m", default_max_tokens=rng.randint(1, 300),
+                            framework_config=VLLMConfig(max_model_len=rng.choice([None, 50, 200, 4096])))
+        limit = rng.randint(1, 40)
+        prompt = "p" * rng.randint(1, 50)
+        max_tokens = rng.choice([None, rng.randint(1, 5000)])
+        body = {"model": "m", "prompt": prompt, **({"max_tokens": max_tokens} if max_tokens else {})}
+        parsed = parse_line(0, a_line(COMPLETIONS, body), COMPLETIONS, rules=Rules({"m": model}, limit))
+        try:
+            row = {"prompt": prompt, "max_tokens": CompletionRequest.model_validate(body).max_tokens}  # as the route
+            rows = checked_rows(model, [row], max_prompt_chars=limit)
+        except RowsRefused as refused:
+            assert isinstance(parsed, dict), (body, refused.message)
+            assert parsed["error"] == {"code": refused.reason, "message": f"line 1: {refused.message}"}
+        else:
+            assert isinstance(parsed, Line), (body, parsed)
+            assert parsed.row == rows[0]

@@ -1,0 +1,82 @@
+"""The checks a row passes before it is queued, whichever way it came: an api route, or a line
+of a batch input file run by the jobs worker. Pure: no I/O, and the caller's rows are left as
+they were. (The token count against the model's context needs the tokenizer: that check is the
+api's, api/tokens.py; where it is not made, the worker's engine refuses the prompt.)"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from sluice.config.model import ModelConfig
+
+MAX_TOKENS = 1_000_000  # the most tokens any request may ask for
+
+
+@dataclass(frozen=True)
+class RowProblem:
+    """Why a row is refused: the HTTP status a route answers, its message, one word for the
+    rejection metric, and the parameter at fault."""
+
+    status: int
+    message: str
+    reason: str
+    param: str
+
+
+def prompt_text(row: Mapping[str, Any]) -> str:
+    """The text a row sends the model: its prompt, or its chat messages' contents (the chat
+    template is applied by the worker's engine, so this is a lower bound of what it sees)."""
+    prompt = row.get("prompt")
+    if prompt:
+        return str(prompt)
+    messages = row.get("messages") or ()
+    return "".join(str(m.get("content") or "") for m in messages if isinstance(m, Mapping))
+
+
+def where(field: str, index: int, rows: int) -> str:
+    """How an error names a field: bare for a one-row request, `rows[i].field` otherwise."""
+    return field if rows == 1 else f"rows[{index}].{field}"
+
+
+def unicode_problem(value: object) -> str | None:
+    """Why `value` (a string, or lists and dicts of them) cannot be stored as UTF-8, or None.
+
+    JSON may escape a lone surrogate ("\\ud800"); Python decodes it into a str that no UTF-8
+    encoder accepts, so it would fail at the first Redis write or tokenizer call instead of here.
+    """
+    if isinstance(value, str):
+        try:
+            value.encode()
+        except UnicodeEncodeError as err:
+            return f"not valid Unicode (a lone surrogate {value[err.start]!r} at position {err.start})"
+        return None
+    items = value.values() if isinstance(value, dict) else value if isinstance(value, list) else ()
+    return next((p for p in map(unicode_problem, items) if p), None)
+
+
+def rows_problem(model: ModelConfig, rows: int) -> RowProblem | None:
+    """Why a request of this many rows is refused by `model`'s deployment, if it is."""
+    if not rows:
+        return RowProblem(400, "rows: at least one row is needed", "no_rows", "rows")
+    error = model.rows_error(rows)
+    return RowProblem(400, error, "batch_size", "rows") if error else None
+
+
+def row_problem(model: ModelConfig, row: Mapping[str, Any], index: int = 0, rows: int = 1, *,
+                max_prompt_chars: int) -> RowProblem | None:
+    """Why row `index` of `rows` cannot run on `model`, or None; `max_tokens` None stands for the
+    deployment's default (as the row will be queued)."""
+    if len(prompt_text(row)) > max_prompt_chars:
+        return RowProblem(413, f"{where('prompt', index, rows)}: longer than {max_prompt_chars} characters",
+                          "prompt_too_long", "prompt")
+    max_tokens = row.get("max_tokens") or model.default_max_tokens
+    if max_tokens > MAX_TOKENS:
+        return RowProblem(422, f"{where('max_tokens', index, rows)}: at most {MAX_TOKENS}", "max_tokens",
+                          "max_tokens")
+    limit = model.framework_config.max_model_len
+    if limit is not None and max_tokens >= limit:
+        return RowProblem(422, f"{where('max_tokens', index, rows)}: must be below the model's context "
+                               f"length ({limit})", "max_tokens", "max_tokens")
+    return None
