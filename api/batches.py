@@ -7,13 +7,14 @@ from typing import Any
 
 from fastapi import APIRouter, Depends, File, Form, Query, UploadFile
 from fastapi.responses import Response
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from sluice.api.auth import Caller, require_key
 from sluice.api.errors import ApiError
 from sluice.api.state import ApiState, state
 from sluice.broker.files import FileError
 from sluice.broker.jobs import ENDPOINTS
+from sluice.protocol.responses import bounded_metadata
 from sluice.protocol.tasks import JOB_QUEUE, JOB_TASK
 
 router = APIRouter(prefix="/v1", tags=["files and batches"])
@@ -95,6 +96,11 @@ class CreateBatch(BaseModel):
     endpoint: str
     completion_window: str = "24h"
     metadata: dict[str, str] | None = None
+
+    @field_validator("metadata")
+    @classmethod
+    def _metadata(cls, metadata: dict[str, str] | None) -> dict[str, str] | None:
+        return None if metadata is None else bounded_metadata(metadata)
 
 
 @router.post("/batches")

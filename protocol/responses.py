@@ -64,6 +64,14 @@ class TextOptions(BaseModel):
     format: TextFormat = Field(default_factory=TextFormat)
 
 
+def bounded_metadata(metadata: dict[str, str]) -> dict[str, str]:
+    """OpenAI's bounds on `metadata` (Responses, Batches): at most 16 keys of up to 64
+    characters, values up to 512."""
+    if len(metadata) > 16 or any(len(k) > 64 or len(v) > 512 for k, v in metadata.items()):
+        raise ValueError("at most 16 keys of up to 64 characters, values up to 512")
+    return metadata
+
+
 class ResponseRequest(SamplingExtras):
     """POST /v1/responses, with vLLM's sampling extras as extra fields (as its server takes them).
     Fields this server does not serve are refused by name (problems())."""
@@ -89,9 +97,7 @@ class ResponseRequest(SamplingExtras):
     @field_validator("metadata")
     @classmethod
     def _metadata(cls, metadata: dict[str, str]) -> dict[str, str]:
-        if len(metadata) > 16 or any(len(k) > 64 or len(v) > 512 for k, v in metadata.items()):
-            raise ValueError("at most 16 keys of up to 64 characters, values up to 512")
-        return metadata
+        return bounded_metadata(metadata)
 
     def problems(self) -> list[tuple[str, str]]:
         out = [(name, f"{name}: not supported by this server") for name in ("tools", "previous_response_id",

@@ -85,3 +85,19 @@ async def test_a_batch_at_the_file_limits_is_created(app: FastAPI, alice: httpx.
     r = await create(alice, file_id)
     assert r.status_code == 200, r.text
     assert app.state.sluice.celery.sent == [r.json()["id"]]
+
+
+@pytest.mark.parametrize("metadata", [
+    {f"k{i}": "v" for i in range(17)}, {"k" * 65: "v"}, {"k": "v" * 513}, {"k": "v" * 7_000_000},
+])
+async def test_batch_metadata_is_bounded_as_openai_bounds_it(app: FastAPI, alice: httpx.AsyncClient,
+                                                             metadata: dict[str, str]) -> None:
+    file_id = await upload(alice, request(0))
+    r = await create(alice, file_id, metadata=metadata)
+    assert r.status_code in (413, 422), r.text
+    if r.status_code == 422:
+        assert r.json()["error"]["param"] == "metadata" and "at most 16 keys" in r.json()["error"]["message"]
+    assert app.state.sluice.celery.sent == []
+    largest = {f"k{i:02d}" + "k" * 61: "v" * 512 for i in range(16)}
+    r = await create(alice, file_id, metadata=largest)
+    assert r.status_code == 200 and r.json()["metadata"] == largest
