@@ -6,7 +6,7 @@ import asyncio
 from typing import Any
 
 from fastapi import APIRouter, Depends, File, Form, Query, UploadFile
-from fastapi.responses import Response
+from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from sluice.api.auth import Caller, require_key
@@ -71,12 +71,14 @@ async def get_file(file_id: str, s: ApiState = Depends(state), caller: Caller = 
 
 @router.get("/files/{file_id}/content")
 async def file_content(file_id: str, s: ApiState = Depends(state),
-                       caller: Caller = Depends(require_key)) -> Response:
+                       caller: Caller = Depends(require_key)) -> StreamingResponse:
+    """Streamed from disk a chunk at a time (never whole in the api's memory)."""
     await _own_file(s, caller, file_id)
     try:
-        return Response(await s.files.content(file_id), media_type="application/octet-stream")
+        size, chunks = await s.files.stream(file_id)
     except FileError as err:
         raise _file_error(err) from None
+    return StreamingResponse(chunks, media_type="application/octet-stream", headers={"Content-Length": str(size)})
 
 
 @router.delete("/files/{file_id}")

@@ -7,8 +7,9 @@ from __future__ import annotations
 import asyncio
 import io
 import json
+import os
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -188,6 +189,21 @@ class FileStore:
             return await asyncio.to_thread(self.path(file_id).open, "rb")
         except FileNotFoundError:
             raise FileError(404, f"file {file_id!r} not found") from None
+
+    async def stream(self, file_id: str) -> tuple[int, AsyncIterator[bytes]]:
+        """The file's size and its content in chunks read off the event loop: never whole in
+        memory. The file is open from here; the chunks' end (or their close) closes it."""
+        source = await self.open(file_id)
+        size = os.fstat(source.fileno()).st_size
+
+        async def chunks() -> AsyncIterator[bytes]:
+            try:
+                while chunk := await asyncio.to_thread(source.read, _CHUNK):
+                    yield chunk
+            finally:
+                source.close()
+
+        return size, chunks()
 
     async def scan(self, file_id: str, max_lines: int, max_line_bytes: int) -> LineScan:
         """The file's lines against a batch's limits, read off the event loop."""

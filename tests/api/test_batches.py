@@ -3,16 +3,19 @@ before anything is queued."""
 
 from __future__ import annotations
 
+import io
 import json
+import random
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import httpx
 import pytest
 from fastapi import FastAPI
 from redis.asyncio import Redis
 
+from sluice.broker.files import FileStore
 from sluice.config.settings import Settings
 from tests.api.keyed_app import ALICE, client, keyed_app
 
@@ -101,3 +104,34 @@ async def test_batch_metadata_is_bounded_as_openai_bounds_it(app: FastAPI, alice
     largest = {f"k{i:02d}" + "k" * 61: "v" * 512 for i in range(16)}
     r = await create(alice, file_id, metadata=largest)
     assert r.status_code == 200 and r.json()["metadata"] == largest
+
+
+class Reads(io.BufferedReader):
+    """A file that records the size of each read."""
+
+    sizes: list[int] = []
+
+    def read(self, size: int | None = -1) -> bytes:  # type: ignore[override]
+        chunk = super().read(size)
+        Reads.sizes.append(len(chunk))
+        return chunk
+
+
+async def test_a_download_streams_the_file_from_disk(alice: httpx.AsyncClient, monkeypatch: pytest.MonkeyPatch) -> None:
+    data = bytes(random.Random(0).getrandbits(8) for _ in range(1 << 16)) * 80  # 5 MiB
+    file_id = await upload(alice, data)
+    opened = FileStore.open
+
+    async def recording(self: FileStore, fid: str) -> BinaryIO:
+        return Reads(await opened(self, fid))  # type: ignore[arg-type]
+
+    monkeypatch.setattr(FileStore, "open", recording)
+    monkeypatch.setattr(Path, "read_bytes", lambda _: pytest.fail("the file was read whole"))
+    Reads.sizes = []
+    async with alice.stream("GET", f"/v1/files/{file_id}/content") as r:
+        assert r.status_code == 200 and r.headers["content-length"] == str(len(data))
+        got = b"".join([chunk async for chunk in r.aiter_raw()])
+    assert got == data
+    assert max(Reads.sizes) <= 1 << 20 and sum(Reads.sizes) == len(data)
+    r = await alice.get("/v1/files/file-nope/content")
+    assert r.status_code == 404
