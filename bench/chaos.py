@@ -1,10 +1,13 @@
-"""`sluice bench chaos`: steady load on two apis and two models while workers, apis (and
-Redis) are killed with SIGKILL and restarted; then an audit of every accepted request.
+"""`sluice bench chaos`: steady load on two apis and two models while workers, apis and Redis
+are killed with SIGKILL and restarted; then an audit of every accepted request and of every
+reader's text (bench/chaos_load.py says what the clients do, bench/chaos_audit.py what is checked).
 
 The stack is private: one redis-server (or with --redis-cluster a local Redis Cluster of
 three primaries and three replicas), a continuous and a dynamic model, two api processes and
 null-engine workers that stream tokens slowly, so kills land mid-generation. Leases are short
-so that reclaims happen within the run. On a cluster, a Redis kill is a SIGKILL of the primary
+so that reclaims happen within the run. A single Redis is killed with -9 and restarted from
+its AOF, in the durability asked for (default: `appendfsync everysec`, which loses no
+acknowledged write when only the process dies). On a cluster, a Redis kill is a SIGKILL of the primary
 that holds a model's slot: its replica takes over, and the killed node comes back as a replica.
 """
 
@@ -22,9 +25,9 @@ from pathlib import Path
 
 import typer
 from rich.console import Console
-from rich.table import Table
 
-from sluice.bench.chaos_load import Load, audit
+from sluice.bench.chaos_audit import audit, broken, table
+from sluice.bench.chaos_load import Load
 from sluice.broker.keys import ModelKeys
 from sluice.cli.processes import free_port, wait_ready
 from sluice.cli.stack import LocalStack
@@ -199,49 +202,39 @@ def _pair(text: str) -> tuple[int, int]:
     return int(lo), int(hi or lo)
 
 
-def _table(f: dict) -> Table:
-    table = Table(title=f"chaos run: {f['seconds']:.0f}s, {f['clients']} clients, models {', '.join(MODEL_NAMES)}")
-    table.add_column("figure")
-    table.add_column("value", justify="right")
-    k = f["kills"]
-    rows = [(c, f[c]) for c in ("accepted", "done", "failed", "expired", "cancelled", "lost", "duplicated",
-                                "text_mismatch", "token_gaps")]
-    rows += [("kills (workers/apis/redis)", f"{k['workers']}/{k['apis']}/{k['redis']}"),
-             ("reclaims (worker logs)", f["reclaims"]), ("retried (final attempt > 1)", f["retried"]),
-             ("dead letters", f["dead_letters"]), ("503 queue full", f["queue_full"]),
-             ("submit retries", f["submit_retries"]), ("readers that hung up once", f["readers_dropped"]),
-             ("readers unfinished", f["readers_unfinished"]),
-             ("requests/s (done)", f"{f['requests_per_s']:.1f}")]
-    for name, value in rows:
-        table.add_row(name, str(value))
-    return table
-
-
 def chaos(
     seconds: float = typer.Option(60, help="Seconds of load and kills."),
     clients: int = typer.Option(12, help="Concurrent clients (each: submit, follow to the end, again)."),
     kill_every: float = typer.Option(3.0, help="Mean seconds between worker kills."),
     api_kill_every: float = typer.Option(15.0, help="Mean seconds between api kills."),
-    kill_redis: bool = typer.Option(False, "--kill-redis", help="Also kill -9 Redis now and then (strict durability;"
-                                    " on a cluster, the primary of a model's slot)."),
+    kill_redis: bool = typer.Option(True, "--kill-redis/--no-kill-redis",
+                                    help="Also kill -9 Redis now and then and restart it from its AOF (on a "
+                                         "cluster, the primary of a model's slot)."),
+    strict: bool = typer.Option(False, "--strict", help="Strict durability (appendfsync always) instead of the "
+                                "default (everysec)."),
     redis_cluster: bool = typer.Option(False, "--redis-cluster", help="Run on a local Redis Cluster (3 primaries, "
                                        "3 replicas; admissions wait for a replica)."),
     redis_kill_every: float = typer.Option(20.0, help="Mean seconds between Redis kills (with --kill-redis)."),
     workers_per_model: int = typer.Option(2, help="Null-engine workers per model."),
     token_delay: float = typer.Option(0.02, help="Seconds per streamed token of the null engine."),
-    max_tokens: str = typer.Option("8,128", help="max_tokens range per request (128 outlast the lease)."),
+    max_tokens: str = typer.Option("8,128", help="max_tokens range per request and row (128 outlast the lease)."),
     hangups: float = typer.Option(0.25, help="Share of SSE readers that hang up once mid-stream and resume."),
+    late_readers: float = typer.Option(0.5, help="Share of followed requests with a second reader joining late."),
+    structured: float = typer.Option(0.15, help="Share of structured requests (background Responses, json_schema)."),
+    multi_row: float = typer.Option(0.2, help="Share of multi-row requests (/v1/models/{m}/infer, 2 to 4 rows, "
+                                    "on the dynamic model)."),
     drain_timeout: float = typer.Option(90, help="Seconds after the load for every request to become final."),
     seed: int = typer.Option(0, help="Seed of the load and of the kills."),
     json_out: Path = typer.Option(None, "--json", help="Write the figures (and the broken requests) here."),
     logs: Path = typer.Option(None, help="Keep the processes' logs in this folder."),
 ) -> None:
-    """Kill workers, apis (and Redis) under load; exit 1 if any accepted request is lost, duplicated
-    or not done (nothing in this load cancels, and ten deliveries are allowed)."""
+    """Kill workers, apis and Redis under load; exit 1 if any accepted request is lost, duplicated
+    or not done (nothing in this load cancels, and ten deliveries are allowed), or if any reader,
+    answer or reply stream shows a text other than the final."""
     rng = random.Random(seed)
     with tempfile.TemporaryDirectory() as tmp:
         stack = ChaosStack(Path(tmp), logs or Path(tmp) / "logs", workers_per_model=workers_per_model,
-                           token_delay_s=token_delay, strict=kill_redis, cluster=redis_cluster)
+                           token_delay_s=token_delay, strict=strict, cluster=redis_cluster)
         try:
             stack.start()
             t0 = time.monotonic()
@@ -249,7 +242,8 @@ def chaos(
             chaos_thread = Chaos(stack, rng, t0 + seconds, kill_every, api_kill_every,
                                  redis_kill_every if kill_redis else None)
             load = Load(stack.urls, MODEL_NAMES, clients=clients, seed=seed, max_tokens=_pair(max_tokens),
-                        hangups=hangups)
+                        hangups=hangups, late_readers=late_readers, structured=structured, multi_row=multi_row,
+                        redis_url=None if redis_cluster else stack.redis_url, rows_model="chaos-dyn")
             chaos_thread.start()
             loaded = asyncio.run(load.run(seconds, t0 + seconds + drain_timeout))
             chaos_thread.done.set()
@@ -257,13 +251,14 @@ def chaos(
             result = audit(stack.redis_url, loaded.tracked)
             f = {"seconds": seconds, "clients": clients, **result["figures"], "kills": chaos_thread.kills,
                  "reclaims": stack.reclaims(), "queue_full": loaded.queue_full, "submit_retries": loaded.submit_retries,
-                 "submit_gave_up": loaded.submit_gave_up, "unexpected_exits": stack.unexpected_exits,
-                 "client_errors": loaded.client_errors[:20], "strict_durability": kill_redis,
-                 "redis": "cluster" if redis_cluster else "single"}
+                 "submit_gave_up": loaded.submit_gave_up, "rows_unknown": loaded.rows_unknown,
+                 "retry_reasons": dict(loaded.retry_reasons.most_common(10)),
+                 "unexpected_exits": stack.unexpected_exits, "client_errors": loaded.client_errors[:20],
+                 "strict_durability": strict, "redis": "cluster" if redis_cluster else "single"}
             f["requests_per_s"] = f["done"] / seconds
         finally:
             stack.stop()
-    Console().print(_table(f))
+    Console().print(table(f, MODEL_NAMES))
     for row in result["broken"][:20]:
         typer.echo(f"broken: {json.dumps(row)}")
     for row in result["not_done"][:10]:
@@ -274,5 +269,5 @@ def chaos(
         json_out.write_text(json.dumps({**f, "broken": result["broken"], "not_done": result["not_done"],
                                         "gaps": result["gaps"],
                                         "chaos_log": chaos_thread.log}, indent=2))
-    if f["lost"] or f["duplicated"] or f["done"] < f["accepted"]:
+    if broken(f):
         raise typer.Exit(1)

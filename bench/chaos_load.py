@@ -1,9 +1,14 @@
-"""The load and the audit of `sluice bench chaos`.
+"""The load of `sluice bench chaos`: clients that use Sluice the ways its users do.
 
-Clients submit with an Idempotency-Key (retried on either api until a 202 or a refusal),
-then follow their request to its final: SSE readers reconnect with Last-Event-ID (through
-the other api when theirs died), pollers long-poll the status. The audit then reads every
-accepted request's status hash and reply stream straight from Redis.
+Four kinds of request: plain single-row requests (POST /v1/requests with an Idempotency-Key,
+retried on either api until a 202 or a refusal) followed by SSE readers or by a long-poll;
+structured requests (a background POST /v1/responses with a json_schema text format: a retry
+regenerates such a row from its start); and multi-row requests (POST /v1/models/{m}/infer with
+2 to 4 rows, answered once all rows are final). A streamed request has a reader from its start
+and, for a share of them, a second reader that joins mid-stream; any reader may hang up once
+after a few events and resume with Last-Event-ID (through the other api when theirs died).
+A multi-row request's id is learnt from Redis while the call waits (as an operator would find it),
+so that readers can follow it; the call's own answer is compared with the final too.
 """
 
 from __future__ import annotations
@@ -13,31 +18,18 @@ import json
 import random
 import time
 import uuid
+from collections import Counter
 from dataclasses import dataclass, field
 
 import httpx
-import redis as redis_sync
+import redis.asyncio as redis_async
 
-from sluice.broker.keys import ModelKeys, idempotency
-from sluice.broker.urls import sync_connect
+from sluice.bench.chaos_audit import FINAL_STATES, Reader, Tracked, final_texts
+from sluice.broker.keys import ModelKeys
+from sluice.protocol.responses import request_id
 
-FINAL_STATES = ("done", "failed", "expired", "cancelled")
 SUBMIT_TIMEOUT_S = 60.0  # a submit still unanswered after this long is given up (never counted as accepted)
-
-
-@dataclass
-class Tracked:
-    """One accepted request, as its client saw it."""
-
-    rid: str
-    model: str
-    mode: str  # "stream" | "poll"
-    idem_key: str
-    submit_tries: int
-    deltas: list[tuple[int, str]] = field(default_factory=list)  # (index, text) in the order received
-    final: dict | None = None  # the final view the client got (SSE done/error, or a final poll)
-    reconnects: int = 0
-    dropped: bool = False  # the client closed its stream on purpose once, then resumed
+SCHEMA = {"type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"]}
 
 
 @dataclass
@@ -46,13 +38,19 @@ class LoadFigures:
     queue_full: int = 0  # 503 overloaded: refused, not accepted
     submit_gave_up: int = 0
     submit_retries: int = 0
+    rows_unknown: int = 0  # multi-row calls broken off before their id was found (not counted)
+    retry_reasons: Counter[str] = field(default_factory=Counter)  # why submits were sent again
     client_errors: list[str] = field(default_factory=list)
 
 
 class Load:
     def __init__(self, urls: list[str], models: list[str], *, clients: int, seed: int, max_tokens: tuple[int, int],
-                 hangups: float):
+                 hangups: float, late_readers: float = 0.5, structured: float = 0.15, multi_row: float = 0.2,
+                 redis_url: str | None = None, rows_model: str | None = None):
         self.urls, self.models, self.clients, self.hangups = urls, models, clients, hangups
+        self.late_readers, self.structured, self.multi_row = late_readers, structured, multi_row
+        self.rows_model = rows_model or models[-1]
+        self.redis = redis_async.Redis.from_url(redis_url, decode_responses=True) if redis_url else None
         self.rng = random.Random(seed)
         self.max_tokens = max_tokens
         self.figures = LoadFigures()
@@ -61,64 +59,166 @@ class Load:
         """Keep `clients` requests in flight for `seconds`; every client then follows its last
         request until it is final or until the monotonic time `follow_until`."""
         timeout = httpx.Timeout(30, connect=3)
-        limits = httpx.Limits(max_connections=4 * self.clients, max_keepalive_connections=2 * self.clients)
+        limits = httpx.Limits(max_connections=8 * self.clients, max_keepalive_connections=2 * self.clients)
         async with httpx.AsyncClient(timeout=timeout, limits=limits) as http:
             stop = time.monotonic() + seconds
             await asyncio.gather(*(self._client(http, c, stop, follow_until) for c in range(self.clients)))
         return self.figures
 
+    def _kind(self) -> str:
+        roll = self.rng.random()
+        if roll < self.structured:
+            return "structured"
+        if roll < self.structured + self.multi_row and self.redis is not None:
+            return "rows"
+        return "stream" if self.rng.random() < 0.6 else "poll"
+
     async def _client(self, http: httpx.AsyncClient, c: int, stop: float, follow_until: float) -> None:
         n = 0
         while time.monotonic() < stop:
             n += 1
-            model = self.rng.choice(self.models)
-            api = self.rng.randrange(len(self.urls))
-            body = {"model": model, "prompt": f"chaos client {c} request {n}", "temperature": 0.0,
-                    "max_tokens": self.rng.randint(*self.max_tokens)}
-            tracked = await self._submit(http, api, body, "stream" if self.rng.random() < 0.6 else "poll")
-            if tracked is None:
-                continue
-            self.figures.tracked.append(tracked)
+            api, kind = self.rng.randrange(len(self.urls)), self._kind()
+            # Continuous batching takes one row per request: multi-row calls go to the dynamic model.
+            model = self.rows_model if kind == "rows" else self.rng.choice(self.models)
+            prompt = f"chaos client {c} request {n}"
             try:
-                if tracked.mode == "stream":
-                    await self._stream(http, tracked, api, follow_until)
-                else:
+                if kind == "rows":
+                    await self._rows(http, api, model, prompt, follow_until)
+                    continue
+                tracked = await (self._structured(http, api, model, prompt) if kind == "structured"
+                                 else self._submit(http, api, model, prompt, kind))
+                if tracked is None:
+                    continue
+                self.figures.tracked.append(tracked)
+                if kind == "poll":
                     await self._poll(http, tracked, api, follow_until)
+                else:
+                    await self._readers(http, tracked, api, follow_until)
             except Exception as err:  # a bench bug must not stop the load; it is reported
-                self.figures.client_errors.append(f"{tracked.rid}: {type(err).__name__}: {err}")
+                self.figures.client_errors.append(f"{kind} {prompt}: {type(err).__name__}: {err}")
 
-    async def _submit(self, http: httpx.AsyncClient, api: int, body: dict, mode: str) -> Tracked | None:
-        key = f"chaos-{uuid.uuid4().hex}"
-        give_up = time.monotonic() + SUBMIT_TIMEOUT_S
-        tries = 0
+    async def _post(self, http: httpx.AsyncClient, api: int, path: str, body: dict | list,
+                    headers: dict | None = None, timeout: float = 10) -> tuple[httpx.Response | None, int]:
+        """POST until an answer that is not a 5xx of a dead api or Redis (the other api on a
+        retry); (None, tries) once SUBMIT_TIMEOUT_S passed or the queue is full."""
+        give_up, tries = time.monotonic() + SUBMIT_TIMEOUT_S, 0
         while time.monotonic() < give_up:
             tries += 1
             url = self.urls[(api + tries - 1) % len(self.urls)]  # a retry goes to the other api
             try:
-                r = await http.post(f"{url}/v1/requests", json=body, headers={"Idempotency-Key": key}, timeout=10)
-            except httpx.TransportError:
+                r = await http.post(f"{url}{path}", json=body, headers=headers or {}, timeout=timeout)
+            except httpx.TransportError as err:
                 r = None
-            if r is not None and r.status_code == 202:
-                self.figures.submit_retries += tries - 1
-                return Tracked(r.json()["id"], r.json()["model"], mode, key, tries)
+                self.figures.retry_reasons[type(err).__name__] += 1
             if r is not None and r.status_code == 503 and "overloaded" in r.text:
-                self.figures.queue_full += 1  # refused for good: nothing was enqueued under this key
+                self.figures.queue_full += 1  # refused for good: nothing was enqueued
                 await asyncio.sleep(0.5)
-                return None
+                return None, tries
             if r is not None and r.status_code < 500:
-                self.figures.client_errors.append(f"submit {r.status_code}: {r.text[:200]}")
-                return None
-            await asyncio.sleep(0.2)  # the api or Redis is down: the same key again, on the other api
+                if r.status_code >= 300:
+                    self.figures.client_errors.append(f"{path} {r.status_code}: {r.text[:200]}")
+                    return None, tries
+                self.figures.submit_retries += tries - 1
+                return r, tries
+            if r is not None:
+                self.figures.retry_reasons[f"{r.status_code} {r.text[:80]}"] += 1
+            await asyncio.sleep(0.2)  # the api or Redis is down: again, on the other api
         self.figures.submit_gave_up += 1
+        return None, tries
+
+    async def _submit(self, http: httpx.AsyncClient, api: int, model: str, prompt: str, kind: str) -> Tracked | None:
+        key = f"chaos-{uuid.uuid4().hex}"
+        body = {"model": model, "prompt": prompt, "temperature": 0.0, "max_tokens": self.rng.randint(*self.max_tokens)}
+        r, tries = await self._post(http, api, "/v1/requests", body, {"Idempotency-Key": key})
+        return Tracked(r.json()["id"], model, kind, key, tries) if r is not None else None
+
+    async def _structured(self, http: httpx.AsyncClient, api: int, model: str, prompt: str) -> Tracked | None:
+        """A background response with a json_schema format (no Idempotency-Key on this route: a
+        retry after a broken answer may admit a second one, which nobody follows)."""
+        body = {"model": model, "input": prompt, "temperature": 0.0, "background": True,
+                "max_output_tokens": self.rng.randint(*self.max_tokens),
+                "text": {"format": {"type": "json_schema", "name": "chaos", "schema": SCHEMA}}}
+        r, tries = await self._post(http, api, "/v1/responses", body)
+        rid = request_id(r.json()["id"]) if r is not None else None
+        return Tracked(rid, model, "structured", None, tries) if rid else None
+
+    async def _rows(self, http: httpx.AsyncClient, api: int, model: str, prompt: str, follow_until: float) -> None:
+        """A multi-row call: its id is looked up in the model's stream while the call waits;
+        readers follow it; if the call breaks off (its api died), the client polls the id."""
+        marker = f"{prompt} {uuid.uuid4().hex[:8]}"
+        rows = [{"prompt": f"{marker} row {i}", "max_tokens": self.rng.randint(*self.max_tokens)}
+                for i in range(self.rng.randint(2, 4))]
+        call = asyncio.create_task(self._infer(http, api, model, rows))
+        rid = await self._find(model, marker, call)
+        t = Tracked(rid or "", model, "rows", None, 1, rows=len(rows))
+        readers = asyncio.create_task(self._readers(http, t, api, follow_until)) if rid else None
+        r, t.submit_tries = await call
+        if r is not None and r.status_code == 200:
+            t.rid = rid = r.headers.get("X-Request-Id") or rid
+            t.answer = {i: rec.get("generated_text") or "" for i, rec in enumerate(r.json())}
+        elif r is not None and r.status_code == 503 and "overloaded" in r.text:
+            self.figures.queue_full += 1
+        elif r is not None and rid is None:
+            self.figures.client_errors.append(f"infer {r.status_code}: {r.text[:200]}")
+        if rid is None:
+            self.figures.rows_unknown += 1
+            return
+        self.figures.tracked.append(t)
+        if readers is None:
+            readers = asyncio.create_task(self._readers(http, t, api, follow_until))
+        await readers
+
+    async def _infer(self, http: httpx.AsyncClient, api: int, model: str,
+                     rows: list[dict]) -> tuple[httpx.Response | None, int]:
+        """The infer call, sent again (to the other api) only when nothing reached an api: this
+        route takes no Idempotency-Key, so a call broken off later may have been admitted."""
+        give_up, tries = time.monotonic() + SUBMIT_TIMEOUT_S, 0
+        while time.monotonic() < give_up:
+            tries += 1
+            url = self.urls[(api + tries - 1) % len(self.urls)]
+            try:
+                return await http.post(f"{url}/v1/models/{model}/infer", json=rows, timeout=300), tries
+            except httpx.ConnectError:
+                await asyncio.sleep(0.2)
+            except httpx.TransportError:
+                return None, tries
+        return None, tries
+
+    async def _find(self, model: str, marker: str, call: asyncio.Task) -> str | None:
+        """The id of the entry whose first row's prompt starts with `marker`, read from the model's
+        stream until the call is answered (None if it never showed)."""
+        assert self.redis is not None
+        while not call.done():
+            try:
+                for _, f in await self.redis.xrevrange(ModelKeys(model).requests, count=500):
+                    data = json.loads(f.get("data") or "{}")
+                    if str((data.get("rows") or [{}])[0].get("prompt", "")).startswith(marker):
+                        return data["id"]
+            except (redis_async.RedisError, OSError, ValueError):
+                pass  # Redis is restarting
+            await asyncio.sleep(0.05)
         return None
 
-    async def _stream(self, http: httpx.AsyncClient, t: Tracked, api: int, follow_until: float) -> None:
+    async def _readers(self, http: httpx.AsyncClient, t: Tracked, api: int, follow_until: float) -> None:
+        """The reader from the start and, for a share of requests, one joining mid-stream."""
+        first = Reader("first")
+        t.readers.append(first)
+        tasks = [self._stream(http, t, first, api, follow_until)]
+        if self.rng.random() < self.late_readers:
+            late = Reader("late")
+            t.readers.append(late)
+            tasks.append(self._stream(http, t, late, api + 1, follow_until, join_after=self.rng.uniform(0.05, 1.5)))
+        await asyncio.gather(*tasks)
+
+    async def _stream(self, http: httpx.AsyncClient, t: Tracked, rd: Reader, api: int, follow_until: float,
+                      join_after: float = 0.0) -> None:
         """Follow the SSE stream to its final; a share of the readers also hang up once after a
         few deltas (as a browser or a phone changing networks does) and resume with Last-Event-ID."""
+        await asyncio.sleep(join_after)
         last_id: str | None = None
         drop_after = self.rng.randint(1, 6) if self.rng.random() < self.hangups else None
         while time.monotonic() < follow_until:
-            url = self.urls[(api + t.reconnects) % len(self.urls)]
+            url = self.urls[(api + rd.reconnects) % len(self.urls)]
             headers = {"Last-Event-ID": last_id} if last_id else {}
             try:
                 async with http.stream("GET", f"{url}/v1/requests/{t.rid}/events", headers=headers) as r:
@@ -133,144 +233,31 @@ class Load:
                                 last_id = event["id"]
                             data = json.loads(event["data"]) if "data" in event else None
                             if event.get("event") == "delta" and data is not None:
-                                t.deltas.append((data["index"], data["text"]))
-                                if drop_after is not None and len(t.deltas) >= drop_after:
-                                    drop_after, t.dropped = None, True
+                                rd.deltas.append((data.get("row", 0), data["index"], data["text"]))
+                                if drop_after is not None and len(rd.deltas) >= drop_after:
+                                    drop_after, rd.dropped = None, True
                                     break
                             elif event.get("event") in ("done", "error") and data is not None:
-                                t.final = data
+                                rd.final = data
                                 return
                             event = {}
             except httpx.TransportError:
                 pass
-            t.reconnects += 1  # the stream broke or ended without a final: resume from the last event
+            rd.reconnects += 1  # the stream broke or ended without a final: resume from the last event
             await asyncio.sleep(0.2)
 
     async def _poll(self, http: httpx.AsyncClient, t: Tracked, api: int, follow_until: float) -> None:
+        reconnects = 0
         while time.monotonic() < follow_until:
-            url = self.urls[(api + t.reconnects) % len(self.urls)]
+            url = self.urls[(api + reconnects) % len(self.urls)]
             try:
                 r = await http.get(f"{url}/v1/requests/{t.rid}", params={"wait": 5}, timeout=15)
                 if r.status_code == 200 and r.json()["status"] in FINAL_STATES:
-                    t.final = r.json()
+                    t.answer = final_texts(r.json())
                     return
                 if r.status_code == 200:
                     continue
             except httpx.TransportError:
                 pass
-            t.reconnects += 1
+            reconnects += 1
             await asyncio.sleep(0.2)
-
-
-def replay(deltas: list[dict]) -> str:
-    """The text a reader following the reply stream from its start receives (the api's rule:
-    a delta starting below the next undelivered index of its row is skipped whole)."""
-    seen: dict[int, int] = {}
-    out = []
-    for d in deltas:
-        if d.get("row", 0) != 0 or d["i"] < seen.get(0, 0):
-            continue
-        seen[0] = d["i"] + len(d["token_ids"])
-        out.append(d["text"])
-    return "".join(out)
-
-
-def overlaps(deltas: list[dict]) -> list[str]:
-    """Token indices covered twice by deltas of one attempt (one row), with the two entry ids."""
-    covered: dict[tuple[int, int], dict[int, str]] = {}
-    twice = []
-    for d in deltas:
-        cells = covered.setdefault((d.get("attempt", 1), d.get("row", 0)), {})
-        for i in range(d["i"], d["i"] + len(d["token_ids"])):
-            if i in cells:
-                twice.append(f"attempt {d.get('attempt', 1)} row {d.get('row', 0)} index {i} "
-                             f"(entries {cells[i]} and {d.get('_id')})")
-            cells[i] = d.get("_id", "")
-    return twice
-
-
-def gaps(deltas: list[dict]) -> list[str]:
-    """Token indices skipped inside one attempt's deltas (a write of deltas that was lost);
-    an attempt may start past 0 (it resumes), but then goes on without holes."""
-    end: dict[tuple[int, int], int] = {}
-    holes = []
-    for d in deltas:
-        key = (d.get("attempt", 1), d.get("row", 0))
-        if key in end and d["i"] > end[key]:
-            holes.append(f"attempt {key[0]} row {key[1]} indices {end[key]}-{d['i'] - 1} (before entry {d.get('_id')})")
-        end[key] = max(end.get(key, 0), d["i"] + len(d["token_ids"]))
-    return holes
-
-
-def runs(deltas: list[dict]) -> list[str]:
-    """The reply stream's deltas in order, contiguous ones of one attempt and row joined:
-    "a1 r0 i0-41" is attempt 1, row 0, token indices 0 to 41."""
-    out: list[list] = []  # [attempt, row, first, end]
-    for d in deltas:
-        a, r, i, end = d.get("attempt", 1), d.get("row", 0), d["i"], d["i"] + len(d["token_ids"])
-        if out and out[-1][:2] == [a, r] and out[-1][3] == i:
-            out[-1][3] = end
-        else:
-            out.append([a, r, i, end])
-    return [f"a{a} r{r} i{i}-{end - 1}" for a, r, i, end in out]
-
-
-def audit_one(r: redis_sync.Redis, t: Tracked) -> dict:
-    """What Redis holds for one accepted request, and which invariants it breaks."""
-    keys = ModelKeys(t.model)
-    status = r.hgetall(keys.status(t.rid))
-    entries = r.xrange(keys.reply(t.rid))
-    deltas = [{**json.loads(f["data"]), "_id": eid} for eid, f in entries if f.get("kind") == "delta"]
-    finals = [json.loads(f["data"]) for _, f in entries if f.get("kind") == "final"]
-    final_text = ((finals[0].get("output") or {}).get("text")) if finals else None
-    row = {"rid": t.rid, "model": t.model, "mode": t.mode, "state": status.get("state"),
-           "finals": [f"{f['status']}@attempt{f.get('attempt')}: {f.get('error') or ''}" for f in finals],
-           "deltas": runs(deltas),
-           "status_attempt": status.get("attempt"), "worker": status.get("worker"),
-           "submit_tries": t.submit_tries, "reconnects": t.reconnects, "dropped": t.dropped, "broken": []}
-    if not finals:
-        row["broken"].append("lost: no final event")
-        entry = status.get("entry")
-        row["stream_entry_present"] = bool(entry and r.xrange(status.get("stream", keys.requests), entry, entry))
-        row["idempotency_bound"] = r.get(idempotency(f"anonymous:{t.idem_key}"))
-        row["in_dead_letters"] = any(f.get("id") == t.rid for _, f in r.xrange(keys.dead_letters))
-    if len(finals) > 1:
-        row["broken"].append(f"duplicated: {len(finals)} final events")
-    if finals and status.get("state") != finals[0]["status"]:
-        row["broken"].append(f"status {status.get('state')} != final event {finals[0]['status']}")
-    if twice := overlaps(deltas):
-        row["broken"].append(f"duplicated: {len(twice)} token indices delivered twice, e.g. {twice[0]}")
-    if holes := gaps(deltas):
-        row["gaps"] = holes  # not broken by itself: a retry may have resumed from the hole
-    if final_text is not None and (text := replay(deltas)) != final_text:
-        row["broken"].append(f"replayed deltas != final text: {text[-60:]!r} vs {final_text[-60:]!r}")
-    client_text = ((t.final or {}).get("output") or {}).get("text")
-    if t.mode == "stream" and client_text is not None:
-        streamed = "".join(text for _, text in t.deltas)
-        if streamed != client_text:
-            row["broken"].append(f"streamed text != final text: {streamed[-60:]!r} vs {client_text[-60:]!r}")
-    if finals and t.final is None:
-        row["reader_unfinished"] = True  # the client gave up: not a lost request
-    return row
-
-
-def audit(redis_url: str, tracked: list[Tracked]) -> dict:
-    r = sync_connect(redis_url)
-    rows = [audit_one(r, t) for t in tracked]
-    figures = {"accepted": len(tracked), "done": 0, "failed": 0, "expired": 0, "cancelled": 0,
-               "lost": 0, "duplicated": 0, "text_mismatch": 0, "retried": 0, "readers_unfinished": 0,
-               "readers_dropped": sum(t.dropped for t in tracked)}
-    for row in rows:
-        state = row["finals"][0].split("@")[0] if row["finals"] else None
-        if state in FINAL_STATES:
-            figures[state] += 1
-        figures["lost"] += any(b.startswith("lost") for b in row["broken"])
-        figures["duplicated"] += any(b.startswith("duplicated") or "text" in b for b in row["broken"])
-        figures["text_mismatch"] += any("text" in b for b in row["broken"])
-        figures["retried"] += int(row["status_attempt"] or 1) > 1
-        figures["readers_unfinished"] += bool(row.get("reader_unfinished"))
-    figures["dead_letters"] = sum(r.xlen(ModelKeys(m).dead_letters) for m in {t.model for t in tracked})
-    figures["token_gaps"] = sum(bool(row.get("gaps")) for row in rows)
-    return {"figures": figures, "broken": [row for row in rows if row["broken"]],
-            "gaps": [row for row in rows if row.get("gaps") and not row["broken"]],
-            "not_done": [row for row in rows if not row["broken"] and row["state"] != "done"]}

@@ -1,6 +1,9 @@
-"""A 40-second chaos run (`sluice bench chaos`): a worker killed every 2 s and an api every
-8 s on average under load, then every accepted request audited in Redis. Select it with
-`-m chaos`; `sluice bench chaos --seconds 120` is the longer run of docs/performance.md."""
+"""A 40-second chaos run (`sluice bench chaos`): a worker killed every 2 s, an api every 8 s and
+Redis every 10 s on average (kill -9, restarted from its AOF in default durability; on the
+cluster the primary of a model's slot) under a load of plain, structured and multi-row requests
+with readers that join late or hang up and resume; then every accepted request audited in Redis
+and every reader's text compared with the final. `make test` runs it (only `soak` is left out);
+`-m chaos` selects it alone; `sluice bench chaos --seconds 600` is the README's run."""
 
 from __future__ import annotations
 
@@ -30,7 +33,7 @@ ON_CLUSTER = ["--seconds", "30", "--redis-cluster", "--kill-redis", "--redis-kil
 def test_chaos_run_loses_and_duplicates_nothing(tmp_path: Path, topology: list[str]) -> None:
     out = tmp_path / "chaos.json"
     run = subprocess.run([sys.executable, "-m", "sluice.cli", "bench", "chaos", "--seconds", "40", "--kill-every", "2",
-                          "--api-kill-every", "8", *topology,
+                          "--api-kill-every", "8", *(topology or ["--redis-kill-every", "10"]),
                           "--json", str(out), "--logs", str(tmp_path / "logs")],
                          capture_output=True, text=True, timeout=540)
     assert out.exists(), run.stdout[-3000:] + run.stderr[-3000:]
@@ -41,9 +44,24 @@ def test_chaos_run_loses_and_duplicates_nothing(tmp_path: Path, topology: list[s
     # suite, 108 alone; 40 once when other test runs loaded the machine too.
     assert figures["accepted"] >= 20, run.stdout[-3000:]
     assert figures["kills"]["workers"] >= 10 and figures["kills"]["apis"] >= 2, figures["kills"]
-    assert figures["kills"]["redis"] >= (2 if topology else 0), figures["kills"]
+    assert figures["kills"]["redis"] >= 2, figures["kills"]
     assert figures["lost"] == 0, broken
     assert figures["duplicated"] == 0, broken
     # With 10 deliveries allowed and no poison request in the load, nothing accepted may fail either.
     assert figures["done"] == figures["accepted"], json.dumps(figures["not_done"][:5], indent=1)
+    kinds = figures["kinds"]
+    assert kinds["stream"] and kinds["structured"] and (kinds["rows"] or topology), kinds
+    assert figures["readers_late"] and figures["readers_dropped"], figures
+    # Every reader got the reply stream's text, and every poll and infer call the final's.
+    assert figures["answer_mismatch"] == 0, broken
+    assert not [row for row in figures["broken"] if row.get("reader_vs_stream")], broken
+    # Every reply stream is the final text, except where a retried structured row, generated again
+    # from token 0, got other tokens from the engine than the first time (the null engine's tokens
+    # depend on the batch, as a real engine's may): a known break of the promise, reported in
+    # issue 28's chaos note, for the worker (workers/generation.py) to settle.
+    other = [row for row in figures["broken"] if not row.get("regenerated_otherwise")]
+    assert not other, json.dumps(other[:5], indent=1)
+    if figures["regenerated_otherwise"]:
+        pytest.xfail(f"{figures['regenerated_otherwise']} retried structured rows streamed a text other than "
+                     "their final (regenerated from token 0 with other tokens)")
     assert run.returncode == 0, run.stdout[-3000:]
