@@ -145,6 +145,10 @@ def up(
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Show every process's log here too."),
     from_oci: str | None = typer.Option(None, "--from", metavar="oci://REGISTRY/REPO:TAG",
                                         help="Serve a model published with `sluice publish`."),
+    trust_artifact: bool = typer.Option(False, "--trust-artifact",
+                                        help="Let the --from artifact run its own code (a custom runtime, "
+                                             "trust_remote_code, .py or pickled files), set any engine option "
+                                             "and its own replica count."),
 ) -> None:
     """The embedded default: Redis (local unless configured), the api, every model's worker
     replicas and the jobs worker."""
@@ -157,7 +161,7 @@ def up(
         if models_file:
             raise typer.BadParameter("--from brings its own models file: leave --models-file out")
         try:
-            models_file = pull(from_oci, _settings().data_dir / "oci")
+            models_file = pull(from_oci, _settings().data_dir / "oci", trust=trust_artifact)
         except PublishError as err:
             typer.echo(f"error: {err}", err=True)
             raise typer.Exit(2) from None

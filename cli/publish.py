@@ -14,15 +14,20 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import shutil
 import tempfile
 from importlib.metadata import version as dist_version
 from pathlib import Path
+from typing import Any
 
 import yaml
 
+from sluice.cli.pulled import Untrusted, machine, safe_name, vet
 from sluice.config.model import DEFAULT_MODEL_PATH, ModelConfig
+
+log = logging.getLogger("sluice.up")
 
 TITLE = "org.opencontainers.image.title"
 SHA = "io.sluice.sha256"
@@ -142,9 +147,11 @@ def publish(model: ModelConfig, target: str, cache_dir: Path, *, plain_http: boo
     return response.headers.get("Docker-Content-Digest", "")
 
 
-def pull(source: str, into: Path, *, plain_http: bool | None = None) -> Path:
-    """Pull an artifact published by `publish`, check every layer's digest, and return the
-    models file that serves it (its path pointing at the pulled model files)."""
+def pull(source: str, into: Path, *, plain_http: bool | None = None, trust: bool = False) -> Path:
+    """Pull an artifact published by `publish`, check every layer's digest and what it asks for
+    (cli/pulled.py: without `trust`, no code execution, allowed engine options only, replicas
+    within this machine), and return the models file that serves it (its path pointing at the
+    pulled model files)."""
     host, ref = _reference(source)
     registry = _registry(host, plain_http)
     try:
@@ -157,12 +164,14 @@ def pull(source: str, into: Path, *, plain_http: bool | None = None) -> Path:
     into.mkdir(parents=True, exist_ok=True)
     final = into / ref.replace("/", "_").replace(":", "_")
     stage = Path(tempfile.mkdtemp(prefix=".pull-", dir=into))
+    titles: set[str] = set()
     try:
         for layer in layers:
             name = (layer.get("annotations") or {}).get(TITLE, "")
-            out = (stage / name).resolve()
-            if not name or not out.is_relative_to(stage.resolve()):
+            out = (stage / name).resolve() if safe_name(name) else stage
+            if not safe_name(name) or not out.is_relative_to(stage.resolve()) or name in titles:
                 raise PublishError(f"{ref}: a layer has no safe file name ({name!r})")
+            titles.add(name)
             try:
                 registry.download_blob(ref, layer["digest"], str(out))
             except Exception as err:
@@ -171,17 +180,42 @@ def pull(source: str, into: Path, *, plain_http: bool | None = None) -> Path:
             if got != layer["digest"] or layer["annotations"].get(SHA, got) != got:
                 raise PublishError(f"{ref}: layer {name} does not match its digest (expected {layer['digest']}, "
                                    f"got {got}): refusing to serve it")
-        models = yaml.safe_load((stage / "models.yaml").read_text())
-        meta = json.loads((stage / "sluice.json").read_text())
-        for name, digest in meta["files"].items():
-            if name != "sluice.json" and _sha256(stage / name) != digest:
-                raise PublishError(f"{ref}: {name} does not match the digest sluice.json gives")
+        models, notes = _vetted(ref, stage, titles, trust)
         shutil.rmtree(final, ignore_errors=True)
         stage.rename(final)
     except BaseException:
         shutil.rmtree(stage, ignore_errors=True)
         raise
-    for m in models["models"]:
+    for m in models:
         m["path"] = str(final / "model")
-    (final / "models.yaml").write_text(yaml.safe_dump(models, sort_keys=False))
+    (final / "models.yaml").write_text(yaml.safe_dump({"models": models}, sort_keys=False))
+    for note in notes:
+        log.warning("%s: %s", ref, note)
     return final / "models.yaml"
+
+
+def _vetted(ref: str, stage: Path, titles: set[str], trust: bool) -> tuple[list[dict[str, Any]], list[str]]:
+    """The pulled deployments as this machine runs them: sluice.json names only files that are
+    layers (checked against its digests), and the deployments ask for nothing an artifact may
+    not (cli/pulled.py)."""
+    missing = {"models.yaml", "sluice.json"} - titles
+    if missing:
+        raise PublishError(f"{ref}: the artifact has no {', '.join(sorted(missing))}")
+    try:
+        meta = json.loads((stage / "sluice.json").read_text())
+        models = yaml.safe_load((stage / "models.yaml").read_text())["models"]
+        files = dict(meta["files"])
+    except (ValueError, TypeError, KeyError, yaml.YAMLError) as err:
+        raise PublishError(f"{ref}: its sluice.json or models.yaml is malformed: {type(err).__name__}: {err}") from None
+    for name, digest in files.items():
+        if not safe_name(name) or name not in titles:
+            raise PublishError(f"{ref}: sluice.json names a file that is not one of its layers ({name!r})")
+        if name != "sluice.json" and _sha256(stage / name) != digest:
+            raise PublishError(f"{ref}: {name} does not match the digest sluice.json gives")
+    if not isinstance(models, list) or not all(isinstance(m, dict) for m in models):
+        raise PublishError(f"{ref}: its models.yaml has no list of models")
+    cores, memory = machine()
+    try:
+        return vet(models, titles, trust=trust, cores=cores, memory=memory)
+    except Untrusted as err:
+        raise PublishError(f"{ref}: {err}") from None
