@@ -23,7 +23,7 @@ MODEL = "sim"
 STATUS_TTL_S, RESULT_TTL_S, REPLY_TTL_S, CANCEL_TTL_S = 1800, 600, 60, 600
 LEASE_S = 300  # a lease lapses only when the simulation ages an entry (freeze, clock)
 AGED_MS = 10_000_000  # an idle time past any lease
-MAX_DELIVERIES = 3
+MAX_DELIVERIES = 2  # a second takeover dead-letters: `dlq retry` has letters to work on
 
 
 async def settle() -> None:
@@ -202,6 +202,7 @@ class Reader:
     lost: bool = False  # told the stream expired: handed the final from the status
     tainted: bool = False  # a failover took back entries it may have shown (no replica reads here)
     gaps: list[str] = field(default_factory=list)
+    history: list[str] = field(default_factory=list)  # entry:row/index+tokens of each delta read
     task: asyncio.Task | None = None
     connections: int = 0
 
@@ -227,7 +228,9 @@ class Reader:
                 d = ev.delta
                 want = self.next.get(d.row, 0)
                 if d.i != want:
-                    self.gaps.append(f"row {d.row}: got index {d.i}, expected {want} (connection {self.connections})")
+                    self.gaps.append(f"row {d.row}: got index {d.i}, expected {want} (connection {self.connections} "
+                                     f"after {last_id}, resume index {next_index}; read {self.history[-6:]})")
+                self.history.append(f"{ev.entry_id}:{d.row}/{d.i}+{len(d.token_ids)}")
                 self.rows.setdefault(d.row, []).append(d.text)
                 self.next[d.row] = d.i + len(d.token_ids)
             elif ev.final is not None:

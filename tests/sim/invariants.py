@@ -42,8 +42,14 @@ def stream_rows(rid: str, entries: list) -> dict[int, str]:
 
 async def check_step(world: World) -> None:
     for r in world.readers:
-        if r.gaps:
+        if r.gaps and not r.tainted:
             raise Violation("a reader's indices are contiguous", f"reader {r.idx} of {r.rid}: {r.gaps[0]}")
+    for w in world.workers:  # what a worker holds (and leases) is in its hands: fetched, running or parked
+        handed = {d.key for d in w.fetched} | {run.d.key for run in w.runs.values()}
+        handed |= {d.key for d in getattr(getattr(w.consumer, "quarantine", None), "parked", ())}
+        if limbo := set(w.consumer.held) - handed:
+            raise Violation("no orphan", f"worker {w.name} holds (and leases) entries it never handed out: "
+                                         f"{sorted(e for _, e in limbo)}")
     redis, ledger = world.redis, world.ledger
     keys = [k async for k in redis.scan_iter("*")]
     async with redis.pipeline(transaction=False) as pipe:

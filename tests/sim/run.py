@@ -20,8 +20,8 @@ Step = tuple[Any, ...]
 ALL_FAULTS = ("crash", "freeze", "lose", "dup", "failover", "clock")
 # (weight, step kind); faults only where the run allows them
 WEIGHTS = {"admit": 8, "cancel": 1.5, "dlq": 1.5, "join": 7, "hangup": 2, "reconnect": 3, "fetch": 8, "start": 8,
-           "resume": 5, "emit": 25, "flush": 9, "commit": 8, "lease": 2, "watch": 1.5, "crash": 1, "freeze": 1.5,
-           "lose": 2, "dup": 1, "snapshot": 1, "failover": 0.7, "clock": 1}
+           "resume": 5, "emit": 25, "flush": 9, "commit": 8, "lease": 2, "watch": 1.5, "crash": 1.5, "freeze": 3,
+           "lose": 2, "dup": 1, "snapshot": 1, "failover": 0.7, "clock": 1.5}
 
 
 @dataclass
@@ -37,7 +37,7 @@ def choose(world: World, rng: random.Random, faults: tuple[str, ...]) -> Step:
     idx = {r.message.id: r.idx for r in world.requests}
     runs = [(wi, rid, run) for wi, w in enumerate(world.workers) for rid, run in w.runs.items()]
     enabled: dict[str, Callable[[], Step]] = {
-        "admit": lambda: ("admit", rng.choice([1, 1, 1, 2]), rng.choice([1, 1, 2]), rng.random() < 0.3,
+        "admit": lambda: ("admit", rng.choice([1, 1, 1, 2]), rng.choice([1, 1, 2]), rng.random() < 0.5,
                           rng.random() < 0.25, rng.choice([0, 0, 1, 2, 3])),
         "fetch": lambda: ("fetch", rng.randrange(len(world.workers)), rng.choice([1, 2, 4])),
         "flush": lambda: ("flush", rng.randrange(len(world.workers))),
@@ -46,7 +46,10 @@ def choose(world: World, rng: random.Random, faults: tuple[str, ...]) -> Step:
     }
     if world.requests:
         pick = lambda: rng.randrange(len(world.requests))  # noqa: E731
-        enabled.update(cancel=lambda: ("cancel", pick()), dlq=lambda: ("dlq", pick(), rng.random() < 0.7),
+        dead = [idx[rid] for rid in world.dead if rid in idx]
+        enabled.update(cancel=lambda: ("cancel", pick()),
+                       dlq=lambda: ("dlq", rng.choice(dead) if dead and rng.random() < 0.9 else pick(),
+                                    rng.choice([0, 1, 1, 1, 2])),
                        join=lambda: ("join", max(pick(), pick())), dup=lambda: ("dup", pick()))
     if world.readers:
         enabled.update(hangup=lambda: ("hangup", rng.randrange(len(world.readers))),
@@ -66,10 +69,11 @@ def choose(world: World, rng: random.Random, faults: tuple[str, ...]) -> Step:
     done = [(wi, rid) for wi, rid, run in runs if run.task is not None and run.task.done()]
     if done:
         enabled["commit"] = lambda: (lambda wi, rid: ("commit", wi, idx[rid]))(*rng.choice(done))
+    busy = [wi for wi, w in enumerate(world.workers) if w.runs or w.fetched] or list(range(len(world.workers)))
     if "crash" in faults:
-        enabled["crash"] = lambda: ("crash", rng.randrange(len(world.workers)))
+        enabled["crash"] = lambda: ("crash", rng.choice(busy))
     if "freeze" in faults:
-        enabled["freeze"] = lambda: ("freeze", rng.randrange(len(world.workers)))
+        enabled["freeze"] = lambda: ("freeze", rng.choice(busy))
     if "lose" in faults:
         enabled["lose"] = lambda: ("lose", rng.randrange(-1, len(world.workers)))
     if "dup" not in faults:
@@ -80,8 +84,12 @@ def choose(world: World, rng: random.Random, faults: tuple[str, ...]) -> Step:
             enabled["failover"] = lambda: ("failover",)
     if "clock" in faults:
         enabled["clock"] = lambda: ("clock", rng.choice([5, 30, 70, 70, 200, 700]))
+    # Few requests at a time, each taken through more of its life (takeovers, retries, expiry).
+    unfinished = len(set(world.ledger.accepted) - set(world.ledger.finals) - world.ledger.expired)
+    weights = dict(WEIGHTS, admit=WEIGHTS["admit"] if unfinished < 3 else 0.5,
+                   dlq=WEIGHTS["dlq"] * (4 if world.dead else 0.3))
     kinds = sorted(enabled)
-    kind = rng.choices(kinds, [WEIGHTS[k] for k in kinds])[0]
+    kind = rng.choices(kinds, [weights[k] for k in kinds])[0]
     return enabled[kind]()
 
 
@@ -128,6 +136,7 @@ async def play(redis: Redis, url: str, seed: int, *, steps: int | None = None, r
                 if drawn:
                     out.steps.append(step)
                 out.log.append(f"{step} -> {await world.step(step)}")
+                world.dead = [f.get("id", "") for _, f in await redis.xrange(KEYS.dead_letters)]
                 if check_every:
                     await check_step(world)
             try:

@@ -4,6 +4,7 @@ actor, or one fault."""
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import hashlib
 import time
@@ -82,6 +83,7 @@ class World(Lossy):
         self.ledger = Ledger()
         self.snapshot: tuple[list[tuple[str, int, bytes]], Ledger] | None = None
         self.log: list[str] = []  # what each step did (printed with a failing replay)
+        self.dead: list[str] = []  # the request ids in the dead-letter stream after the last step
 
     async def open(self) -> None:
         await self.redis.flushall()
@@ -162,13 +164,15 @@ class World(Lossy):
     async def cancel(self, req: int) -> str:
         return str(await self.admission.cancel(MODEL, self.rid(req)))
 
-    async def dlq(self, req: int, retry: bool) -> str:
+    async def dlq(self, req: int, mode: int) -> str:
+        """`sluice dlq drop` (mode 0), `retry` (1), or two operators' retries at once (2)."""
         rid = self.rid(req)
-        if not retry:
+        if not mode:
             return f"dropped {await self.letters.drop([rid])}"
         before = await self._entries_of(rid)
         listed = [d.request_id for d in await self.letters.list()].count(rid)
-        done = await self.letters.retry([rid], max_queued=MAX_QUEUED)
+        retries = [self.letters.retry([rid], max_queued=MAX_QUEUED) for _ in range(mode)]
+        done = [rid for got in await asyncio.gather(*retries) for rid in got]
         added = await self._entries_of(rid) - before
         if added > listed:
             raise Violation("one dead letter, one entry", f"dlq retry of {rid} (listed {listed} time(s)) "
@@ -225,15 +229,15 @@ class World(Lossy):
         if self.snapshot is None:
             return "no snapshot"
         dumped, ledger = self.snapshot
-        before = await self._stream_ends()
         await self.redis.flushall()
         raw = self.redis.execute_command
         for key, ttl, data in dumped:
             await raw("RESTORE", key, ttl, data, "REPLACE")
         self.ledger = copy.deepcopy(ledger)
-        after = await self._stream_ends()
+        ends = await self._stream_ends()
         for r in self.readers:  # it read from the primary (no replica reads here): what it showed may be gone
-            r.tainted = r.tainted or before[r.rid] != after[r.rid]
+            shown_lost = r.last_id != "0" and (not ends[r.rid] or _order(ends[r.rid]) < _order(r.last_id))
+            r.tainted = r.tainted or shown_lost or (r.final is not None and r.rid not in self.ledger.finals)
         return f"restored {len(dumped)} keys"
 
     async def _stream_ends(self) -> dict[str, str]:
@@ -337,6 +341,11 @@ class World(Lossy):
 
     def wall(self) -> float:
         return time.monotonic()
+
+
+def _order(entry_id: str) -> tuple[int, int]:
+    ms, _, seq = entry_id.partition("-")
+    return int(ms), int(seq or 0)
 
 
 WORKER_STEPS = {"fetch", "start", "resume", "emit", "flush", "commit", "lease", "watch", "crash", "freeze"}
