@@ -23,6 +23,7 @@ from sluice.api.errors import ApiError
 from sluice.api.intake import Sampling
 from sluice.api.schemas import MAX_TOKENS, require_unicode
 from sluice.api.state import ApiState, state
+from sluice.api.streams import Slot, SlotStream
 from sluice.config.model import ModelConfig
 from sluice.protocol.ids import completion_id
 from sluice.protocol.messages import DeltaEvent, FinalResult, RequestMessage, TokenLogprob
@@ -40,7 +41,9 @@ from sluice.protocol.states import State
 router = APIRouter(prefix="/v1", tags=["openai"])
 
 async def _enqueue_choices(s: ApiState, model: ModelConfig, body: SamplingBody,
-                           rows: list[dict[str, Any]], owner: str | None) -> list[RequestMessage]:
+                           rows: list[dict[str, Any]], owner: str | None) -> tuple[Slot, list[RequestMessage]]:
+    """The call's choices admitted, and (for a stream) its slot among its key's open streams,
+    taken first: a stream refused by the cap queues nothing."""
     problems = body.problems()
     if problems:
         raise ApiError(400, "; ".join(message for _, message in problems), param=problems[0][0])
@@ -53,7 +56,12 @@ async def _enqueue_choices(s: ApiState, model: ModelConfig, body: SamplingBody,
     seed = body.seed if body.seed is not None else secrets.randbits(31)
     # All choices admitted at once, or none (one admission against the queue bound).
     sampling = Sampling(seed=seed, **body.sampling_fields())
-    return await s.intake.enqueue_many(model, [[row] for row in rows], sampling, owner=owner)
+    slot = s.streams.reserve(owner if body.stream else None)
+    try:
+        return slot, await s.intake.enqueue_many(model, [[row] for row in rows], sampling, owner=owner)
+    except BaseException:
+        slot.release()
+        raise
 
 
 async def _finals(s: ApiState, model: str, messages: list[RequestMessage]) -> list[FinalResult]:
@@ -84,7 +92,7 @@ class Chunks(Protocol):
     def usage(self, usage: dict[str, int]) -> dict: ...
 
 
-def _stream(s: ApiState, model: str, messages: list[RequestMessage], chunks: Chunks,
+def _stream(s: ApiState, slot: Slot, model: str, messages: list[RequestMessage], chunks: Chunks,
             include_usage: bool) -> EventSourceResponse:
     """Merge the choices' reply streams into OpenAI chunks, then `data: [DONE]`."""
 
@@ -127,7 +135,7 @@ def _stream(s: ApiState, model: str, messages: list[RequestMessage], chunks: Chu
                 for m in messages:
                     s.cancels.soon(model, m.id)
 
-    return EventSourceResponse(events(), ping=15, shutdown_grace_period=s.settings.shutdown_timeout_s)
+    return SlotStream(slot, events(), ping=15, shutdown_grace_period=s.settings.shutdown_timeout_s)
 
 
 async def _merged(s: ApiState, model: str, messages: list[RequestMessage]) -> AsyncIterator[list[tuple[int, Any]]]:
@@ -233,12 +241,12 @@ async def completions(body: CompletionRequest, s: ApiState = Depends(state),
     model = await s.deployments.get(body.model)
     s.intake.check_call_size(len(body.prompt) * body.n, "prompt")  # before a row is built
     rows = [{"prompt": p, "max_tokens": body.max_tokens} for p in body.prompt for _ in range(body.n)]
-    messages = await _enqueue_choices(s, model, body, rows, caller.digest)
+    slot, messages = await _enqueue_choices(s, model, body, rows, caller.digest)
     cid, shape = completion_id(messages[0].id, chat=False), body.shape()
     prompts = [row["prompt"] for row in rows]
     if body.stream:
         include = bool(body.stream_options and body.stream_options.include_usage)
-        return _stream(s, model.name, messages, CompletionChunks(cid, model.name, shape, prompts), include)
+        return _stream(s, slot, model.name, messages, CompletionChunks(cid, model.name, shape, prompts), include)
     finals = await _finals(s, model.name, messages)
     return JSONResponse(completion_object(cid, model.name, int(time.time()), finals, shape, prompts))
 
@@ -249,10 +257,10 @@ async def chat_completions(body: ChatCompletionRequest, s: ApiState = Depends(st
     model = await s.deployments.get(body.model)
     body.with_parser(model.tool_call_parser)
     rows = [{**body.rows(), "max_tokens": body.max_tokens} for _ in range(body.n)]
-    messages = await _enqueue_choices(s, model, body, rows, caller.digest)
+    slot, messages = await _enqueue_choices(s, model, body, rows, caller.digest)
     cid, shape, rids = completion_id(messages[0].id, chat=True), body.shape(), [m.id for m in messages]
     if body.stream:
         include = bool(body.stream_options and body.stream_options.include_usage)
-        return _stream(s, model.name, messages, ChatChunks(cid, model.name, shape, rids), include)
+        return _stream(s, slot, model.name, messages, ChatChunks(cid, model.name, shape, rids), include)
     finals = await _finals(s, model.name, messages)
     return JSONResponse(chat_object(cid, model.name, int(time.time()), finals, shape, rids))

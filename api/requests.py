@@ -14,6 +14,7 @@ from sluice.api.errors import ApiError
 from sluice.api.intake import Sampling, request_id
 from sluice.api.schemas import RequestView, SubmitRequest, Submitted
 from sluice.api.state import ApiState, state
+from sluice.api.streams import SlotStream
 from sluice.broker.reply_router import resume_index
 from sluice.broker.status import RequestStatus
 from sluice.protocol.states import State
@@ -172,4 +173,5 @@ async def events(
         yield {"comment": f"no event for {idle_s:g}s: reconnect with Last-Event-ID to go on"}
 
     # On SIGTERM, open streams run to their end for up to the shutdown timeout (see `sluice api`).
-    return EventSourceResponse(stream(), ping=15, shutdown_grace_period=s.settings.shutdown_timeout_s)
+    return SlotStream(s.streams.reserve(caller.digest), stream(), ping=15,
+                      shutdown_grace_period=s.settings.shutdown_timeout_s)

@@ -23,6 +23,7 @@ from sluice.api.intake import request_id as new_id
 from sluice.api.requests import visible_model
 from sluice.api.schemas import require_unicode
 from sluice.api.state import ApiState, state
+from sluice.api.streams import Slot, SlotStream
 from sluice.broker.reply_router import LostFinal
 from sluice.protocol.responses import EventSequence, ResponseRequest, request_id, response_object
 
@@ -55,7 +56,8 @@ async def _object(s: ApiState, rid: str, model: str, meta: dict, wait_s: float =
     return response_object(rid, model, meta, status.state, status.result)
 
 
-def _events(s: ApiState, rid: str, model: str, meta: dict, after: int, *, owned: bool) -> EventSourceResponse:
+def _events(s: ApiState, slot: Slot, rid: str, model: str, meta: dict, after: int, *,
+            owned: bool) -> EventSourceResponse:
     """The response's events after sequence number `after`. `owned`: the client that made a
     foreground streamed response owns it, and its disconnect cancels it (as chat streams do);
     a background response runs on whoever watches."""
@@ -79,7 +81,7 @@ def _events(s: ApiState, rid: str, model: str, meta: dict, after: int, *, owned:
             if owned and not done:
                 s.cancels.soon(model, rid)
 
-    return EventSourceResponse(stream(), ping=15, shutdown_grace_period=s.settings.shutdown_timeout_s)
+    return SlotStream(slot, stream(), ping=15, shutdown_grace_period=s.settings.shutdown_timeout_s)
 
 
 @router.post("")
@@ -90,17 +92,22 @@ async def create(body: ResponseRequest, s: ApiState = Depends(state), caller: Ca
     require_unicode([body.instructions, *[m["content"] for m in body.messages()]], "input")
     model = await s.deployments.get(body.model)
     rid, meta = new_id(model), body.meta(int(time.time()))
-    await s.responses.save(model.name, rid, meta)  # before the request: a worker may finish it at once
-    sampling = Sampling(temperature=body.temperature, top_p=body.top_p, seed=body.seed,
-                        structured=body.structured(), **body.extras())
-    rows = [{"messages": body.messages(), "max_tokens": body.max_output_tokens}]
+    slot = s.streams.reserve(caller.digest if body.stream else None)  # a refused stream queues nothing
     try:
-        await s.intake.enqueue(model, rows, sampling, rid=rid, owner=caller.digest)
-    except ApiError:
-        await s.responses.delete(model.name, rid)
+        await s.responses.save(model.name, rid, meta)  # before the request: a worker may finish it at once
+        sampling = Sampling(temperature=body.temperature, top_p=body.top_p, seed=body.seed,
+                            structured=body.structured(), **body.extras())
+        rows = [{"messages": body.messages(), "max_tokens": body.max_output_tokens}]
+        try:
+            await s.intake.enqueue(model, rows, sampling, rid=rid, owner=caller.digest)
+        except ApiError:
+            await s.responses.delete(model.name, rid)
+            raise
+    except BaseException:
+        slot.release()
         raise
     if body.stream:
-        return _events(s, rid, model.name, meta, -1, owned=not body.background)
+        return _events(s, slot, rid, model.name, meta, -1, owned=not body.background)
     wait_s = 0.0 if body.background else s.settings.max_wait_s
     return JSONResponse(await _object(s, rid, model.name, meta, wait_s))
 
@@ -112,7 +119,7 @@ async def retrieve(response: str, s: ApiState = Depends(state), caller: Caller =
                    starting_after: int = Query(-1, ge=-1, description="resume after this sequence number")):
     rid, model, meta = await _find(s, caller, response)
     if stream:
-        return _events(s, rid, model, meta, starting_after, owned=False)
+        return _events(s, s.streams.reserve(caller.digest), rid, model, meta, starting_after, owned=False)
     return JSONResponse(await _object(s, rid, model, meta))
 
 

@@ -22,6 +22,7 @@ from sluice.api.expiry import ExpirySweep
 from sluice.api.intake import Intake
 from sluice.api.lookup import RequestLookup
 from sluice.api.slo import SloBounds
+from sluice.api.streams import StreamSlots
 from sluice.api.tokens import PromptLimits
 from sluice.broker.admission import Admission
 from sluice.broker.connection import connect
@@ -60,6 +61,7 @@ class ApiState:
     files: FileStore
     jobs: JobStore  # OpenAI batches being run
     celery: Celery  # a client only: sends jobs to `sluice jobs` workers
+    streams: StreamSlots  # each key's open SSE streams, capped (api/streams.py)
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
 
     async def open(self) -> None:
@@ -123,6 +125,7 @@ def build_state(settings: Settings, models: list[ModelConfig]) -> ApiState:
         files=FileStore(redis, settings.files_path, settings.max_file_bytes, settings.file_ttl_s),
         jobs=JobStore(redis, settings.batch_ttl_s, settings.result_ttl_s),
         celery=celery_client(settings),
+        streams=StreamSlots(settings.max_streams_per_key),
     )
 
 

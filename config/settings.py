@@ -39,9 +39,10 @@ class Settings(BaseSettings):
     api_body_min_rate: int = Field(default=1024, gt=0)
     api_max_connections: int = Field(default=2048, gt=0)
     max_body_bytes: int = Field(default=8 * 1024 * 1024, gt=0)
-    max_prompt_chars: int = Field(default=200_000, gt=0)
+    max_prompt_chars: int = Field(default=200_000, gt=0)  # also /tokenize's prompt
     # Requests one OpenAI call makes (prompts × n): refused with 413 before any per-row work.
     max_choices_per_call: int = Field(default=1024, gt=0)
+    max_streams_per_key: int = Field(default=256, gt=0)  # open SSE streams of one api key, per api process
     max_wait_s: float = Field(default=300.0, gt=0)  # longest long-poll / synchronous infer
     # Rows of one infer request; an Arrow body's columns and decoded size are checked from its
     # metadata before anything is decompressed (a few KB of ZSTD can decode to gigabytes).
