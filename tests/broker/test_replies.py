@@ -399,3 +399,39 @@ async def test_deltas_of_two_attempts_are_never_joined(redis: Redis, settings: S
     joined = _coalesce([(d, DeltaEvent(i=0, text=" a0", token_ids=[0])),
                         (again, DeltaEvent(i=1, text=" b1", token_ids=[1], attempt=2))])
     assert [(o.attempt, ev.attempt, ev.i) for o, ev in joined] == [(1, 1, 0), (2, 2, 1)]
+
+
+async def test_a_hole_the_attempt_cannot_fill_is_filled_by_the_next_attempt(redis: Redis, settings: Settings) -> None:
+    """A commit never goes through over a hole (issue 28, defect 2), and the request still ends
+    whole: attempt 2 resumed after tokens a failover then lost, so it cannot fill the hole and
+    does not commit; attempt 3 resumes from where the stream ends, and the stream it leaves is
+    its final's text."""
+    words = [f" w{i}" for i in range(8)]
+
+    async def write(d, start: int) -> ReplyWriter:
+        writer = ReplyWriter(redis, MODEL, reply_ttl_s=settings.status_ttl_s)
+        for i in range(start, len(words)):
+            writer.delta(d, DeltaEvent(i=i, text=words[i], token_ids=[i], attempt=d.attempt,
+                                       finish="length" if i == len(words) - 1 else None))
+            await writer.flush()
+        return writer
+
+    _, m, c1, d1 = await running_request(redis, settings)
+    await write(d1, 0)
+    await _lose_last(redis, m.id, 3)  # attempt 1's worker died; keep 5 tokens for now
+    c2, d2 = await take_over(redis, settings, d1, "w2")
+    resumed = len((await delivered(redis, MODEL, m.id))[0].token_ids)
+    assert resumed == 5
+    await _lose_last(redis, m.id, 2)  # a failover loses tokens 3 and 4 after attempt 2 read them
+    final = done_result("".join(words))
+    final.output.num_output_tokens = len(words)
+    writer = await write(d2, resumed)
+    assert await asyncio.wait_for(writer.commit(d2, final, c2.commit), 10) is False
+    assert await redis.hget(KEYS.status(m.id), "state") == "running"
+    c3, d3 = await take_over(redis, settings, d2, "w3")
+    row = (await delivered(redis, MODEL, m.id))[0]
+    assert row.token_ids == [0, 1, 2]
+    writer = await write(d3, len(row.token_ids))
+    assert await asyncio.wait_for(writer.commit(d3, final, c3.commit), 10) is True
+    row = (await delivered(redis, MODEL, m.id))[0]
+    assert ("".join(row.text), row.token_ids) == (final.output.text, list(range(len(words))))
