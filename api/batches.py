@@ -52,16 +52,26 @@ async def upload(
     try:
         # Starlette has spooled the upload to a temporary file: it is copied in chunks, off the loop.
         return _public(await s.files.create_from(file.filename or "upload.jsonl", purpose, file.file,
-                                                 expires_after_s=expires_seconds, owner=caller.digest))
+                                                 expires_after_s=expires_seconds, owner=caller.digest,
+                                                 upload=True))
     except FileError as err:
         raise _file_error(err) from None
 
 
+def _page(data: list[dict[str, Any]], limit: int) -> dict[str, Any]:
+    """An OpenAI list page from `limit` + 1 items read (the extra one says there are more)."""
+    page = data[:limit]
+    return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None, "has_more": len(data) > limit}
+
+
 @router.get("/files")
-async def list_files(purpose: str | None = None, s: ApiState = Depends(state),
+async def list_files(purpose: str | None = None, limit: int = Query(10_000, ge=1, le=10_000),
+                     after: str | None = Query(None, max_length=128), s: ApiState = Depends(state),
                      caller: Caller = Depends(require_key)) -> dict:
-    return {"object": "list",
-            "data": [_public(m) for m in await s.files.list(purpose) if caller.owns(m.get("owner"))]}
+    """Newest first, as OpenAI lists files; a key's listing reads only its own files."""
+    data = await s.files.list(purpose, owner=None if caller.admin else caller.digest, after=after, limit=limit + 1)
+    return _page([_public(m) for m in data], limit)
 
 
 @router.get("/files/{file_id}")
@@ -144,10 +154,7 @@ async def _within_limits(s: ApiState, file_id: str) -> None:
 @router.get("/batches")
 async def list_batches(limit: int = Query(20, ge=1, le=100), after: str | None = None,
                        s: ApiState = Depends(state), caller: Caller = Depends(require_key)) -> dict:
-    data = await s.jobs.list(limit + 1, after, owner=None if caller.admin else caller.digest)
-    page = data[:limit]
-    return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
-            "last_id": page[-1]["id"] if page else None, "has_more": len(data) > limit}
+    return _page(await s.jobs.list(limit + 1, after, owner=None if caller.admin else caller.digest), limit)
 
 
 async def _batch(s: ApiState, caller: Caller, batch_id: str) -> dict[str, Any]:

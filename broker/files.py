@@ -17,6 +17,7 @@ from typing import Any, BinaryIO
 from redis.asyncio import Redis
 
 from sluice.broker.keys import PREFIX
+from sluice.broker.pages import newest_first
 from sluice.protocol.ids import new_file_id
 
 PURPOSES = ("batch", "batch_output")
@@ -25,6 +26,7 @@ _CHUNK = 1024 * 1024
 # its metadata milliseconds after its rename; an upload in progress touches its .part constantly.
 _FILE_IDLE_S = 60.0
 _PART_IDLE_S = 600.0
+_LONGEST_TTL_S = 30 * 86400  # the longest expires_after an upload may name
 
 
 def read_lines(source: BinaryIO, max_line_bytes: int) -> Iterator[tuple[int, bytes | None]]:
@@ -85,7 +87,13 @@ def _key(file_id: str) -> str:
     return f"{PREFIX}:file:{file_id}"
 
 
-_INDEX = f"{PREFIX}:files"
+_INDEX = f"{PREFIX}:files"  # every file id by creation time
+
+
+def _owned(owner: str) -> str:
+    """The files one key made, by creation time: its listing and its quota read only them."""
+    return f"{PREFIX}:files:by:{owner}"
+
 
 
 class FileStore:
@@ -94,11 +102,14 @@ class FileStore:
     goes with it, by the sweep that creating a file runs when it is due. File I/O runs in a
     thread, never on the event loop, and an upload is copied to disk in chunks."""
 
-    def __init__(self, redis: Redis, root: Path, max_bytes: int, ttl_s: int = 30 * 86400):
+    def __init__(self, redis: Redis, root: Path, max_bytes: int, ttl_s: int = 30 * 86400,
+                 max_files: int | None = None):
+        """`max_files`: how many files one key may keep (its uploads are refused past it)."""
         self.redis = redis
         self.root = Path(root)
         self.max_bytes = max_bytes
         self.ttl_s = ttl_s
+        self.max_files = max_files
         self.sweep_every_s = min(600.0, ttl_s / 2)
         self._next_sweep = 0.0
 
@@ -110,11 +121,16 @@ class FileStore:
         return await self.create_from(filename, purpose, io.BytesIO(data), owner, expires_after_s)
 
     async def create_from(self, filename: str, purpose: str, source: BinaryIO,
-                          owner: str | None = None, expires_after_s: int | None = None) -> dict[str, Any]:
+                          owner: str | None = None, expires_after_s: int | None = None,
+                          upload: bool = False) -> dict[str, Any]:
         """`owner`: the digest of the api key that made it (the api leaves it out of answers).
-        `source` is read in chunks: an upload is never whole in memory."""
+        `source` is read in chunks: an upload is never whole in memory. An `upload` counts
+        against its owner's `max_files` (a job's output files do not)."""
         if purpose not in PURPOSES:
             raise FileError(400, f"purpose: must be one of {', '.join(PURPOSES)}, not {purpose!r}")
+        if upload and owner and self.max_files is not None and await self._kept(owner) >= self.max_files:
+            raise FileError(400, f"file: this key keeps {self.max_files} files, the most it may "
+                                 "(SLUICE_MAX_FILES_PER_KEY): delete some first")
         file_id = new_file_id()
         size = await asyncio.to_thread(self._write, file_id, source, purpose == "batch")
         ttl = expires_after_s or self.ttl_s
@@ -122,9 +138,16 @@ class FileStore:
         meta = {"id": file_id, "object": "file", "bytes": size, "created_at": now, "expires_at": now + ttl,
                 "filename": filename, "purpose": purpose, "status": "processed", "owner": owner}
         await self.redis.set(_key(file_id), json.dumps(meta), ex=ttl)
-        await self.redis.zadd(_INDEX, {file_id: now + ttl})
-        if await self.redis.ttl(_INDEX) < ttl:  # the index outlives every file it lists, no longer
-            await self.redis.expire(_INDEX, ttl)
+        # Scored to the microsecond: listed in the order they were made. An index outlives
+        # every file it lists, no longer; past the longest retention its ids are trimmed, and
+        # ids of files gone before are dropped as listings and the quota read them.
+        longest = max(self.ttl_s, _LONGEST_TTL_S, ttl)
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for index in (_INDEX, _owned(owner)) if owner else (_INDEX,):
+                pipe.zadd(index, {file_id: time.time()})
+                pipe.zremrangebyscore(index, "-inf", now - longest)
+                pipe.expire(index, longest)
+            await pipe.execute()
         if time.monotonic() >= self._next_sweep:
             self._next_sweep = time.monotonic() + self.sweep_every_s
             await self.sweep()
@@ -210,22 +233,39 @@ class FileStore:
         with await self.open(file_id) as source:
             return await asyncio.to_thread(scan_lines, source, max_lines, max_line_bytes)
 
-    async def list(self, purpose: str | None = None) -> list[dict[str, Any]]:
-        now = time.time()
-        await self.redis.zremrangebyscore(_INDEX, "-inf", now)
-        ids = await self.redis.zrangebyscore(_INDEX, now, "+inf")
-        async with self.redis.pipeline(transaction=False) as pipe:  # one GET per key: each its own slot
-            for file_id in ids:
-                pipe.get(_key(file_id))
-            raws = await pipe.execute() if ids else []
-        gone = [i for i, raw in zip(ids, raws) if raw is None]
+    async def list(self, purpose: str | None = None, *, owner: str | None = None, after: str | None = None,
+                   limit: int = 10_000) -> list[dict[str, Any]]:
+        """Newest first, at most `limit`, from after the file `after`; with `owner`, only the
+        files that key made, read from its own index (a listing costs its page, not every
+        file's metadata)."""
+        index = _owned(owner) if owner else _INDEX
+        found, gone = await newest_first(self.redis, index, after, limit, lambda pipe, fid: pipe.get(_key(fid)),
+                                         lambda raw: purpose in (None, json.loads(raw)["purpose"]))
         if gone:
-            await self.redis.zrem(_INDEX, *gone)
-        metas = [json.loads(raw) for raw in raws if raw]
-        return sorted((m for m in metas if purpose in (None, m["purpose"])), key=lambda m: m["created_at"])
+            await self.redis.zrem(index, *gone)
+        return [json.loads(raw) for raw in found]
+
+    async def _kept(self, owner: str) -> int:
+        """How many files `owner` keeps: its index, less the ids of files gone (dropped here,
+        so the count is exact and the index holds at most about max_files ids)."""
+        index = _owned(owner)
+        count = await self.redis.zcard(index)
+        if count < (self.max_files or 0):
+            return count
+        ids = await self.redis.zrange(index, 0, -1)
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for file_id in ids:
+                pipe.exists(_key(file_id))
+            alive = await pipe.execute()
+        gone = [i for i, a in zip(ids, alive) if not a]
+        if gone:
+            await self.redis.zrem(index, *gone)
+        return len(ids) - len(gone)
 
     async def delete(self, file_id: str) -> None:
-        await self.get(file_id)
+        meta = await self.get(file_id)
         await self.redis.delete(_key(file_id))
         await self.redis.zrem(_INDEX, file_id)
+        if meta.get("owner"):
+            await self.redis.zrem(_owned(meta["owner"]), file_id)
         await asyncio.to_thread(self.path(file_id).unlink, missing_ok=True)

@@ -17,6 +17,7 @@ from typing import Any
 from redis.asyncio import Redis
 
 from sluice.broker.keys import PREFIX
+from sluice.broker.pages import newest_first
 from sluice.broker.scripts import Scripts
 from sluice.protocol.ids import new_batch_id
 from sluice.protocol.states import BatchState
@@ -25,6 +26,12 @@ ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
 _TIMES = ("created_at", "in_progress_at", "expires_at", "finalizing_at", "completed_at", "failed_at",
           "expired_at", "cancelling_at", "cancelled_at")
 _INDEX = f"{PREFIX}:batches"
+
+
+def _owned(owner: str) -> str:
+    """The batches one key made, by creation time: its listing reads only them."""
+    return f"{PREFIX}:batches:by:{owner}"
+
 _WINDOW_S = 24 * 3600  # the only completion window: a batch is final by created_at + this
 
 
@@ -69,6 +76,10 @@ class JobStore:
             pipe.zadd(_INDEX, {job_id: now})
             pipe.zremrangebyscore(_INDEX, "-inf", now - self.lifetime_s)
             pipe.expire(_INDEX, self.lifetime_s)
+            if owner:  # scored to the microsecond: one key's batches listed in the order it made them
+                pipe.zadd(_owned(owner), {job_id: time.time()})
+                pipe.zremrangebyscore(_owned(owner), "-inf", now - self.lifetime_s)
+                pipe.expire(_owned(owner), self.lifetime_s)
             await pipe.execute()
         return await self.get(job_id)  # type: ignore[return-value]
 
@@ -81,18 +92,12 @@ class JobStore:
 
     async def list(self, limit: int = 20, after: str | None = None,
                    owner: str | None = None) -> list[dict[str, Any]]:
-        """Newest first; with `owner`, only the batches that key made."""
-        ids = await self.redis.zrevrange(_INDEX, 0, -1)
-        if after in ids:
-            ids = ids[ids.index(after) + 1:]
-        out = []
-        for job_id in ids:
-            if len(out) >= limit:
-                break
-            raw = await self.redis.hgetall(_key(job_id))
-            if raw and owner in (None, raw.get("owner")):
-                out.append(_object(raw))
-        return out
+        """Newest first, at most `limit`, from after the batch `after` (from the top when it is
+        not listed); with `owner`, only the batches that key made, read from its own index, so
+        a listing costs its page, not everyone's batches."""
+        found, _ = await newest_first(self.redis, _owned(owner) if owner else _INDEX, after, limit,
+                                      lambda pipe, job_id: pipe.hgetall(_key(job_id)))
+        return [_object(raw) for raw in found]  # a batch gone with its TTL is skipped
 
     async def active(self, limit: int = 20) -> list[dict[str, Any]]:
         """Unfinished batches, newest first, for the dashboard: bounded reads (a batch is final

@@ -135,3 +135,19 @@ async def test_a_download_streams_the_file_from_disk(alice: httpx.AsyncClient, m
     assert max(Reads.sizes) <= 1 << 20 and sum(Reads.sizes) == len(data)
     r = await alice.get("/v1/files/file-nope/content")
     assert r.status_code == 404
+
+
+@pytest.mark.parametrize("limits", [{"max_files_per_key": 3}])
+async def test_files_are_listed_newest_first_by_page_and_a_key_keeps_its_quota(alice: httpx.AsyncClient) -> None:
+    ids = [await upload(alice, request(i)) for i in range(3)]
+    r = await alice.post("/v1/files", files={"file": ("in.jsonl", request(9))}, data={"purpose": "batch"})
+    assert r.status_code == 400 and "SLUICE_MAX_FILES_PER_KEY" in r.json()["error"]["message"], r.text
+    first = (await alice.get("/v1/files", params={"limit": 2})).json()
+    assert [f["id"] for f in first["data"]] == [ids[2], ids[1]] and first["has_more"] is True
+    assert (first["first_id"], first["last_id"]) == (ids[2], ids[1])
+    rest = (await alice.get("/v1/files", params={"limit": 2, "after": first["last_id"]})).json()
+    assert [f["id"] for f in rest["data"]] == [ids[0]] and rest["has_more"] is False
+    assert all("owner" not in f for f in first["data"] + rest["data"])
+    assert (await alice.get("/v1/files", params={"limit": 0})).status_code == 422
+    assert (await alice.delete(f"/v1/files/{ids[0]}")).status_code == 200
+    await upload(alice, request(9))  # room again

@@ -131,3 +131,61 @@ def test_a_scan_stops_at_the_first_line_over_a_limit() -> None:
     assert scan_lines(long, max_lines=10, max_line_bytes=1000) == LineScan(1, 2)
     assert long.given < 3 << 20
     assert scan_lines(io.BytesIO(b"{}\n" * 10 + b"\n \n"), 10, 2) == LineScan(10, None)
+
+
+async def calls(redis: Redis, command: str) -> int:
+    stats = await redis.info("commandstats")
+    return int(stats.get(f"cmdstat_{command}", {}).get("calls", 0))
+
+
+async def test_a_keys_listing_reads_only_its_own_files(redis: Redis, tmp_path: Path) -> None:
+    store = FileStore(redis, tmp_path / "files", max_bytes=1024)
+    for i in range(300):
+        await store.create(f"bob-{i}.jsonl", "batch", b"{}\n", owner="bob")
+    mine = [(await store.create("a.jsonl", "batch", b"{}\n", owner="alice"))["id"] for _ in range(3)]
+    before = await calls(redis, "get")
+    assert [m["id"] for m in await store.list(owner="alice")] == mine[::-1]  # newest first
+    assert await calls(redis, "get") - before == 3  # not one read of bob's 300
+    assert len(await store.list()) == 303  # everyone's, for an admin
+
+
+@pytest.mark.parametrize("seed", range(12))
+async def test_pages_cover_a_keys_live_files_once_newest_first(redis: Redis, tmp_path: Path, seed: int) -> None:
+    rng = random.Random(seed)
+    store = FileStore(redis, tmp_path / "files", max_bytes=1024)
+    made: dict[str, list[str]] = {"alice": [], "bob": []}
+    for _ in range(rng.randint(0, 40)):
+        owner = rng.choice(list(made))
+        made[owner].append((await store.create("x.jsonl", rng.choice(["batch", "batch_output"]), b"{}\n",
+                                               owner=owner))["id"])
+        if made[owner] and rng.random() < 0.2:  # deleted, or expired (its metadata gone)
+            gone = made[owner].pop(rng.randrange(len(made[owner])))
+            await (store.delete(gone) if rng.random() < 0.5 else redis.delete(_key(gone)))
+    limit, after, seen = rng.randint(1, 7), None, []
+    while True:
+        page = await store.list(owner="alice", after=after, limit=limit)
+        seen += [m["id"] for m in page]
+        if len(page) < limit:
+            break
+        after = page[-1]["id"]
+    assert seen == made["alice"][::-1]
+
+
+async def test_a_key_keeps_at_most_its_quota_of_uploads(redis: Redis, tmp_path: Path) -> None:
+    store = FileStore(redis, tmp_path / "files", max_bytes=1024, max_files=3)
+    kept = [(await store.create_from("a.jsonl", "batch", io.BytesIO(b"{}\n"), owner="alice", upload=True))["id"]
+            for _ in range(3)]
+    with pytest.raises(FileError) as refused:
+        await store.create_from("a.jsonl", "batch", io.BytesIO(b"{}\n"), owner="alice", upload=True)
+    assert refused.value.status == 400 and "SLUICE_MAX_FILES_PER_KEY" in str(refused.value)
+    assert len(os.listdir(tmp_path / "files")) == 3  # nothing written for the refused one
+    await store.create_from("b.jsonl", "batch", io.BytesIO(b"{}\n"), owner="bob", upload=True)  # another key's own
+    await store.create("out.jsonl", "batch_output", b"{}\n", owner="alice")  # a job's output is not refused
+    await store.delete(kept[0])
+    await redis.delete(_key(kept[1]))  # expired
+    await store.delete((await store.list(owner="alice", purpose="batch_output"))[0]["id"])
+    for _ in range(2):
+        await store.create_from("a.jsonl", "batch", io.BytesIO(b"{}\n"), owner="alice", upload=True)
+    with pytest.raises(FileError):
+        await store.create_from("a.jsonl", "batch", io.BytesIO(b"{}\n"), owner="alice", upload=True)
+    assert await redis.zcard("sluice:files:by:alice") == 3  # the gone ones' ids dropped

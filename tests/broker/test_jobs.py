@@ -110,3 +110,15 @@ async def test_a_failed_batch_carries_its_error(store: JobStore, redis: Redis) -
     assert batch and batch["status"] == "failed"
     assert batch["errors"]["data"][0]["message"] == "line 1: not JSON"
     assert 0 < await redis.ttl(_key(batch_id)) <= 3600  # final: the retention starts
+
+
+async def test_a_keys_listing_reads_only_its_own_batches(store: JobStore, redis: Redis) -> None:
+    mine = [(await store.create("f", "/v1/completions", "24h", None, owner="alice"))["id"] for _ in range(3)]
+    for _ in range(300):
+        await store.create("f", "/v1/completions", "24h", None, owner="bob")
+    stats = await redis.info("commandstats")
+    before = int(stats.get("cmdstat_hgetall", {}).get("calls", 0))
+    assert [b["id"] for b in await store.list(owner="alice")] == mine[::-1]
+    assert [b["id"] for b in await store.list(owner="alice", limit=2, after=mine[2])] == [mine[1], mine[0]]
+    stats = await redis.info("commandstats")
+    assert int(stats["cmdstat_hgetall"]["calls"]) - before == 5  # not one read of bob's 300
