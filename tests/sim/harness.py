@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import tempfile
 import time
@@ -12,6 +13,8 @@ from pathlib import Path
 from sluice.broker.connection import connect
 from sluice.cli.processes import EmbeddedRedis
 from tests.sim.run import ALL_FAULTS, Outcome, play, replay_text, shrink
+
+SEED_TIMEOUT_S = 300.0  # a seed takes seconds; this is a hang
 
 
 @dataclass
@@ -39,7 +42,14 @@ async def run_seeds(seeds: list[int], steps: int, *, faults: tuple[str, ...] = A
             for seed in seeds:
                 if budget_s is not None and report.seeds and time.monotonic() - began > budget_s:
                     break
-                out: Outcome = await play(redis, server.url, seed, steps=steps, faults=faults)
+                try:
+                    out: Outcome = await asyncio.wait_for(play(redis, server.url, seed, steps=steps, faults=faults),
+                                                          SEED_TIMEOUT_S)
+                except TimeoutError:  # a broker call that never answers, or a drain that never ends
+                    report.seeds += 1
+                    report.failures.append(f"seed {seed}: no end after {SEED_TIMEOUT_S:g} s")
+                    say(report.failures[-1])
+                    continue
                 report.seeds += 1
                 report.steps += len(out.steps)
                 if out.violation is None:

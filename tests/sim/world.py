@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import hashlib
+import inspect
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -141,11 +142,15 @@ class World(Lossy):
             self.ledger.keys[key] = rid
             if await self.admission.status(MODEL, rid):
                 return f"repeat of {rid[-6:]}"
+            was_admitted = getattr(self.admission, "was_admitted", None)  # (defect 3's fix)
+            if was_admitted is not None and await was_admitted(MODEL, rid):
+                return f"410: {rid[-6:]} finished and its result expired"
             m = m.model_copy(update={"id": rid})
             req.message = m
         self.ledger.keys[key] = m.id
+        keyed = {"keyed": True} if "keyed" in inspect.signature(self.admission.submit).parameters else {}
         try:
-            entry = await self.admission.submit(m, max_queued=MAX_QUEUED, result_ttl_s=RESULT_TTL_S)
+            entry = await self.admission.submit(m, max_queued=MAX_QUEUED, result_ttl_s=RESULT_TTL_S, **keyed)
         except QueueFull:
             await self.admission.release_idempotency(key)
             self.ledger.keys.pop(key, None)
