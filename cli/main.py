@@ -161,7 +161,9 @@ def up(
         if models_file:
             raise typer.BadParameter("--from brings its own models file: leave --models-file out")
         try:
-            models_file = pull(from_oci, _settings().data_dir / "oci", trust=trust_artifact)
+            settings = _settings()
+            models_file = pull(from_oci, settings.data_dir / "oci", trust=trust_artifact,
+                               public_key=settings.artifact_public_key)
         except PublishError as err:
             typer.echo(f"error: {err}", err=True)
             raise typer.Exit(2) from None
@@ -235,6 +237,9 @@ def publish(
     models_file: Path | None = ModelsFile,
     plain_http: bool | None = typer.Option(None, "--plain-http/--tls",
                                            help="HTTP without TLS (default: only for a registry on loopback)."),
+    sign_key: Path | None = typer.Option(None, "--sign-key", envvar="SLUICE_SIGNING_KEY",
+                                         help="Sign the artifact with this Ed25519 private key (PEM); a pull "
+                                              "with SLUICE_ARTIFACT_PUBLIC_KEY verifies it."),
 ) -> None:
     """Push a model (its prepared files, deployment, engine and batching configuration, schemas
     and the Sluice version) to an OCI registry as one artifact; `sluice up --from oci://...`
@@ -250,7 +255,7 @@ def publish(
         typer.echo(f"error: no model {model!r} in the models file ({', '.join(found)})", err=True)
         raise typer.Exit(2)
     try:
-        digest = push(found[model], target, settings.cache_dir, plain_http=plain_http)
+        digest = push(found[model], target, settings.cache_dir, plain_http=plain_http, sign_key=sign_key)
     except PublishError as err:
         typer.echo(f"error: {err}", err=True)
         raise typer.Exit(1) from None

@@ -25,6 +25,7 @@ from typing import Any
 import yaml
 
 from sluice.cli.pulled import Untrusted, machine, safe_name, vet
+from sluice.cli.signing import SIGNATURE, SignatureError, sign, verify
 from sluice.config.model import DEFAULT_MODEL_PATH, ModelConfig
 
 log = logging.getLogger("sluice.up")
@@ -114,8 +115,10 @@ def _model_files(model: ModelConfig, cache_dir: Path) -> Path:
     return found
 
 
-def publish(model: ModelConfig, target: str, cache_dir: Path, *, plain_http: bool | None = None) -> str:
-    """Push `model` as one artifact to `target`; returns the manifest's digest."""
+def publish(model: ModelConfig, target: str, cache_dir: Path, *, plain_http: bool | None = None,
+            sign_key: Path | None = None) -> str:
+    """Push `model` as one artifact to `target`, signed with `sign_key` when given
+    (cli/signing.py); returns the manifest's digest."""
     host, ref = _reference(target)
     model_dir = _model_files(model, cache_dir)
     with tempfile.TemporaryDirectory(prefix="sluice-publish-") as tmp:
@@ -132,6 +135,10 @@ def publish(model: ModelConfig, target: str, cache_dir: Path, *, plain_http: boo
         (stage / "sluice.json").write_text(json.dumps(meta, indent=1))
         files["sluice.json"] = stage / "sluice.json"
         digests["sluice.json"] = _sha256(stage / "sluice.json")
+        try:
+            signed = sign((stage / "sluice.json").read_bytes(), sign_key) if sign_key else {}
+        except SignatureError as err:
+            raise PublishError(str(err)) from None
         annotations = {str(p): {TITLE: name, SHA: digests[name]} for name, p in files.items()}
         (stage / "annotations.json").write_text(json.dumps(annotations))
         registry = _registry(host, plain_http)
@@ -141,17 +148,18 @@ def publish(model: ModelConfig, target: str, cache_dir: Path, *, plain_http: boo
                 annotation_file=str(stage / "annotations.json"), quiet=True,
                 manifest_config=f"{stage / 'sluice.json'}:{CONFIG_MEDIA_TYPE}",
                 manifest_annotations={"io.sluice.model": model.name, "io.sluice.version": meta["sluice_version"],
-                                      "org.opencontainers.image.title": model.name})
+                                      "org.opencontainers.image.title": model.name, **signed})
         except Exception as err:  # requests' and oras' errors: say where it failed
             raise PublishError(f"pushing to {ref} failed: {type(err).__name__}: {err}") from None
     return response.headers.get("Docker-Content-Digest", "")
 
 
-def pull(source: str, into: Path, *, plain_http: bool | None = None, trust: bool = False) -> Path:
-    """Pull an artifact published by `publish`, check every layer's digest and what it asks for
-    (cli/pulled.py: without `trust`, no code execution, allowed engine options only, replicas
-    within this machine), and return the models file that serves it (its path pointing at the
-    pulled model files)."""
+def pull(source: str, into: Path, *, plain_http: bool | None = None, trust: bool = False,
+         public_key: Path | None = None) -> Path:
+    """Pull an artifact published by `publish`, check every layer's digest, its signature by
+    `public_key` when one is given (cli/signing.py), and what it asks for (cli/pulled.py:
+    without `trust`, no code execution, allowed engine options only, replicas within this
+    machine); return the models file that serves it (its path pointing at the pulled files)."""
     host, ref = _reference(source)
     registry = _registry(host, plain_http)
     try:
@@ -180,7 +188,15 @@ def pull(source: str, into: Path, *, plain_http: bool | None = None, trust: bool
             if got != layer["digest"] or layer["annotations"].get(SHA, got) != got:
                 raise PublishError(f"{ref}: layer {name} does not match its digest (expected {layer['digest']}, "
                                    f"got {got}): refusing to serve it")
+        signed = {k: str(v) for k, v in (manifest.get("annotations") or {}).items()}
+        if public_key is not None and "sluice.json" in titles:
+            try:
+                verify((stage / "sluice.json").read_bytes(), signed, public_key)
+            except SignatureError as err:
+                raise PublishError(f"{ref}: {err}: refusing to serve it") from None
         models, notes = _vetted(ref, stage, titles, trust)
+        if public_key is None and SIGNATURE in signed:
+            notes.append("it is signed, but no SLUICE_ARTIFACT_PUBLIC_KEY is set to verify it with")
         shutil.rmtree(final, ignore_errors=True)
         stage.rename(final)
     except BaseException:

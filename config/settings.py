@@ -102,6 +102,9 @@ class Settings(BaseSettings):
     max_file_bytes: int = Field(default=200 * 1024 * 1024, gt=0)
     file_ttl_s: int = Field(default=30 * 86400, gt=0)  # a file without expires_after (OpenAI's default)
     max_files_per_key: int = Field(default=10_000, gt=0)  # files one api key keeps (its uploads past it: 400)
+    # `sluice up --from oci://...` serves only artifacts signed by this Ed25519 public key (PEM)
+    # when it is set; unset, a signature is not checked (cli/signing.py).
+    artifact_public_key: Path | None = None
     batch_ttl_s: int = Field(default=30 * 86400, gt=0)  # a finished batch object
     # A batch input file: at most this many requests (non-blank lines; OpenAI's limit is 50,000)
     # of at most this many bytes each, refused at batches.create; the jobs worker reads it a
