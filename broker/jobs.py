@@ -152,6 +152,11 @@ class JobStore:
         """The lines that have their output record."""
         return {int(k) for k in await self.redis.hkeys(_key(job_id, "out"))}
 
+    async def records(self, job_id: str, lines: list[int]) -> list[dict[str, Any]]:
+        """The output records of these lines (each has one), in their order."""
+        raws = await self.redis.hmget(_key(job_id, "out"), [str(i) for i in lines]) if lines else []
+        return [json.loads(raw) for raw in raws if raw is not None]
+
     async def outputs(self, job_id: str) -> dict[int, dict[str, Any]]:
         return {int(k): json.loads(v) for k, v in (await self.redis.hgetall(_key(job_id, "out"))).items()}
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import tempfile
 from collections.abc import AsyncIterator, Iterator
 from typing import Any, BinaryIO
 
@@ -159,24 +160,21 @@ class JobRunner:
         if status not in (BatchState.FINALIZING, BatchState.CANCELLING):
             log.error("batch %s: cannot finish from status %r", self.job_id, status)
             return
-        records = await self.store.outputs(self.job_id)
-        ok = [records[i] for i in sorted(records) if records[i]["response"] is not None]
-        errors = [records[i] for i in sorted(records) if records[i]["response"] is None]
-        # Files are the one write a Lua script cannot fence: look first, and take them back if
-        # the lock turns out lost when the batch is moved to its end.
-        self.lock.check()
-        if not await self.store.holds_lock(self.job_id, self.token):
-            raise LockLost(self.job_id)
-        fields: dict[str, Any] = {}
-        name = batch["input_file_id"]
-        if ok:
-            fields["output_file_id"] = (await self.files.create(
-                f"{name}_output.jsonl", "batch_output", jsonl(ok), owner=batch.get("owner")))["id"]
-        if errors:
-            fields["error_file_id"] = (await self.files.create(
-                f"{name}_errors.jsonl", "batch_output", jsonl(errors), owner=batch.get("owner")))["id"]
-        # Rows still unfinished at the completion window's end expired with their deadline.
-        expired = any((r.get("error") or {}).get("code") == "expired" for r in errors)
+        with tempfile.TemporaryFile() as ok, tempfile.TemporaryFile() as errors:
+            counts, expired = await self._spool(ok, errors)
+            # Files are the one write a Lua script cannot fence: look first, and take them back
+            # if the lock turns out lost when the batch is moved to its end.
+            self.lock.check()
+            if not await self.store.holds_lock(self.job_id, self.token):
+                raise LockLost(self.job_id)
+            fields: dict[str, Any] = {}
+            name = batch["input_file_id"]
+            for field, suffix, spooled, n in (("output_file_id", "output", ok, counts[0]),
+                                              ("error_file_id", "errors", errors, counts[1])):
+                if n:
+                    await asyncio.to_thread(spooled.seek, 0)
+                    fields[field] = (await self.files.create_from(
+                        f"{name}_{suffix}.jsonl", "batch_output", spooled, owner=batch.get("owner")))["id"]
         final = (BatchState.CANCELLED if status == BatchState.CANCELLING
                  else BatchState.EXPIRED if expired else BatchState.COMPLETED)
         try:
@@ -187,4 +185,20 @@ class JobRunner:
             for file_id in fields.values():
                 await self.files.delete(file_id)
             raise LockLost(self.job_id)
-        log.info("batch %s %s: %d ok, %d errors", self.job_id, final.value, len(ok), len(errors))
+        log.info("batch %s %s: %d ok, %d errors", self.job_id, final.value, *counts)
+
+    async def _spool(self, ok: BinaryIO, errors: BinaryIO) -> tuple[tuple[int, int], bool]:
+        """Write the output and error records, in input order, a chunk of them at a time (never
+        all in memory); their counts, and whether a row expired (it was still unfinished at the
+        completion window's end)."""
+        lines = sorted(await self.store.recorded(self.job_id))
+        counts, expired = [0, 0], False
+        for start in range(0, len(lines), _CHUNK_LINES):
+            records = await self.store.records(self.job_id, lines[start:start + _CHUNK_LINES])
+            good = [r for r in records if r["response"] is not None]
+            bad = [r for r in records if r["response"] is None]
+            expired = expired or any((r.get("error") or {}).get("code") == "expired" for r in bad)
+            counts[0], counts[1] = counts[0] + len(good), counts[1] + len(bad)
+            await asyncio.to_thread(ok.write, jsonl(good))
+            await asyncio.to_thread(errors.write, jsonl(bad))
+        return (counts[0], counts[1]), expired

@@ -108,3 +108,32 @@ async def test_a_line_its_route_would_refuse_gets_its_error_in_the_error_file(re
     errors = {e["custom_id"]: e["error"] for e in file_records(job_settings, batch["error_file_id"])}
     assert errors["row-1"] == {"code": "prompt_too_long", "message": "line 2: prompt: longer than 50 characters"}
     assert errors["row-3"]["code"] == "max_tokens" and "at most 1000000" in errors["row-3"]["message"]
+
+
+async def test_the_result_files_are_written_a_chunk_of_records_at_a_time(
+        redis: Redis, settings: Settings, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Finishing a big batch never holds all its records: they are read a chunk at a time and
+    written in input order."""
+    n = 300  # more than one chunk (256)
+    lines = [request(i) if i % 7 else request(i, "x" * 100) for i in range(n)]
+    job_settings = settings.model_copy(update={"max_prompt_chars": 50, "bulk_outstanding": 64})
+    batch_id = await batch_of(redis, job_settings, lines)
+    monkeypatch.setattr(JobStore, "outputs", lambda *_: pytest.fail("every record read at once"))
+    read = JobStore.records
+    sizes: list[int] = []
+
+    async def records(self: JobStore, job_id: str, wanted: list[int]) -> list[dict[str, Any]]:
+        sizes.append(len(wanted))
+        return await read(self, job_id, wanted)
+
+    monkeypatch.setattr(JobStore, "records", records)
+    async with null_worker(redis, delay_s=0):
+        await asyncio.wait_for(runner(redis, job_settings, batch_id).run(), timeout=60)
+    batch = await JobStore(redis).get(batch_id)
+    failed = len(range(0, n, 7))
+    assert batch["request_counts"] == {"total": n, "completed": n - failed, "failed": failed}, batch
+    assert [r["custom_id"] for r in file_records(job_settings, batch["output_file_id"])] == [
+        f"row-{i}" for i in range(n) if i % 7]
+    assert [r["custom_id"] for r in file_records(job_settings, batch["error_file_id"])] == [
+        f"row-{i}" for i in range(0, n, 7)]
+    assert sum(sizes) == n and max(sizes) <= 256
