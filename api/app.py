@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -15,6 +16,7 @@ from sluice.api.limits import BodySizeLimit
 from sluice.api.state import build_state
 from sluice.config.model import load_models
 from sluice.config.settings import Settings
+from sluice.protocol import structured
 
 
 def app_from_environment() -> FastAPI:
@@ -28,6 +30,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await asyncio.to_thread(structured.backend)  # its first import stalls for a second: now, not in a request
         app.state.sluice = build_state(settings, models)
         await app.state.sluice.open()
         try:

@@ -44,7 +44,7 @@ async def _enqueue_choices(s: ApiState, model: ModelConfig, body: SamplingBody,
                            rows: list[dict[str, Any]], owner: str | None) -> tuple[Slot, list[RequestMessage]]:
     """The call's choices admitted, and (for a stream) its slot among its key's open streams,
     taken first: a stream refused by the cap queues nothing."""
-    problems = body.problems()
+    problems = await asyncio.to_thread(body.problems)  # compiles a structured-output constraint: off the loop
     if problems:
         raise ApiError(400, "; ".join(message for _, message in problems), param=problems[0][0])
     # The OpenAI bodies' str-or-list fields let a lone surrogate through pydantic.

@@ -8,6 +8,7 @@ queue, survives an api restart, and a worker crash resumes it like any other.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections.abc import AsyncIterator
@@ -86,7 +87,7 @@ def _events(s: ApiState, slot: Slot, rid: str, model: str, meta: dict, after: in
 
 @router.post("")
 async def create(body: ResponseRequest, s: ApiState = Depends(state), caller: Caller = Depends(require_key)):
-    problems = body.problems()
+    problems = await asyncio.to_thread(body.problems)  # compiles a structured-output constraint: off the loop
     if problems:
         raise ApiError(400, "; ".join(message for _, message in problems), param=problems[0][0])
     require_unicode([body.instructions, *[m["content"] for m in body.messages()]], "input")

@@ -22,16 +22,27 @@ from sluice.protocol.messages import StructuredSpec
 
 def problem(spec: StructuredSpec) -> str | None:
     """Why the engine could not decode with this constraint, or None. Compiled once per
-    process for each distinct constraint (clients tend to send the same schema every time)."""
+    process for each distinct constraint (clients tend to send the same schema every time);
+    the api calls it off its event loop (a compile can take a while)."""
     return _problem(spec.model_dump_json())
+
+
+@functools.cache
+def backend() -> Any:
+    """xgrammar, or None where it is not installed (an api without vLLM). Its first import takes
+    over a second: the api imports it at start (api/app.py), not inside a request."""
+    try:
+        import xgrammar
+    except ImportError:
+        return None
+    return xgrammar
 
 
 @functools.lru_cache(maxsize=256)
 def _problem(spec_json: str) -> str | None:
     spec = StructuredSpec.model_validate_json(spec_json)
-    try:
-        import xgrammar
-    except ImportError:  # an api installed without vLLM
+    xgrammar = backend()
+    if xgrammar is None:
         return _fallback(spec)
     try:
         if spec.json_schema is not None:
