@@ -26,7 +26,7 @@ def final_texts(view: dict) -> dict[int, str]:
 class Reader:
     """One /events reader of a request: what it received, in order."""
 
-    name: str  # "first" (from the submit on) | "late" (joins mid-stream)
+    name: str  # "first" (from the submit on), "late" (joins mid-stream) or "responses" (late, a Responses stream)
     deltas: list[tuple[int, int, str]] = field(default_factory=list)  # (row, index, text)
     final: dict | None = None  # the done/error event's data
     reconnects: int = 0
@@ -193,7 +193,7 @@ def audit(redis_url: str, tracked: list[Tracked]) -> dict:
                "lost": 0, "duplicated": 0, "stream_mismatch": 0, "reader_mismatch": 0, "answer_mismatch": 0,
                "retried": 0, "readers": sum(len(t.readers) for t in tracked), "readers_mismatched": 0,
                "readers_unfinished": 0, "readers_dropped": sum(rd.dropped for t in tracked for rd in t.readers),
-               "readers_late": sum(rd.name == "late" for t in tracked for rd in t.readers),
+               "readers_late": sum(rd.name != "first" for t in tracked for rd in t.readers),
                "kinds": {k: sum(t.kind == k for t in tracked) for k in ("stream", "poll", "structured", "rows")},
                "done_once": 0, "regenerated_otherwise": 0}
     for row in rows:

@@ -19,6 +19,7 @@ import random
 import time
 import uuid
 from collections import Counter
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import httpx
@@ -26,9 +27,10 @@ import redis.asyncio as redis_async
 
 from sluice.bench.chaos_audit import FINAL_STATES, Reader, Tracked, final_texts
 from sluice.broker.keys import ModelKeys
-from sluice.protocol.responses import request_id
+from sluice.protocol.responses import request_id, response_id
 
 SUBMIT_TIMEOUT_S = 60.0  # a submit still unanswered after this long is given up (never counted as accepted)
+RESPONSE_ENDS = ("response.completed", "response.incomplete", "response.failed", "response.cancelled")
 SCHEMA = {"type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"]}
 
 
@@ -38,7 +40,7 @@ class LoadFigures:
     queue_full: int = 0  # 503 overloaded: refused, not accepted
     submit_gave_up: int = 0
     submit_retries: int = 0
-    rows_unknown: int = 0  # multi-row calls broken off before their id was found (not counted)
+    rows_unknown: int = 0  # multi-row calls not followed: refused, or broken off before their id was seen
     retry_reasons: Counter[str] = field(default_factory=Counter)  # why submits were sent again
     client_errors: list[str] = field(default_factory=list)
 
@@ -82,20 +84,26 @@ class Load:
             model = self.rows_model if kind == "rows" else self.rng.choice(self.models)
             prompt = f"chaos client {c} request {n}"
             try:
-                if kind == "rows":
-                    await self._rows(http, api, model, prompt, follow_until)
-                    continue
-                tracked = await (self._structured(http, api, model, prompt) if kind == "structured"
-                                 else self._submit(http, api, model, prompt, kind))
-                if tracked is None:
-                    continue
-                self.figures.tracked.append(tracked)
-                if kind == "poll":
-                    await self._poll(http, tracked, api, follow_until)
-                else:
-                    await self._readers(http, tracked, api, follow_until)
+                # A stream the api keeps open with pings would outlast the drain: the drain ends it.
+                async with asyncio.timeout_at(follow_until):
+                    await self._one(http, api, model, kind, prompt, follow_until)
+            except TimeoutError:
+                pass  # not followed to its final: the audit says whether it has one
             except Exception as err:  # a bench bug must not stop the load; it is reported
                 self.figures.client_errors.append(f"{kind} {prompt}: {type(err).__name__}: {err}")
+
+    async def _one(self, http: httpx.AsyncClient, api: int, model: str, kind: str, prompt: str,
+                   follow_until: float) -> None:
+        if kind == "rows":
+            return await self._rows(http, api, model, prompt, follow_until)
+        tracked = await (self._structured(http, api, model, prompt) if kind == "structured"
+                         else self._submit(http, api, model, prompt, kind))
+        if tracked is None:
+            return
+        self.figures.tracked.append(tracked)
+        if kind == "poll":
+            return await self._poll(http, tracked, api, follow_until)
+        await self._readers(http, tracked, api, follow_until)
 
     async def _post(self, http: httpx.AsyncClient, api: int, path: str, body: dict | list,
                     headers: dict | None = None, timeout: float = 10) -> tuple[httpx.Response | None, int]:
@@ -149,24 +157,31 @@ class Load:
         rows = [{"prompt": f"{marker} row {i}", "max_tokens": self.rng.randint(*self.max_tokens)}
                 for i in range(self.rng.randint(2, 4))]
         call = asyncio.create_task(self._infer(http, api, model, rows))
-        rid = await self._find(model, marker, call)
-        t = Tracked(rid or "", model, "rows", None, 1, rows=len(rows))
-        readers = asyncio.create_task(self._readers(http, t, api, follow_until)) if rid else None
-        r, t.submit_tries = await call
-        if r is not None and r.status_code == 200:
-            t.rid = rid = r.headers.get("X-Request-Id") or rid
-            t.answer = {i: rec.get("generated_text") or "" for i, rec in enumerate(r.json())}
-        elif r is not None and r.status_code == 503 and "overloaded" in r.text:
-            self.figures.queue_full += 1
-        elif r is not None and rid is None:
-            self.figures.client_errors.append(f"infer {r.status_code}: {r.text[:200]}")
-        if rid is None:
-            self.figures.rows_unknown += 1
-            return
-        self.figures.tracked.append(t)
-        if readers is None:
-            readers = asyncio.create_task(self._readers(http, t, api, follow_until))
-        await readers
+        readers: asyncio.Task | None = None
+        try:
+            rid = await self._find(model, marker, call)
+            t = Tracked(rid or "", model, "rows", None, 1, rows=len(rows))
+            if rid:
+                self.figures.tracked.append(t)
+                readers = asyncio.create_task(self._readers(http, t, api, follow_until))
+            r, t.submit_tries = await call
+            if r is not None and r.status_code == 200 and not rid:
+                t.rid = r.headers["X-Request-Id"]  # answered before its entry was seen
+                self.figures.tracked.append(t)
+            if r is not None and r.status_code == 200:
+                t.answer = {i: rec.get("generated_text") or "" for i, rec in enumerate(r.json())}
+            elif r is not None and r.status_code == 503 and "overloaded" in r.text:
+                self.figures.queue_full += 1
+            elif r is not None and not rid:
+                self.figures.client_errors.append(f"infer {r.status_code}: {r.text[:200]}")
+            if not t.rid:
+                self.figures.rows_unknown += 1
+                return
+            await (readers or self._readers(http, t, api, follow_until))
+        finally:
+            for task in (call, readers):
+                if task is not None:
+                    task.cancel()
 
     async def _infer(self, http: httpx.AsyncClient, api: int, model: str,
                      rows: list[dict]) -> tuple[httpx.Response | None, int]:
@@ -205,7 +220,8 @@ class Load:
         t.readers.append(first)
         tasks = [self._stream(http, t, first, api, follow_until)]
         if self.rng.random() < self.late_readers:
-            late = Reader("late")
+            # A structured request's second reader is a Responses stream of its background response.
+            late = Reader("responses" if t.kind == "structured" else "late")
             t.readers.append(late)
             tasks.append(self._stream(http, t, late, api + 1, follow_until, join_after=self.rng.uniform(0.05, 1.5)))
         await asyncio.gather(*tasks)
@@ -213,34 +229,33 @@ class Load:
     async def _stream(self, http: httpx.AsyncClient, t: Tracked, rd: Reader, api: int, follow_until: float,
                       join_after: float = 0.0) -> None:
         """Follow the SSE stream to its final; a share of the readers also hang up once after a
-        few deltas (as a browser or a phone changing networks does) and resume with Last-Event-ID."""
+        few deltas (as a browser or a phone changing networks does) and resume: /events with
+        Last-Event-ID, a Responses stream (reader "responses") with starting_after."""
         await asyncio.sleep(join_after)
-        last_id: str | None = None
+        last: str | None = None  # the last event's id (sequence number for a Responses stream)
         drop_after = self.rng.randint(1, 6) if self.rng.random() < self.hangups else None
         while time.monotonic() < follow_until:
             url = self.urls[(api + rd.reconnects) % len(self.urls)]
-            headers = {"Last-Event-ID": last_id} if last_id else {}
+            if rd.name == "responses":
+                path, headers = f"/v1/responses/{response_id(t.rid)}", {}
+                params = {"stream": "true", **({"starting_after": last} if last else {})}
+            else:
+                path, headers, params = f"/v1/requests/{t.rid}/events", {"Last-Event-ID": last} if last else {}, {}
             try:
-                async with http.stream("GET", f"{url}/v1/requests/{t.rid}/events", headers=headers) as r:
-                    if r.status_code == 200:
-                        event: dict[str, str] = {}
-                        async for line in r.aiter_lines():
-                            if line:
-                                name, _, value = line.partition(":")
-                                event[name] = value[1:] if value.startswith(" ") else value
-                                continue
-                            if event.get("id"):
-                                last_id = event["id"]
-                            data = json.loads(event["data"]) if "data" in event else None
-                            if event.get("event") == "delta" and data is not None:
-                                rd.deltas.append((data.get("row", 0), data["index"], data["text"]))
-                                if drop_after is not None and len(rd.deltas) >= drop_after:
-                                    drop_after, rd.dropped = None, True
-                                    break
-                            elif event.get("event") in ("done", "error") and data is not None:
-                                rd.final = data
-                                return
-                            event = {}
+                async with http.stream("GET", f"{url}{path}", headers=headers, params=params) as r:
+                    async for name, cursor, data in _sse(r):
+                        last = cursor or last
+                        if name in ("delta", "response.output_text.delta"):
+                            rd.deltas.append((data.get("row", 0), data["index"], data["text"]) if name == "delta"
+                                             else (0, data["sequence_number"], data["delta"]))
+                            if drop_after is not None and len(rd.deltas) >= drop_after:
+                                drop_after, rd.dropped = None, True
+                                break
+                        elif name == "response.output_text.done":
+                            rd.final = {"output": {"text": data["text"]}}
+                        elif name in ("done", "error") or name in RESPONSE_ENDS:
+                            rd.final = data if name in ("done", "error") else rd.final or {}
+                            return
             except httpx.TransportError:
                 pass
             rd.reconnects += 1  # the stream broke or ended without a final: resume from the last event
@@ -261,3 +276,20 @@ class Load:
                 pass
             reconnects += 1
             await asyncio.sleep(0.2)
+
+
+async def _sse(r: httpx.Response) -> AsyncIterator[tuple[str, str | None, dict]]:
+    """(event name, its id or Responses sequence number, its data) per server-sent event."""
+    if r.status_code != 200:
+        return
+    event: dict[str, str] = {}
+    async for line in r.aiter_lines():
+        if line:
+            name, _, value = line.partition(":")
+            event[name] = value[1:] if value.startswith(" ") else value
+            continue
+        if "data" in event:
+            data = json.loads(event["data"])
+            seq = data.get("sequence_number") if isinstance(data, dict) else None
+            yield event.get("event", ""), event.get("id") or (str(seq) if seq is not None else None), data
+        event = {}
