@@ -16,9 +16,10 @@ class Item(Protocol):
     """Something to run: a request of one or more rows (never split).
 
     An `isolated` item (a suspect: a request whose retry crashed too) runs in quarantine:
-    isolated items come from the source as one group, which runs with nothing else in the
-    engine, so that its crash is its members' own (the source halves the group at each crash,
-    and charges a request only for a crash it had alone)."""
+    isolated items come from the source as one group, and a policy runs one group at a time,
+    never two groups together (dynamic and single: a batch of its own, alone in the engine;
+    continuous: beside fresh requests). The source halves a group at each crash and charges a
+    request only for a crash in a group of one."""
 
     @property
     def rows(self) -> int: ...
@@ -33,8 +34,8 @@ T = TypeVar("T", bound=Item)
 class Source(Protocol[T]):
     async def fetch(self, count: int, timeout_s: float, isolated: int) -> list[T]:
         """Up to `count` items, waiting at most `timeout_s` for the first one: either ordinary
-        ones, or (`isolated` > 0: the caller's engine is empty) a quarantine group of at most
-        `isolated` isolated ones."""
+        ones, or (`isolated` > 0: the caller runs no quarantine group now) a quarantine group of
+        at most `isolated` isolated ones."""
         ...
 
 

@@ -9,9 +9,9 @@ from sluice.config.batching import ContinuousBatchingConfig
 
 
 class ContinuousAdmission(BatchingPolicy[T]):
-    """Up to `max_concurrent_batch_size` single-row requests in the engine at once. Isolated
-    requests (a quarantine group) run alone: they are asked for only when nothing runs, and
-    nothing is admitted beside them until the last of them is done."""
+    """Up to `max_concurrent_batch_size` single-row requests in the engine at once, beside them
+    at most one quarantine group of isolated requests (the next is asked for once the last of
+    it is done): the engine is never drained for a suspect."""
 
     def __init__(self, config: ContinuousBatchingConfig, *, poll_s: float = 0.5):
         super().__init__()
@@ -33,10 +33,10 @@ class ContinuousAdmission(BatchingPolicy[T]):
     async def run(self, source: Source[T], handle: Handler[T], stopping: asyncio.Event) -> None:
         while not stopping.is_set():
             free = self.admitted - self.in_flight
-            if free <= 0 or self._quarantine:
+            if free <= 0:
                 await self._wait_freed_or(stopping)
                 continue
-            for item in await source.fetch(free, self.poll_s, 0 if self.in_flight else free):
+            for item in await source.fetch(free, self.poll_s, 0 if self._quarantine else free):
                 task = self._launch(handle, [item])
                 if item.isolated:
                     self._quarantine.add(task)

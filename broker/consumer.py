@@ -46,7 +46,7 @@ class Delivery:
     @property
     def isolated(self) -> bool:
         """Redelivered again after a retry that ran together crashed too: a suspect, run in a
-        quarantine group with nothing else in the engine (broker/quarantine.py)."""
+        quarantine group (broker/quarantine.py)."""
         return self.attempt >= SUSPECT_ATTEMPT
 
     @property
@@ -123,7 +123,7 @@ class StreamConsumer:
     async def _fetch(self, count: int, block_ms: int, isolated: int) -> list[Delivery]:
         room = count - len(self.quarantine.parked)
         out = self._hold(await self._redelivered(room) if room > 0 else [])
-        handed = await self.quarantine.sort(out, count, isolated, block_ms / 1000)
+        handed = self.quarantine.sort(out, count, isolated)
         if handed is not None:
             return handed
         # Interactive first, then bulk, without blocking; then block on the interactive lane
@@ -150,7 +150,6 @@ class StreamConsumer:
     def release(self, d: Delivery) -> None:
         """The entry is committed, skipped or fenced: no longer this worker's to lease."""
         self.held.pop(d.key, None)
-        self.quarantine.freed.set()
 
     async def _redelivered(self, count: int) -> list[Delivery]:
         """Own pending entries left by a previous run of this worker (read once after a start,
@@ -227,7 +226,7 @@ class StreamConsumer:
                 attempt, charges, last = await history(self.redis, stream, GROUP, entry_id, status)
             if redelivered and charges >= self.max_deliveries - 1:
                 error = (f"no result after {attempt} deliveries: the worker running it stopped or crashed "
-                         f"each time, {charges + 1} of them with the request alone in its engine")
+                         f"each time, {charges + 1} of them in a quarantine group of one")
                 await self.dead_letter(stream, entry_id, message.id, message.model_dump_json(), error, attempt,
                                        message)
                 continue

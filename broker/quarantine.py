@@ -6,17 +6,18 @@ only when it crashes again (DESIGN.md, delivery step 7).
   retry. A crash beside healthy requests costs each of them one extra run, not one run each
   in turn.
 - A request redelivered again (attempt 3 on: it was in two runs that crashed) is a suspect: it
-  runs in quarantine, in a group of suspects with nothing else in the engine. Each crash
-  halves the group its members may run in (the group's size is kept on their status,
-  `group`), the first group being half of the suspects waiting: bisection, so a poison request
-  among n runs alone after about log2(n) crashes.
-- Only a run alone that crashes is charged (start.lua's `charges`): past N charges the request
-  is dead-lettered, and no healthy request is ever charged for its neighbour.
+  runs in quarantine, in a group of suspects, one group at a time per worker (in dynamic and
+  single mode a batch of its own, alone in the engine; in continuous mode beside fresh
+  requests: draining an engine of hundreds of requests for each suspect would be the cliff
+  again). Each crash halves the group its members may run in (the group's size is kept on
+  their status, `group`), the first group being half of the suspects waiting: bisection, so a
+  poison request among n is in a group of one after about log2(n) crashes.
+- Only a crash in a group of one is charged (start.lua's `charges`): past N charges the request
+  is dead-lettered, and no suspect is charged for another suspect.
 """
 
 from __future__ import annotations
 
-import asyncio
 import math
 from typing import Protocol
 
@@ -48,28 +49,21 @@ async def history(redis: Redis, stream: str, group: str, entry_id: str, status: 
 
 
 class Quarantine:
-    """The suspects a worker holds (leased) until its engine is empty, handed out a group at a
-    time. While any wait, the worker takes no fresh work, so that the engine empties."""
+    """The suspects a worker holds (leased) until its policy may run a quarantine group (none
+    of its own is running), handed out a group at a time."""
 
     def __init__(self) -> None:
         self.parked: list[Held] = []
-        self.freed = asyncio.Event()  # a held entry was released: the engine may be empty now
 
-    async def sort(self, redelivered: list, count: int, isolated: int, block_s: float) -> list | None:
+    def sort(self, redelivered: list, count: int, isolated: int) -> list | None:
         """What a fetch of `count` hands out of what it reclaimed (held): the suspects are parked,
-        the rest goes at once. A quarantine group goes when the caller's engine is empty
-        (`isolated` > 0, at most that many); until then nothing fresh is handed out (waiting up to
-        `block_s` for a release). None: nothing from here, read new entries."""
+        the rest goes at once; a quarantine group (at most `isolated`) goes when the caller may
+        run one, ahead of anything else. None: nothing from here, read new entries."""
         self.parked.extend(d for d in redelivered if d.isolated)
         if self.parked and isolated > 0:
             return self.next_group(min(count, isolated))
         fresh = [d for d in redelivered if not d.isolated]
-        if fresh or count <= 0:
-            return fresh
-        if self.parked:
-            await self.wait_freed(block_s)
-            return []
-        return None
+        return fresh if fresh or count <= 0 else None
 
     def drop(self, held: Held) -> None:
         """A parked suspect this worker lost (another took it over)."""
@@ -87,11 +81,3 @@ class Quarantine:
         for d in group:
             d.group = len(group)
         return group
-
-    async def wait_freed(self, timeout_s: float) -> None:
-        """Until a held entry is released (or `timeout_s`): a fetch that withholds fresh work."""
-        self.freed.clear()
-        try:
-            await asyncio.wait_for(self.freed.wait(), timeout_s)
-        except TimeoutError:
-            pass

@@ -46,31 +46,29 @@ async def test_a_quarantine_group_is_a_dynamic_batch_of_its_own(clock: FakeClock
     await stop(policy, source, stopping, task, handler)
 
 
-async def test_continuous_admission_runs_a_quarantine_group_alone() -> None:
-    """The group is asked for only once nothing runs, and nothing is admitted beside it until
-    its last request is done: a crash then is its own."""
+async def test_continuous_admission_runs_one_quarantine_group_at_a_time_beside_fresh_ones() -> None:
+    """A group goes beside fresh requests (the engine is not drained for it); the next group is
+    asked for only once the last of the current one is done."""
     clock = FakeClock()
     source, handler = FakeSource(clock), RecordingHandler()
-    policy = ContinuousAdmission(ContinuousBatchingConfig(max_concurrent_batch_size=4), poll_s=10.0)
+    policy = ContinuousAdmission(ContinuousBatchingConfig(max_concurrent_batch_size=6), poll_s=10.0)
     stopping = asyncio.Event()
     task = asyncio.create_task(policy.run(source, handler, stopping))
     source.push(Req(0))
     await settle()
-    asked_before = len(source.calls)
-    source.push(Req(1, isolated=True), Req(2, isolated=True), Req(3))
-    await clock.advance(10.0)  # the fetch made while 0 runs may not take the group: it ends empty-handed
-    assert [b[0].n for b in handler.batches] == [0]
-    assert all(c.isolated == 0 for c in source.calls[asked_before:])
-    await handler.release_all()  # 0 is done: the engine is empty
-    await clock.advance(10.0)
-    assert [b[0].n for b in handler.batches] == [0, 1, 2]  # the group, alone
-    assert handler.max_running == 2
-    handler.release(1)
+    source.push(Req(1, isolated=True), Req(2, isolated=True), Req(3), Req(4, isolated=True))
     await settle()
-    assert [b[0].n for b in handler.batches] == [0, 1, 2]  # 3 waits for the whole group
+    assert [b[0].n for b in handler.batches] == [0, 1, 2, 3]  # the group beside 0, then 3
+    asked = len(source.calls)
+    await clock.advance(10.0)  # while the group runs, 4 (another group) may not go
+    assert [b[0].n for b in handler.batches] == [0, 1, 2, 3]
+    assert all(c.isolated == 0 for c in source.calls[asked:])
+    handler.release(1)
+    await clock.advance(10.0)
+    assert [b[0].n for b in handler.batches] == [0, 1, 2, 3]  # 2 of the group still runs
     handler.release(2)
     await clock.advance(10.0)
-    assert [b[0].n for b in handler.batches] == [0, 1, 2, 3]
+    assert [b[0].n for b in handler.batches] == [0, 1, 2, 3, 4]
     stopping.set()
     handler.auto = True
     await handler.release_all()
