@@ -21,7 +21,7 @@ ALL_FAULTS = ("crash", "freeze", "lose", "dup", "failover", "clock")
 # (weight, step kind); faults only where the run allows them
 WEIGHTS = {"admit": 8, "cancel": 1.5, "dlq": 1.5, "join": 7, "hangup": 2, "reconnect": 3, "fetch": 8, "start": 8,
            "resume": 5, "emit": 25, "flush": 9, "commit": 8, "lease": 2, "watch": 1.5, "crash": 1.5, "freeze": 3,
-           "lose": 2, "dup": 1, "snapshot": 1, "failover": 0.7, "clock": 1.5}
+           "lose": 2, "dup": 1, "snapshot": 2, "failover": 1.5, "clock": 1.5}
 
 
 @dataclass
@@ -47,13 +47,21 @@ def choose(world: World, rng: random.Random, faults: tuple[str, ...]) -> Step:
     if world.requests:
         pick = lambda: rng.randrange(len(world.requests))  # noqa: E731
         dead = [idx[rid] for rid in world.dead if rid in idx]
+        def join() -> Step:  # mostly a request under way; sometimes while its worker flushes (a read under way)
+            running = [idx[rid] for _, rid, _ in runs]
+            req = rng.choice(running) if running and rng.random() < 0.7 else max(pick(), pick())
+            with_flush = [wi for wi, rid, _ in runs if idx[rid] == req] + [-1]
+            return ("join", req, rng.choice(with_flush))
         enabled.update(cancel=lambda: ("cancel", pick()),
                        dlq=lambda: ("dlq", rng.choice(dead) if dead and rng.random() < 0.9 else pick(),
                                     rng.choice([0, 1, 1, 1, 2])),
-                       join=lambda: ("join", max(pick(), pick())), dup=lambda: ("dup", pick()))
-    if world.readers:
-        enabled.update(hangup=lambda: ("hangup", rng.randrange(len(world.readers))),
-                       reconnect=lambda: ("reconnect", rng.randrange(len(world.readers))))
+                       join=join, dup=lambda: ("dup", pick()))
+    reading = [r.idx for r in world.readers if r.live and r.last_id != "0"]  # mid-stream
+    gone = [r.idx for r in world.readers if not r.live and r.final is None]
+    if reading:
+        enabled["hangup"] = lambda: ("hangup", rng.choice(reading))
+    if gone:
+        enabled["reconnect"] = lambda: ("reconnect", rng.choice(gone))
     fetched = [wi for wi, w in enumerate(world.workers) if w.fetched]
     if fetched:
         enabled["start"] = lambda: ("start", rng.choice(fetched), rng.randrange(4))
@@ -83,11 +91,12 @@ def choose(world: World, rng: random.Random, faults: tuple[str, ...]) -> Step:
         if world.snapshot is not None:
             enabled["failover"] = lambda: ("failover",)
     if "clock" in faults:
-        enabled["clock"] = lambda: ("clock", rng.choice([5, 30, 70, 70, 200, 700]))
+        enabled["clock"] = lambda: ("clock", rng.choice([5, 30, 70, 200, 700, 700]))
     # Few requests at a time, each taken through more of its life (takeovers, retries, expiry).
     unfinished = len(set(world.ledger.accepted) - set(world.ledger.finals) - world.ledger.expired)
     weights = dict(WEIGHTS, admit=WEIGHTS["admit"] if unfinished < 3 else 0.5,
-                   dlq=WEIGHTS["dlq"] * (4 if world.dead else 0.3))
+                   dlq=WEIGHTS["dlq"] * (2 if world.dead else 0.3))
+    weights["hangup"] = 8  # (enabled only while a reader is mid-stream)
     kinds = sorted(enabled)
     kind = rng.choices(kinds, [weights[k] for k in kinds])[0]
     return enabled[kind]()
@@ -137,6 +146,7 @@ async def play(redis: Redis, url: str, seed: int, *, steps: int | None = None, r
                     out.steps.append(step)
                 out.log.append(f"{step} -> {await world.step(step)}")
                 world.dead = [f.get("id", "") for _, f in await redis.xrange(KEYS.dead_letters)]
+                await world.catch_up()
                 if check_every:
                     await check_step(world)
             try:

@@ -206,6 +206,22 @@ class World(Lossy):
         reader.join(self.router, self.redis)
         return f"reader {reader.idx} follows {reader.rid[-6:]}"
 
+    async def catch_up(self, timeout_s: float = 1.0) -> None:
+        """Pacing, not a check: give live readers up to `timeout_s` to read what their streams hold
+        now, so that a hang-up lands mid-stream rather than before the first event arrived."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            live = [r for r in self.readers if r.live]
+            if not live:
+                return
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for r in live:
+                    pipe.xrevrange(KEYS.reply(r.rid), count=1)
+                ends = await pipe.execute()
+            if all(not end or _order(end[0][0]) <= _order(r.last_id) for r, end in zip(live, ends)):
+                return
+            await asyncio.sleep(0.002)
+
     # -- faults
     async def crash(self, w: int) -> None:
         old = self.workers[w]
@@ -294,7 +310,11 @@ class World(Lossy):
         if name == "dlq":
             return await self.dlq(*args)
         if name == "join":
-            return self.join(*args)
+            joined = self.join(args[0])
+            if len(args) > 1 and args[1] >= 0:  # the reader starts while this worker's flush is under way
+                await self.workers[args[1] % len(self.workers)].flush()
+                return f"{joined}, joined during a flush"
+            return joined
         if name in ("hangup", "reconnect"):
             if not self.readers:
                 return "no reader"
