@@ -16,26 +16,55 @@ def _settings(**overrides) -> Settings:
     return Settings(**{k: v for k, v in overrides.items() if v is not None})
 
 
+def _redis_url(redis_url: str | None, settings: Settings) -> str:
+    """--redis-url or SLUICE_REDIS_URL, else the Redis of the `sluice up` running on the data
+    directory, else the default; says which on stderr."""
+    from sluice.cli.running import running_redis_url, shown
+
+    if redis_url:
+        typer.echo(f"Redis: {shown(redis_url)} (--redis-url or SLUICE_REDIS_URL)", err=True)
+        return redis_url
+    found = running_redis_url(settings.data_dir)
+    if found:
+        typer.echo(f"Redis: {shown(found)} (the sluice up running on {settings.data_dir})", err=True)
+        return found
+    typer.echo(f"Redis: {shown(settings.redis_url)} (the default: no sluice up runs on {settings.data_dir}; "
+               "--redis-url or SLUICE_REDIS_URL name another)", err=True)
+    return settings.redis_url
+
+
 def _dead_letters(model: str, redis_url: str | None, action):
+    import redis as redis_errors
+
     from sluice.broker.connection import connect
     from sluice.broker.dead_letters import DeadLetters
+    from sluice.broker.registry import ModelRegistry
 
-    settings = _settings(redis_url=redis_url)
+    settings = _settings()
+    url = _redis_url(redis_url, settings)
 
     async def run():
-        redis = connect(settings.redis_url, name="sluice-cli")
+        redis = connect(url, name="sluice-cli")
         try:
-            from sluice.broker.registry import ModelRegistry
-
             deployed = await ModelRegistry(redis).get(model)
-            letters = DeadLetters(redis, model, status_ttl_s=settings.status_ttl_s,
-                                  shards=deployed.shards if deployed else 1,
-                                  result_ttl_s=(deployed.result_ttl_s if deployed else None) or settings.result_ttl_s)
-            return await action(letters, (deployed.max_queued if deployed else None) or settings.max_queued)
+            if deployed is None:
+                names = sorted(m.name for m in await ModelRegistry(redis).all())
+                typer.echo(f"error: no model {model!r} is deployed on this Redis "
+                           f"({'deployed: ' + ', '.join(names) if names else 'none is'})", err=True)
+                raise typer.Exit(2)
+            letters = DeadLetters(redis, model, status_ttl_s=settings.status_ttl_s, shards=deployed.shards,
+                                  result_ttl_s=deployed.result_ttl_s or settings.result_ttl_s)
+            return await action(letters, deployed.max_queued or settings.max_queued)
         finally:
             await redis.aclose()
 
-    return asyncio.run(run())
+    try:
+        return asyncio.run(run())
+    except (redis_errors.ConnectionError, redis_errors.TimeoutError, OSError) as err:
+        from sluice.cli.running import shown
+
+        typer.echo(f"error: no Redis answers at {shown(url)}: {err}", err=True)
+        raise typer.Exit(1) from None
 
 
 def _selection(ids: list[str] | None, all_: bool) -> list[str] | None:
