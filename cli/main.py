@@ -104,7 +104,8 @@ def worker(
     redis_url: str | None = RedisUrl,
     name: str | None = typer.Option(None, "--name", envvar="SLUICE_WORKER_NAME",
                                        help="Stable consumer name (default: <host>-<model>)."),
-    engine: str = typer.Option("vllm", "--engine", help="vllm, or null (no model: measures the queue)."),
+    engine: str = typer.Option("vllm", "--engine", envvar="SLUICE_WORKER_ENGINE",
+                               help="vllm, or null (no model: measures the queue)."),
     metrics_port: int | None = typer.Option(None, "--metrics-port", envvar="SLUICE_WORKER_METRICS_PORT",
                                             help="Serve Prometheus metrics on this port."),
     models_file: Path | None = ModelsFile,
@@ -137,15 +138,17 @@ def jobs(redis_url: str | None = RedisUrl, models_file: Path | None = ModelsFile
 
 @app.command()
 def up(
-    redis_url: str | None = typer.Option(None, "--redis-url", help="Use this Redis instead of a local one."),
-    port: int = typer.Option(8000, "--port"),
-    host: str = typer.Option("127.0.0.1", "--host"),
+    redis_url: str | None = typer.Option(None, "--redis-url", envvar="SLUICE_REDIS_URL",
+                                         help="Use this Redis instead of a local one."),
+    port: int = typer.Option(8000, "--port", envvar="SLUICE_API_PORT", help="The api's port."),
+    host: str = typer.Option("127.0.0.1", "--host", envvar="SLUICE_API_HOST", help="The api's address."),
     models_file: Path | None = ModelsFile,
     allow_anonymous: bool = AllowAnonymous,
-    verbose: bool = typer.Option(False, "--verbose", "-v", help="Show every process's log here too."),
-    from_oci: str | None = typer.Option(None, "--from", metavar="oci://REGISTRY/REPO:TAG",
+    verbose: bool = typer.Option(False, "--verbose", "-v", envvar="SLUICE_VERBOSE",
+                                 help="Show every process's log here too."),
+    from_oci: str | None = typer.Option(None, "--from", metavar="oci://REGISTRY/REPO:TAG", envvar="SLUICE_FROM",
                                         help="Serve a model published with `sluice publish`."),
-    trust_artifact: bool = typer.Option(False, "--trust-artifact",
+    trust_artifact: bool = typer.Option(False, "--trust-artifact", envvar="SLUICE_TRUST_ARTIFACT",
                                         help="Let the --from artifact run its own code (a custom runtime, "
                                              "trust_remote_code, .py or pickled files), set any engine option "
                                              "and its own replica count."),
@@ -167,7 +170,7 @@ def up(
         except PublishError as err:
             typer.echo(f"error: {err}", err=True)
             raise typer.Exit(2) from None
-    raise typer.Exit(run_up(redis_url or os.environ.get("SLUICE_REDIS_URL"), host, port, models_file,
+    raise typer.Exit(run_up(redis_url, host, port, models_file,
                             allow_anonymous=allow_anonymous, verbose=verbose))
 
 
