@@ -3,7 +3,10 @@ reply channel as it comes, and the final result assembled from what came back.
 
 A redelivered request continues after the tokens its reply stream already holds (prompt plus
 delivered token ids, the remaining `max_tokens`): what was streamed and the final text then
-agree by construction.
+agree by construction. A structured row cannot continue (a grammar starts at token 0): it is
+generated again, and must regenerate the very tokens its stream holds; if the engine gives
+others (its tokens may change with the batch), the request fails rather than contradict what
+its clients streamed (see Diverged).
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
+from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,6 +45,7 @@ class Running:
     prompt_tokens: int = 0
     stop_reason: State | None = None  # CANCELLED / EXPIRED once aborted for that reason
     fenced: bool = False  # its lease lapsed and another worker may reclaim it: finish quietly, commit nothing
+    failure: str | None = None  # why it cannot end with an output (see Diverged): it fails with this error
 
     @classmethod
     def start(cls, delivery: Delivery) -> Running:
@@ -58,8 +63,18 @@ class RowResult:
     finish_reason: str | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprob] | None = None
-    replayed: int = 0  # tokens regenerated from the start that the reply stream already holds
+    replayed_ids: list[int] = field(default_factory=list)  # the tokens a regenerated row's stream holds
     replayed_text: str = ""  # their text, as the reply stream holds it
+
+    @property
+    def replayed(self) -> int:
+        return len(self.replayed_ids)
+
+
+class Diverged(Exception):
+    """A retried structured row, generated again from token 0, gave other tokens than its reply
+    stream holds (an engine's tokens may change with the batch, even under the same seed). The
+    row cannot go on consistently: continuing would stream one text and commit another."""
 
 
 class Generation:
@@ -71,7 +86,20 @@ class Generation:
     async def rows(self, run: Running, resume: dict[int, Delivered]) -> list[RowOutput]:
         """Every row of the request, resumed after what `resume` says was delivered."""
         n_rows = len(run.delivery.message.rows)
-        return list(await asyncio.gather(*(self._row(run, i, resume.get(i)) for i in range(n_rows))))
+        tasks = [asyncio.ensure_future(self._row(run, i, resume.get(i))) for i in range(n_rows)]
+        try:
+            return list(await asyncio.gather(*tasks))
+        except Diverged as err:
+            # The request fails (final_result): its other rows are stopped, and it has no output,
+            # so its final holds no text beside what its clients streamed.
+            log.warning("request %s: %s", run.delivery.message.id, err)
+            run.failure = ("retry of a structured-output request diverged from the tokens already streamed "
+                           f"({err}); resubmit")
+            await self.abort(run)
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            return []
 
     async def _row(self, run: Running, row: int, before: Delivered | None) -> RowOutput:
         msg = run.delivery.message
@@ -81,14 +109,14 @@ class Generation:
         if s.structured is not None and before.finish is None:
             # A grammar cannot start mid-way: a structured row is generated again from its start
             # (same seed), and readers skip the tokens they already have (by index).
-            replayed, replayed_text = len(before.token_ids), "".join(before.text)
+            replayed, replayed_text = before.token_ids, "".join(before.text)
             before = Delivered(prompt_logprobs=before.prompt_logprobs)
         else:
-            replayed, replayed_text = 0, ""
+            replayed, replayed_text = [], ""
         max_tokens = int(values.get("max_tokens") or s.max_tokens)
         result = RowResult(text=list(before.text), tokens=len(before.token_ids), finish_reason=before.finish,
                            logprobs=list(before.logprobs), prompt_logprobs=before.prompt_logprobs,
-                           replayed=replayed, replayed_text=replayed_text)
+                           replayed_ids=replayed, replayed_text=replayed_text)
         if result.finish_reason is None and result.tokens >= max_tokens:
             result.finish_reason = "length"
         if result.finish_reason is None:
@@ -114,32 +142,49 @@ class Generation:
 
     async def _stream(self, run: Running, row: int, result: RowResult, request: GenerationRequest) -> None:
         last: float | None = None
-        async for delta in self.engine.generate(request):
-            if delta.token_ids and self.on_gap is not None:
-                now = time.monotonic()
-                if last is not None:
-                    self.on_gap((now - last) / len(delta.token_ids))
-                last = now
-            if delta.prompt_tokens is not None:
-                result.prompt_tokens = delta.prompt_tokens
-            # An abort is not a finish: the stop reason (cancel, deadline) says why it ended.
-            finish = delta.finish_reason if delta.finish_reason != "abort" else None
-            if delta.token_ids or finish:
-                if run.first_token is None and delta.token_ids:
-                    run.first_token = time.time()
-                if result.tokens + len(delta.token_ids) > result.replayed or finish:  # not on the stream yet
-                    self.replies.delta(run.delivery, _past_replayed(result, delta, row, run.delivery.attempt, finish))
-                result.text.append(delta.text)
-                result.tokens += len(delta.token_ids)
-                result.logprobs.extend(delta.logprobs or ())
-                if delta.prompt_logprobs is not None:
-                    result.prompt_logprobs = delta.prompt_logprobs
-            if delta.finish_reason is not None:
-                result.finish_reason = delta.finish_reason
+        # Closed on leaving (a divergence): the engine stops the generation there.
+        async with aclosing(self.engine.generate(request)) as deltas:
+            async for delta in deltas:
+                if delta.token_ids and self.on_gap is not None:
+                    now = time.monotonic()
+                    if last is not None:
+                        self.on_gap((now - last) / len(delta.token_ids))
+                    last = now
+                if delta.prompt_tokens is not None:
+                    result.prompt_tokens = delta.prompt_tokens
+                # An abort is not a finish: the stop reason (cancel, deadline) says why it ended.
+                finish = delta.finish_reason if delta.finish_reason != "abort" else None
+                if delta.token_ids or finish:
+                    if run.first_token is None and delta.token_ids:
+                        run.first_token = time.time()
+                    _check_replayed(result, delta, finish)
+                    if result.tokens + len(delta.token_ids) > result.replayed or finish:  # not on the stream yet
+                        self.replies.delta(run.delivery,
+                                           _past_replayed(result, delta, row, run.delivery.attempt, finish))
+                    result.text.append(delta.text)
+                    result.tokens += len(delta.token_ids)
+                    result.logprobs.extend(delta.logprobs or ())
+                    if delta.prompt_logprobs is not None:
+                        result.prompt_logprobs = delta.prompt_logprobs
+                if delta.finish_reason is not None:
+                    result.finish_reason = delta.finish_reason
 
     async def abort(self, run: Running) -> None:
         for eid in run.engine_ids:
             await self.engine.abort(eid)
+
+
+def _check_replayed(result: RowResult, delta: TokenDelta, finish: str | None) -> None:
+    """Raise Diverged unless the part of a regenerated row's delta that its reply stream holds
+    already is the very tokens the stream holds (compared by id), and unless the row, finishing,
+    reached the stream's end: nothing of this attempt may contradict what was streamed."""
+    held = result.replayed_ids[result.tokens:result.tokens + len(delta.token_ids)]
+    if held != delta.token_ids[:len(held)]:
+        at = result.tokens + next(k for k, (a, b) in enumerate(zip(held, delta.token_ids)) if a != b)
+        raise Diverged(f"token {at} of {result.replayed} streamed was regenerated as another token")
+    if finish is not None and result.tokens + len(delta.token_ids) < result.replayed:
+        raise Diverged(f"the regeneration ended at token {result.tokens + len(delta.token_ids)} "
+                       f"of {result.replayed} streamed")
 
 
 def _past_replayed(result: RowResult, delta: TokenDelta, row: int, attempt: int, finish: str | None) -> DeltaEvent:
@@ -171,8 +216,11 @@ def _tool_calls(engine: Engine, row: dict[str, Any], text: str) -> tuple[list[di
 
 def final_result(run: Running, outputs: list[RowOutput], error: str | None) -> FinalResult:
     """The request's one final: its stop reason wins over what the engine returned, since an
-    aborted generation ends like a finished one."""
+    aborted generation ends like a finished one. A request that cannot end with an output (its
+    failure: see Diverged) fails with that error and no output."""
     msg = run.delivery.message
+    if run.failure is not None:
+        outputs, error = [], run.failure
     timings = Timings(enqueued=msg.enqueued_at, started=run.started, first_token=run.first_token,
                       finished=time.time())
     usage = Usage(prompt_tokens=run.prompt_tokens, completion_tokens=sum(o.num_output_tokens for o in outputs))

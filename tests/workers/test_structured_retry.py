@@ -2,20 +2,28 @@
 a structured row is generated again from token 0 on retry, and the tokens the earlier attempt
 streamed are replayed. Whatever the chunkings of the two attempts and wherever the first one
 stopped, an engine delta that straddles that point is split there: the stream stays contiguous,
-equals the final text, and the commit goes through."""
+equals the final text, and the commit goes through.
+
+An engine may regenerate other tokens under another batch (the same seed or not): then the
+request fails, with an error saying so, and nothing of the retry contradicts what was streamed
+(its final has no text, and no token of it is written over or beside the streamed ones)."""
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 from collections.abc import AsyncIterator
 
 import pytest
 from redis.asyncio import Redis
 
-from sluice.broker.replies import ReplyWriter, delivered
+from sluice.broker.keys import ModelKeys
+from sluice.broker.replies import ReplyDecoder, ReplyWriter, delivered
 from sluice.config.settings import Settings
-from sluice.protocol.messages import DeltaEvent, SamplingSpec, StructuredSpec
+from sluice.protocol.messages import DeltaEvent, FinalResult, SamplingSpec, StructuredSpec
+from sluice.protocol.states import State
 from sluice.workers.engines.base import Engine, GenerationRequest, TokenDelta
+from sluice.workers.engines.null import NullEngine
 from sluice.workers.generation import Generation, Running, final_result
 from tests.broker.helpers import MODEL, admission, fetch_one, message, ready_consumer, take_over
 
@@ -32,22 +40,47 @@ def _chunks(sizes: tuple[int, ...], upto: int) -> list[list[int]]:
         at += size
 
 
-class ChunkedEngine(Engine):
-    """Regenerates the same tokens (same seed) in the given chunking: token k is ' t<k>'."""
+def _text(tokens: list[int]) -> str:
+    """Token id 100 + k is ' t<k>'; id 200 + k, another token at k, is ' u<k>'."""
+    return "".join(f" t{t - 100}" if t < 200 else f" u{t - 200}" for t in tokens)
 
-    def __init__(self, sizes: tuple[int, ...]) -> None:
-        self.sizes = sizes
+
+class ChunkedEngine(Engine):
+    """Regenerates the same tokens (same seed) in the given chunking: token k is ' t<k>'. With
+    `other_from`, tokens from that index on are others (' u<k>', ids 200 + k), as a real
+    engine's may be under another batch; with `stop_at`, the row ends there ("stop"). Its text
+    and token ids always agree, as a real engine's do."""
+
+    def __init__(self, sizes: tuple[int, ...], other_from: int | None = None, stop_at: int | None = None) -> None:
+        self.sizes, self.other_from, self.stop_at = sizes, other_from, stop_at
+        self.closed: list[str] = []  # generations ended early (closed or cancelled by the worker)
+        self.aborted: list[str] = []
 
     async def start(self) -> None: ...
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenDelta]:
         assert request.resume_token_ids == []  # structured: from the start
-        chunks = _chunks(self.sizes, request.max_tokens)
-        for n, chunk in enumerate(chunks):
-            yield TokenDelta(text="".join(f" t{k}" for k in chunk), token_ids=[100 + k for k in chunk],
-                             finish_reason="length" if n == len(chunks) - 1 else None)
+        upto = min(request.max_tokens, self.stop_at if self.stop_at is not None else request.max_tokens)
+        chunks = _chunks(self.sizes, upto)
+        other_from = self.other_for(request)
+        done = False
+        try:
+            for n, chunk in enumerate(chunks):
+                ids = [(200 if other_from is not None and k >= other_from else 100) + k for k in chunk]
+                last = n == len(chunks) - 1
+                yield TokenDelta(text=_text(ids), token_ids=ids,
+                                 finish_reason=("stop" if upto < request.max_tokens else "length") if last else None)
+                await asyncio.sleep(0)  # rows side by side interleave
+            done = True
+        finally:
+            if not done:
+                self.closed.append(request.request_id)
 
-    async def abort(self, request_id: str) -> None: ...
+    def other_for(self, request: GenerationRequest) -> int | None:
+        return self.other_from
+
+    async def abort(self, request_id: str) -> None:
+        self.aborted.append(request_id)
 
     async def shutdown(self) -> None: ...
 
@@ -81,3 +114,135 @@ async def test_a_retried_structured_row_streams_what_its_final_says(
         expected = "".join(f" t{k}" for k in range(N))
         assert (final.output.text, "".join(row.text), row.token_ids) == (
             expected, expected, [100 + k for k in range(N)]), (streamed, first, again)
+
+
+async def _first_attempt_streams(redis: Redis, settings: Settings, first: tuple[int, ...], streamed: int,
+                                 rows: int = 1):
+    """A structured request of `rows` rows of N tokens whose first attempt streamed `streamed`
+    tokens of each row (chunked as `first`), then died; the second attempt has started. Returns
+    (message, writer, the live consumer, its delivery)."""
+    m = message(rows=rows).model_copy(update={
+        "sampling": SamplingSpec(max_tokens=N, seed=7, structured=StructuredSpec(regex="( [tu][0-9])+"))})
+    m.rows = [{"prompt": f"p{r}", "max_tokens": N} for r in range(rows)]
+    await admission(redis, settings).submit(m, max_queued=1000)
+    dead = await ready_consumer(redis, settings, "dead")
+    d1 = await fetch_one(dead)
+    assert await dead.start(d1) == "run"
+    writer = ReplyWriter(redis, MODEL, reply_ttl_s=settings.reply_ttl_s)
+    for row in range(rows):
+        for chunk in _chunks(first, streamed):
+            ids = [100 + k for k in chunk]
+            writer.delta(d1, DeltaEvent(i=chunk[0], text=_text(ids), token_ids=ids, row=row))
+    await writer.flush()
+    live, d2 = await take_over(redis, settings, d1, "live")
+    return m, writer, live, d2
+
+
+async def _read(redis: Redis, rid: str) -> tuple[dict[int, str], list[FinalResult]]:
+    """What a reader from the start gets: per row the text of its deltas, and the finals."""
+    decoder, texts, finals = ReplyDecoder(), {}, []
+    for entry_id, fields in await redis.xrange(ModelKeys(MODEL).reply(rid)):
+        if (ev := decoder.event(entry_id, fields)) is None:
+            continue
+        if ev.kind == "final":
+            finals.append(ev.final)
+        else:
+            texts[ev.delta.row] = texts.get(ev.delta.row, "") + ev.delta.text
+    return texts, finals
+
+
+def _failed_as_diverged(final: FinalResult) -> None:
+    assert final.status is State.FAILED, final
+    assert "diverged from the tokens already streamed" in final.error and "resubmit" in final.error, final.error
+    assert final.output is None and final.rows is None, final
+
+
+@pytest.mark.parametrize("again", [(1,), (3,), (2, 3), (8,)], ids=str)
+async def test_a_retry_that_regenerates_other_tokens_fails_without_contradicting_the_stream(
+        redis: Redis, settings: Settings, again: tuple[int, ...]) -> None:
+    """Wherever the first attempt stopped and wherever the retry's tokens turn other (inside the
+    streamed part: a divergence; past it: new tokens, fine), however both are chunked: the
+    request ends once, failed with the reason when it diverged, and a reader from the start gets
+    the stream's tokens, never the retry's others, and a final without text; otherwise done,
+    with the stream equal to the final."""
+    first = (2, 5)
+    for streamed in range(1, N):
+        for other_from in range(streamed + 1):  # past the stream's end: the same as at it
+            why = (streamed, other_from, again)
+            m, writer, live, d2 = await _first_attempt_streams(redis, settings, first, streamed)
+            run = Running.start(d2)
+            engine = ChunkedEngine(again, other_from=other_from)
+            outputs = await Generation(engine, writer).rows(run, await delivered(redis, MODEL, m.id))
+            final = final_result(run, outputs, None)
+            assert await writer.commit(d2, final, live.commit), why
+            texts, finals = await _read(redis, m.id)
+            assert finals == [final], why
+            row = (await delivered(redis, MODEL, m.id))[0]
+            if other_from < streamed:
+                _failed_as_diverged(final)
+                assert f"token {other_from} of {streamed}" in final.error, why
+                assert texts == {0: _text(list(range(100, 100 + streamed)))}, why  # only what was streamed
+                assert row.token_ids == list(range(100, 100 + streamed)), why
+                assert engine.closed or engine.aborted, why  # the generation was stopped
+            else:
+                assert final.status is State.DONE, why
+                assert texts[0] == final.output.text == "".join(row.text), why
+                assert row.token_ids[:streamed] == list(range(100, 100 + streamed)), why
+
+
+@pytest.mark.parametrize("again", [(1,), (3,), (8,)], ids=str)
+async def test_a_retry_that_ends_before_the_streamed_tokens_fails(
+        redis: Redis, settings: Settings, again: tuple[int, ...]) -> None:
+    """The same tokens, but fewer than the stream holds ("stop" earlier): the stream holds more
+    than the final could say, so the request fails and nothing is written to the stream."""
+    for streamed in range(2, N):
+        for stop_at in range(1, streamed):
+            m, writer, live, d2 = await _first_attempt_streams(redis, settings, (1,), streamed)
+            run = Running.start(d2)
+            outputs = await Generation(ChunkedEngine(again, stop_at=stop_at), writer).rows(
+                run, await delivered(redis, MODEL, m.id))
+            final = final_result(run, outputs, None)
+            assert await writer.commit(d2, final, live.commit)
+            _failed_as_diverged(final)
+            texts, finals = await _read(redis, m.id)
+            assert (texts, finals) == ({0: _text(list(range(100, 100 + streamed)))}, [final]), (streamed, stop_at)
+
+
+async def test_one_diverging_row_fails_the_request_and_stops_its_other_rows(
+        redis: Redis, settings: Settings) -> None:
+    """Row 0 regenerates other tokens, row 1 the same: the request fails as one, row 1's
+    generation is stopped too, and each row's stream holds only tokens that agree with it."""
+
+    class RowZeroOther(ChunkedEngine):
+        def other_for(self, request: GenerationRequest) -> int | None:
+            return 1 if request.request_id.endswith(":0") else None
+
+    m, writer, live, d2 = await _first_attempt_streams(redis, settings, (1,), 3, rows=2)
+    run = Running.start(d2)
+    engine = RowZeroOther((1,))
+    outputs = await Generation(engine, writer).rows(run, await delivered(redis, MODEL, m.id))
+    final = final_result(run, outputs, None)
+    assert await writer.commit(d2, final, live.commit)
+    _failed_as_diverged(final)
+    texts, finals = await _read(redis, m.id)
+    assert finals == [final]
+    assert texts[0] == _text([100, 101, 102])
+    assert _text(list(range(100, 100 + N))).startswith(texts[1])  # row 1 agreed: whatever it wrote is its own
+    assert f"{m.id}:1" in engine.closed + engine.aborted  # stopped, not left generating
+
+
+async def test_the_null_engine_gives_other_token_ids_when_it_gives_other_tokens() -> None:
+    """As strict as a real engine: under batch-dependent tokens (composition), a token whose text
+    differs with the batch has another id too, so a regenerated structured row that differs
+    is seen by its ids."""
+    engine = NullEngine(composition=True)
+
+    async def ids_and_text(request_id: str) -> tuple[list[int], str]:
+        got = [d async for d in engine.generate(GenerationRequest(request_id=request_id, prompt="p", max_tokens=3))]
+        return [t for d in got for t in d.token_ids], "".join(d.text for d in got)
+
+    alone = await ids_and_text("a")
+    engine._running.add("other")  # another request in the batch
+    beside = await ids_and_text("b")
+    assert alone[1] != beside[1] and alone[0] != beside[0], (alone, beside)
+    assert await ids_and_text("c") == beside and NullEngine().composition is False

@@ -19,9 +19,10 @@ class NullEngine(Engine):
     As strict as vLLM where the queue depends on it: a request id that is already running is
     refused. `token_delay_s` streams one token at a time instead (to exercise deltas, cancels
     and crashes mid-generation); `composition` makes each token depend on how many requests
-    are in the engine when it is produced (" t3.2": token 3, two running), as a real engine's
-    tokens can change with batch composition, so that a retry regenerating tokens instead of
-    resuming after them shows; `crash_on` kills the process on a prompt containing it, like
+    are in the engine when it is produced (" t3.2": token 3, two running; its id 3002), as a real
+    engine's tokens can change with batch composition, so that a retry regenerating tokens
+    instead of resuming after them shows (in its text and, as strictly as a real engine, in its
+    token ids); `crash_on` kills the process on a prompt containing it, like
     a request that brings its engine down.
     """
 
@@ -37,8 +38,11 @@ class NullEngine(Engine):
     async def start(self) -> None:
         return None
 
-    def _token(self, i: int) -> str:
-        return f" t{i}.{len(self._running)}" if self.composition else f" t{i}"
+    def _token(self, i: int) -> tuple[int, str]:
+        """Token i's id and text (with composition, both depend on the batch)."""
+        if not self.composition:
+            return i, f" t{i}"
+        return i * 1000 + len(self._running), f" t{i}.{len(self._running)}"
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenDelta]:
         if request.request_id in self._running:
@@ -62,8 +66,8 @@ class NullEngine(Engine):
         prompt_tokens = len(request.prompt.split())
         prompt_lp = _prompt_logprobs(request) if request.prompt_logprobs is not None else None
         if not self.token_delay_s:
-            ids = list(range(first, last))
-            texts = [self._token(i) for i in ids]
+            tokens = [self._token(i) for i in range(first, last)]
+            ids, texts = [token for token, _ in tokens], [text for _, text in tokens]
             yield TokenDelta("".join(texts), ids, "length", prompt_tokens, _logprobs(request, texts), prompt_lp)
             return
         for i in range(first, last):
@@ -71,8 +75,8 @@ class NullEngine(Engine):
             if request.request_id in self._aborted:
                 yield TokenDelta("", [], "abort", prompt_tokens if i == first else None)
                 return
-            text = self._token(i)
-            yield TokenDelta(text, [i], "length" if i == last - 1 else None, prompt_tokens if i == first else None,
+            token, text = self._token(i)
+            yield TokenDelta(text, [token], "length" if i == last - 1 else None, prompt_tokens if i == first else None,
                              _logprobs(request, [text]), prompt_lp if i == first else None)
 
     async def abort(self, request_id: str) -> None:
