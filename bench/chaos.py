@@ -95,7 +95,8 @@ class ChaosStack:
         for i in range(len(self.ports)):
             self.start_api(i)
         for url in self.urls:
-            wait_ready(url, [*self.apis.values(), *self.workers.values()], timeout_s=120)
+            # Minutes on a loaded machine: six Python processes start at once.
+            wait_ready(url, [*self.apis.values(), *self.workers.values()], timeout_s=300)
 
     def kill(self, proc: subprocess.Popen) -> None:
         self.local.kill(proc)

@@ -30,7 +30,10 @@ from sluice.broker.keys import ModelKeys
 from sluice.protocol.responses import request_id, response_id
 
 SUBMIT_TIMEOUT_S = 60.0  # a submit still unanswered after this long is given up (never counted as accepted)
-RESPONSE_ENDS = ("response.completed", "response.incomplete", "response.failed", "response.cancelled")
+# A Responses stream's terminal events, and the request state each stands for ("incomplete" is
+# done at max_output_tokens; "failed" stands for expired too).
+RESPONSE_ENDS = {"response.completed": "done", "response.incomplete": "done", "response.failed": "failed",
+                 "response.cancelled": "cancelled"}
 SCHEMA = {"type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"]}
 
 
@@ -233,6 +236,7 @@ class Load:
         Last-Event-ID, a Responses stream (reader "responses") with starting_after."""
         await asyncio.sleep(join_after)
         last: str | None = None  # the last event's id (sequence number for a Responses stream)
+        text = ""  # a Responses stream's whole text (response.output_text.done)
         drop_after = self.rng.randint(1, 6) if self.rng.random() < self.hangups else None
         while time.monotonic() < follow_until:
             url = self.urls[(api + rd.reconnects) % len(self.urls)]
@@ -252,9 +256,13 @@ class Load:
                                 drop_after, rd.dropped = None, True
                                 break
                         elif name == "response.output_text.done":
-                            rd.final = {"output": {"text": data["text"]}}
-                        elif name in ("done", "error") or name in RESPONSE_ENDS:
-                            rd.final = data if name in ("done", "error") else rd.final or {}
+                            text = data["text"]
+                        elif name in ("done", "error"):
+                            rd.final = data
+                            return
+                        elif name in RESPONSE_ENDS:  # as a RequestView: a text only when completed
+                            state = RESPONSE_ENDS[name]
+                            rd.final = {"status": state, **({"output": {"text": text}} if state == "done" else {})}
                             return
             except httpx.TransportError:
                 pass
