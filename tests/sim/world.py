@@ -209,11 +209,13 @@ class World(Lossy):
     async def catch_up(self, timeout_s: float = 1.0) -> None:
         """Pacing, not a check: give live readers up to `timeout_s` to read what their streams hold
         now, so that a hang-up lands mid-stream rather than before the first event arrived."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
+        deadline, quiet, last = time.monotonic() + timeout_s, 0, None
+        while time.monotonic() < deadline and quiet < 10:  # (a reader skips entries it holds: no progress)
             live = [r for r in self.readers if r.live]
             if not live:
                 return
+            now = [(r.idx, r.last_id) for r in live]
+            quiet, last = (quiet + 1 if now == last else 0), now
             async with self.redis.pipeline(transaction=False) as pipe:
                 for r in live:
                     pipe.xrevrange(KEYS.reply(r.rid), count=1)
