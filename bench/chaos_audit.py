@@ -131,6 +131,9 @@ def _differs(got: dict[int, str], want: dict[int, str]) -> str | None:
     return None
 
 
+DIVERGED = "diverged from the tokens already streamed"  # a failed final's error (see audit_one)
+
+
 def _regenerated_otherwise(deltas: list[dict], final: str) -> bool:
     """Whether a retried structured row's final differs from its stream inside the part an
     earlier attempt streamed: the row was generated again from token 0 (a grammar cannot start
@@ -167,7 +170,10 @@ def audit_one(r: redis_sync.Redis, t: Tracked) -> dict:
         row["gaps"] = holes  # not broken by itself: a retry may have resumed from the hole
     final = final_texts(finals[0]) if finals else None
     streamed = replay(deltas)
-    if final is not None and (why := _differs(streamed, final)):
+    # A retried structured row the engine regenerated with other tokens than it streamed fails
+    # the request, saying so, with no text (workers/generation.py): what was streamed stands.
+    row["diverged"] = bool(finals) and not final and DIVERGED in (finals[0].get("error") or "")
+    if final is not None and not row["diverged"] and (why := _differs(streamed, final)):
         row["broken"].append(f"stream != final: the reply stream replayed {why}")
         row["regenerated_otherwise"] = t.kind == "structured" and _regenerated_otherwise(deltas, final.get(0, ""))
     for rd in t.readers:
@@ -177,7 +183,7 @@ def audit_one(r: redis_sync.Redis, t: Tracked) -> dict:
             row["reader_vs_stream"] = True  # a reader defect whatever the final says
         if final is not None and final_texts(rd.final) != final:
             row["broken"].append(f"reader != final: {rd.name}'s final view differs from the stream's final")
-        if (why := _differs(rd.texts(), final_texts(rd.final))) or (why := rd.index_gap()):
+        if (why := None if row["diverged"] else _differs(rd.texts(), final_texts(rd.final))) or (why := rd.index_gap()):
             row["broken"].append(f"reader != final: {rd.name} ({rd.describe()}) {why}")
     if finals and t.answer is not None and (why := _differs(t.answer, final or {})):
         row["broken"].append(f"answer != final: the call's own answer {why}")
@@ -195,7 +201,7 @@ def audit(redis_url: str, tracked: list[Tracked]) -> dict:
                "readers_unfinished": 0, "readers_dropped": sum(rd.dropped for t in tracked for rd in t.readers),
                "readers_late": sum(rd.name != "first" for t in tracked for rd in t.readers),
                "kinds": {k: sum(t.kind == k for t in tracked) for k in ("stream", "poll", "structured", "rows")},
-               "done_once": 0, "regenerated_otherwise": 0}
+               "done_once": 0, "regenerated_otherwise": 0, "diverged": 0}
     for row in rows:
         state = row["finals"][0].split("@")[0] if row["finals"] else None
         if state in FINAL_STATES:
@@ -209,6 +215,7 @@ def audit(redis_url: str, tracked: list[Tracked]) -> dict:
         figures["readers_mismatched"] += len({b.split(" ")[3] for b in broken if b.startswith("reader")})
         figures["answer_mismatch"] += any(b.startswith("answer") for b in broken)
         figures["regenerated_otherwise"] += bool(row.get("regenerated_otherwise"))
+        figures["diverged"] += row["diverged"]
         figures["retried"] += int(row["status_attempt"] or 1) > 1
         figures["readers_unfinished"] += bool(row.get("reader_unfinished"))
     figures["dead_letters"] = sum(r.xlen(ModelKeys(m).dead_letters) for m in {t.model for t in tracked})
@@ -229,6 +236,7 @@ def table(f: dict, models: list[str]) -> Table:
              f"{f['accepted']} ({kinds['stream']}/{kinds['poll']}/{kinds['structured']}/{kinds['rows']})"),
             ("done exactly once", f["done_once"])]
     rows += [(c, f[c]) for c in ("failed", "expired", "cancelled", "lost", "duplicated")]
+    rows += [("failed as diverged (a retried structured row regenerated other tokens)", f["diverged"])]
     rows += [("streamed != final (reply stream, per row)", f["stream_mismatch"]),
              ("  of which a retried structured row regenerated other tokens", f["regenerated_otherwise"]),
              ("reader != final (requests)", f["reader_mismatch"]),
