@@ -191,8 +191,9 @@ def _past_replayed(result: RowResult, delta: TokenDelta, row: int, attempt: int,
     """The part of an engine delta the reply stream does not hold yet. A regenerated structured
     row replays the tokens an earlier attempt streamed; a delta that straddles the point that
     attempt reached is split there, so the stream goes on exactly where it ends (written whole,
-    it would start below the stream's end and be refused, leaving a hole). The same seed gives
-    the same tokens, so the text past the point is the regenerated text past the streamed one."""
+    it would start below the stream's end and be refused, leaving a hole). The tokens up to the
+    point are the streamed ones (_check_replayed), so the text past it is the regenerated text
+    past the streamed one."""
     skip = min(max(0, result.replayed - result.tokens), len(delta.token_ids))
     if skip == 0:
         return DeltaEvent(i=result.tokens, text=delta.text, token_ids=delta.token_ids, attempt=attempt, row=row,
