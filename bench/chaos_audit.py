@@ -181,6 +181,9 @@ def audit_one(r: redis_sync.Redis, t: Tracked) -> dict:
             continue
         if _differs(rd.texts(), streamed):
             row["reader_vs_stream"] = True  # a reader defect whatever the final says
+        if finals and (rd.final.get("status") == "done") != (finals[0]["status"] == "done"):
+            row["broken"].append(f"reader != final: {rd.name} was told {rd.final.get('status')}, the final is "
+                                 f"{finals[0]['status']}")
         if final is not None and final_texts(rd.final) != final:
             row["broken"].append(f"reader != final: {rd.name}'s final view differs from the stream's final")
         if (why := None if row["diverged"] else _differs(rd.texts(), final_texts(rd.final))) or (why := rd.index_gap()):
@@ -255,7 +258,8 @@ def table(f: dict, models: list[str]) -> Table:
 
 
 def broken(f: dict) -> bool:
-    """Whether the run broke the promise: a request lost, duplicated or not done, or a text
-    (the reply stream, a reader, an answer) other than the final."""
-    return bool(f["lost"] or f["duplicated"] or f["done"] < f["accepted"] or f["stream_mismatch"]
+    """Whether the run broke the promise: a request lost, duplicated or not done (but a retried
+    structured row that failed as diverged, as designed), or a text (the reply stream, a reader,
+    an answer) other than the final."""
+    return bool(f["lost"] or f["duplicated"] or f["done"] + f["diverged"] < f["accepted"] or f["stream_mismatch"]
                 or f["reader_mismatch"] or f["answer_mismatch"])
