@@ -179,8 +179,10 @@ def audit_one(r: redis_sync.Redis, t: Tracked) -> dict:
     for rd in t.readers:
         if rd.final is None:
             continue
-        if _differs(rd.texts(), streamed):
+        if why := _differs(rd.texts(), streamed):
             row["reader_vs_stream"] = True  # a reader defect whatever the final says
+            if row["diverged"]:  # the stream is all the text there is: it is this reader's final
+                row["broken"].append(f"reader != final: {rd.name} ({rd.describe()}) != its reply stream {why}")
         if finals and (rd.final.get("status") == "done") != (finals[0]["status"] == "done"):
             row["broken"].append(f"reader != final: {rd.name} was told {rd.final.get('status')}, the final is "
                                  f"{finals[0]['status']}")
