@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import socket
 import time
 from pathlib import Path
 
@@ -19,6 +20,7 @@ import httpx
 from sluice.api.auth import anonymous_listen_error
 from sluice.cli.processes import free_port
 from sluice.cli.replicas import DeploymentError, Replica, plan_replicas
+from sluice.cli.running import DataDirBusy, UpLock
 from sluice.cli.stack import LocalStack
 from sluice.config.model import DEFAULT_MODEL_PATH, ModelConfig, load_models
 from sluice.config.settings import Settings
@@ -35,6 +37,44 @@ def _reachable(url: str) -> bool:
         return bool(sync_connect(url, socket_connect_timeout=3, socket_timeout=3).ping())
     except (redis.RedisError, OSError):
         return False
+
+
+def _port_taken(host: str, port: int) -> str | None:
+    """Why the api could not listen on host:port, or None (checked before anything starts)."""
+    if port == 0:
+        return None
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as err:
+        return f"cannot listen on {host}:{port}: {err}"
+    family, kind, proto, _, addr = infos[0]
+    with socket.socket(family, kind, proto) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        try:
+            s.bind(addr)
+        except OSError as err:
+            return (f"port {port} on {host} is taken ({err.strerror}): stop what holds it, or choose another "
+                    "with --port or SLUICE_API_PORT")
+    return None
+
+
+def _last_lines(path: Path, n: int = 3) -> str:
+    """The end of a process's log, for the console: why it stopped."""
+    try:
+        lines = [x for x in path.read_text(errors="replace").splitlines() if x.strip()]
+    except OSError:
+        return ""
+    return "\n".join(f"  | {x[:200]}" for x in lines[-n:])
+
+
+def _exited(stack: LocalStack, proc) -> str:
+    """"<process> exited with N", and the end of its log."""
+    name = next((n for n, p in stack.workers.items() if p is proc), None)
+    log_name = f"{name}.log" if name else "jobs.log" if proc is stack.jobs else "api.log"
+    what = f"worker {name}" if name else "the jobs worker" if proc is stack.jobs else "the api"
+    logs = stack.logs_dir or stack.data_dir / "logs"
+    tail = _last_lines(logs / log_name) if stack.output == "logs" else ""
+    return f"{what} exited with {proc.returncode}; its log is {logs / log_name}" + (f":\n{tail}" if tail else "")
 
 
 def _prepare(models: list[ModelConfig], settings: Settings) -> bool:
@@ -80,8 +120,7 @@ def _wait_ready(stack: LocalStack, replicas: list[Replica], stop: dict, ttl_s: f
             return False
         for p in stack.processes:
             if p.poll() is not None:
-                raise RuntimeError(f"{' '.join(map(str, p.args[3:]))} exited with {p.returncode} while starting; "
-                                   f"its log is in {stack.logs_dir or stack.data_dir / 'logs'}")
+                raise RuntimeError(f"while starting, {_exited(stack, p)}")
         live = _live_workers(stack.redis_url or "", ttl_s)  # as the api's WorkerRegistry.live counts them
         for r in replicas:
             if r.name in live and r.name not in seen:
@@ -120,6 +159,25 @@ def run_up(redis_url: str | None, host: str, port: int, models_file: Path | None
         log.error("no Redis answers at %s (from --redis-url or SLUICE_REDIS_URL); leave both unset "
                   "to run a local one", redis_url)
         return 2
+    taken = _port_taken(host, port)
+    if taken:
+        log.error("%s", taken)
+        return 2
+    try:  # one sluice up per data directory: a second one would start a second Redis on the same AOF
+        lock = UpLock(settings.data_dir).acquire()
+    except DataDirBusy as err:
+        log.error("%s", err)
+        return 2
+    try:
+        return _run(lock, models, replicas, settings, redis_url, host, port, models_file, t0,
+                    allow_anonymous=allow_anonymous, verbose=verbose)
+    finally:
+        lock.release()
+
+
+def _run(lock: UpLock, models: list[ModelConfig], replicas: list[Replica], settings: Settings,
+         redis_url: str | None, host: str, port: int, models_file: Path | None, t0: float, *,
+         allow_anonymous: bool, verbose: bool) -> int:
     if not _prepare(models, settings):
         return 2
     logging.getLogger("httpx").setLevel(logging.WARNING)  # the readiness polls
@@ -136,7 +194,7 @@ def run_up(redis_url: str | None, host: str, port: int, models_file: Path | None
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
     try:
-        stack.start_redis()
+        lock.record_redis(stack.start_redis())  # `sluice dlq` and the like find it there
         if redis_url is None and stack.redis is not None:
             log.info("started a local redis-server on %s (AOF in %s)", stack.redis_url, stack.redis.data_dir)
         if not verbose:
@@ -161,12 +219,26 @@ def run_up(redis_url: str | None, host: str, port: int, models_file: Path | None
             served = ", ".join(f"{m.name} x{m.deployment.replicas}" for m in models)
             log.info("Sluice is up at %s serving %s (%.1fs); workers and their metrics: %s/v1/workers; "
                      "Ctrl-C stops it", stack.url, served, time.monotonic() - t0, stack.url)
-        while not stop["requested"] and all(c.poll() is None for c in stack.processes):
+        while not stop["requested"]:
+            dead = next((c for c in stack.processes if c.poll() is not None), None)
+            if dead is not None:
+                log.error("%s; stopping the rest", _exited(stack, dead))
+                return 1
             time.sleep(0.2)
-        return 0 if stop["requested"] else 1
-    except (RuntimeError, TimeoutError) as err:  # a child died while starting, or never got ready
+        return 0
+    except (RuntimeError, TimeoutError) as err:  # a child died while starting, never got ready, no redis-server
         log.error("%s", err)
         return 1
     finally:
         log.info("stopping")
         stack.stop()  # the workers first: they drain their requests
+        _say_stopped(stack)
+
+
+def _say_stopped(stack: LocalStack) -> None:
+    """"stopped", and whatever is still running (nothing should be)."""
+    left = [f"{' '.join(map(str, p.args[3:6]))} (pid {p.pid})" for p in stack.processes if p.poll() is None]
+    if left:
+        log.warning("stopped; still running: %s", ", ".join(left))
+    else:
+        log.info("stopped; nothing it started is left running")

@@ -118,6 +118,7 @@ def test_up_serves_every_model_and_replica_and_stops_everything_it_started(tmp_p
     assert "Sluice is up" in shown and "worker echo-1 ready" in shown and "metrics at http://" in shown
     assert "HTTP Request" not in shown and "GET /readyz" not in shown and "GET /healthz" not in shown
     assert len(lines) < 25, shown  # the engine's load and the access log went to files
+    assert lines[-1].endswith("stopped; nothing it started is left running"), shown
     logs = tmp_path / "data" / "logs"
     assert {"api.log", "jobs.log", "solo-0.log", "echo-0.log", "echo-1.log"} <= {p.name for p in logs.iterdir()}
     assert "vllm" in (logs / "solo-0.log").read_text().lower()
@@ -148,3 +149,63 @@ def test_a_published_model_is_pulled_and_served_with_no_other_file(tmp_path: Pat
                 up.kill()
     pulled = tmp_path / "data" / "oci"
     assert (pulled / f"{registry.host.replace(':', '_')}_sluice_edge_v1" / "model" / "config.json").is_file()
+
+
+NULL_MODEL = "models:\n  - name: m\n    path: /no/model/needed\n"  # served by the null engine
+
+
+def up_console(tmp_path: Path, name: str, data: Path, port: int, **env: str) -> tuple[subprocess.Popen, Path]:
+    """`sluice up` with null-engine workers, its port given by SLUICE_API_PORT (not --port)."""
+    models = tmp_path / "models.yaml"
+    models.write_text(NULL_MODEL)
+    env = {**{k: v for k, v in os.environ.items() if k not in ("SLUICE_REDIS_URL", "SLUICE_API_HOST")},
+           "SLUICE_DATA_DIR": str(data), "SLUICE_MODELS_FILE": str(models), "SLUICE_WORKER_ENGINE": "null",
+           "SLUICE_API_PORT": str(port), **env}
+    console = tmp_path / f"{name}.txt"
+    proc = subprocess.Popen([sys.executable, "-m", "sluice.cli", "up"], env=env, stdout=open(console, "wb"),
+                            stderr=subprocess.STDOUT)
+    return proc, console
+
+
+def test_one_up_per_data_dir_a_busy_port_stops_it_first_and_it_says_why_it_stopped(tmp_path: Path) -> None:
+    """Issue 30, defects 1, 2, 3 and 10: a second `sluice up` on the same data directory, or one
+    whose port is taken, says so in one line and starts nothing; operator commands find the
+    running one's Redis; a process that dies takes the stack down with its reason on the
+    console, and the console says what is left (nothing)."""
+    data = tmp_path / "data"
+    port = free_port()
+    up, console = up_console(tmp_path, "first", data, port)
+    try:
+        wait_ready(f"http://127.0.0.1:{port}", [up], timeout_s=300)  # SLUICE_API_PORT was heard
+        recorded = (data / "redis-url").read_text().strip()
+        assert recorded.startswith("redis://127.0.0.1:")
+
+        env = {k: v for k, v in os.environ.items() if k != "SLUICE_REDIS_URL"} | {"SLUICE_DATA_DIR": str(data)}
+        dlq = subprocess.run([sys.executable, "-m", "sluice.cli", "dlq", "list", "--model", "m"], env=env,
+                             capture_output=True, text=True, timeout=120)
+        assert dlq.returncode == 0 and f"Redis: {recorded} (the sluice up running on {data})" in dlq.stderr, dlq
+        assert "no dead letters for m" in dlq.stderr
+
+        second, second_console = up_console(tmp_path, "second", data, free_port())  # same data, free port
+        assert second.wait(120) == 2
+        shown = second_console.read_text().splitlines()
+        assert len(shown) == 1 and "another sluice up" in shown[0] and str(data) in shown[0], shown
+
+        other = tmp_path / "other"
+        third, third_console = up_console(tmp_path, "third", other, port)  # its own data, a taken port
+        assert third.wait(120) == 2
+        shown = third_console.read_text().splitlines()
+        assert len(shown) == 1 and f"port {port} on 127.0.0.1 is taken" in shown[0], shown
+        assert not (other / "redis").exists()  # nothing was started
+
+        [worker] = httpx.get(f"http://127.0.0.1:{port}/v1/workers").json()["workers"]
+        assert worker["pid"] in {c.pid for c in psutil.Process(up.pid).children()}
+        os.kill(worker["pid"], signal.SIGKILL)
+        assert up.wait(120) == 1
+    finally:
+        if up.poll() is None:
+            up.kill()
+    lines = console.read_text().splitlines()
+    assert any("worker m-0 exited with -9; its log is" in x and "ERROR" in x for x in lines), lines
+    assert lines[-1].endswith("stopped; nothing it started is left running"), lines
+    assert not (data / "redis-url").exists()
