@@ -30,7 +30,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        await asyncio.to_thread(structured.backend)  # its first import stalls for a second: now, not in a request
+        # xgrammar's first import takes seconds (5 s of CPU here): begun now in a thread, so that
+        # neither the start nor a request's event loop waits for it (a structured-output request
+        # that comes first waits in its own thread, where constraints are compiled)
+        app.state.structured_backend = asyncio.create_task(asyncio.to_thread(structured.backend))
         app.state.sluice = build_state(settings, models)
         await app.state.sluice.open()
         try:

@@ -30,7 +30,7 @@ def problem(spec: StructuredSpec) -> str | None:
 @functools.cache
 def backend() -> Any:
     """xgrammar, or None where it is not installed (an api without vLLM). Its first import takes
-    over a second: the api imports it at start (api/app.py), not inside a request."""
+    seconds: the api begins it at start in a thread (api/app.py), never on its event loop."""
     try:
         import xgrammar
     except ImportError:
