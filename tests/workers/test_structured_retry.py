@@ -19,13 +19,16 @@ from redis.asyncio import Redis
 
 from sluice.broker.keys import ModelKeys
 from sluice.broker.replies import ReplyDecoder, ReplyWriter, delivered
+from sluice.config.model import ModelConfig
 from sluice.config.settings import Settings
 from sluice.protocol.messages import DeltaEvent, FinalResult, SamplingSpec, StructuredSpec
 from sluice.protocol.states import State
 from sluice.workers.engines.base import Engine, GenerationRequest, TokenDelta
 from sluice.workers.engines.null import NullEngine
 from sluice.workers.generation import Generation, Running, final_result
-from tests.broker.helpers import MODEL, admission, fetch_one, message, ready_consumer, take_over
+from tests.broker.helpers import MODEL, admission, fetch_one, message, read_events, ready_consumer, take_over
+from tests.workers import test_worker_delivery as through
+from tests.workers.test_worker_null import eventually
 
 N = 8  # tokens the row generates
 
@@ -246,3 +249,31 @@ async def test_the_null_engine_gives_other_token_ids_when_it_gives_other_tokens(
     beside = await ids_and_text("b")
     assert alone[1] != beside[1] and alone[0] != beside[0], (alone, beside)
     assert await ids_and_text("c") == beside and NullEngine().composition is False
+
+
+async def test_a_worker_fails_a_structured_retry_its_engine_regenerates_otherwise(
+        redis: Redis, settings: Settings) -> None:
+    """Through a worker and the null engine whose tokens depend on the batch (their text and
+    ids): the first attempt streamed ' t0.9 t1.9' (nine in its batch) and died; the retry,
+    alone in the engine, regenerates ' t0.1' first. The request ends once, failed, saying why,
+    and a reader gets the streamed text and that final, nothing of the retry."""
+    settings = settings.model_copy(update={"lease_timeout_s": 1.0, "heartbeat_interval_s": 0.2})
+    m = through.message(5)
+    m.sampling.structured = StructuredSpec(json_object=True)
+    await admission(redis, settings).submit(m, max_queued=10)
+    await through.died_after_streaming(redis, settings, DeltaEvent(i=0, text=" t0.9 t1.9", token_ids=[9, 1009]))
+    started: list = []
+    try:
+        await through.start(redis, settings, started, NullEngine(token_delay_s=0.005, composition=True),
+                            ModelConfig(name=MODEL, dynamic_batching_config=through.DYNAMIC))
+        await eventually(lambda: through.is_final(redis, m.id), timeout_s=30, what="final")
+    finally:
+        for worker, _ in started:
+            worker.stopping.set()
+        await asyncio.wait_for(asyncio.gather(*(t for _, t in started), return_exceptions=True), 30)
+    final = await through.final_of(redis, m.id)
+    _failed_as_diverged(final)
+    assert "token 0 of 2" in final.error, final.error
+    events = await read_events(redis, m.id, idle_timeout_s=5)
+    assert "".join(e.delta.text for e in events if e.kind == "delta") == " t0.9 t1.9"
+    assert [e.final for e in events if e.kind == "final"] == [final]
