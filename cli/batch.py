@@ -25,6 +25,7 @@ batch_app = typer.Typer(no_args_is_help=True, help="Bulk jobs: run a file throug
 Url = typer.Option("http://127.0.0.1:8000", "--url", envvar="SLUICE_URL", help="The Sluice api.")
 ApiKey = typer.Option(None, "--api-key", envvar="SLUICE_API_KEY")
 PARAMS = ("max_tokens", "temperature", "top_p", "seed")
+SHOWN_ERRORS = 3  # failed rows printed when a batch ends; the rest are in the output file
 
 
 def _format(path: Path) -> str:
@@ -136,27 +137,34 @@ def run(
     counts = batch["request_counts"]
     typer.echo(f"{batch['id']} {batch['status']}: {counts['completed']} done, {counts['failed']} failed "
                f"of {counts['total']} -> {output}")
-    if batch["status"] != "completed":
+    errors = [r for r in records if r.get("error")]
+    for r in errors[:SHOWN_ERRORS]:
+        typer.echo(f"  {r.get('custom_id')}: {(r['error'] or {}).get('message', r['error'])}", err=True)
+    if len(errors) > SHOWN_ERRORS:
+        typer.echo(f"  ... {len(errors) - SHOWN_ERRORS} more in {output}", err=True)
+    if batch["status"] != "completed" or counts["failed"]:
         raise typer.Exit(1)
 
 
 def _follow(client: httpx.Client, batch: dict) -> dict:
     """Poll the batch with a progress bar (rows, rows/s, tokens/s, ETA); Ctrl-C cancels it."""
     started = time.monotonic()
-    columns = [TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-               TextColumn("{task.fields[rate]}"), TimeRemainingColumn()]
+    # Fits 80 columns: the batch id is said once above it, not on every refresh.
+    columns = [TextColumn("[bold]{task.description:<11}"), BarColumn(bar_width=16), MofNCompleteColumn(),
+               TextColumn("{task.fields[rate]}"), TimeRemainingColumn(compact=True)]
+    typer.echo(f"{batch['id']}: {batch['status']}", err=True)
     try:
         with Progress(*columns, transient=False) as progress:
-            task = progress.add_task(batch["id"], total=None, rate="")
+            task = progress.add_task(batch["status"], total=None, rate="")
             while batch["status"] not in FINAL_BATCH_STATES:
                 time.sleep(0.5)
                 batch = _check(client.get(f"/v1/batches/{batch['id']}"))
                 c = batch["request_counts"]
                 done = c["completed"] + c["failed"]
                 elapsed = max(time.monotonic() - started, 1e-6)
-                rate = f"{done / elapsed:.1f} rows/s, {batch['usage']['output_tokens'] / elapsed:.0f} tok/s"
+                rate = f"{done / elapsed:.1f} rows/s {batch['usage']['output_tokens'] / elapsed:.0f} tok/s"
                 progress.update(task, total=c["total"] or None, completed=done, rate=rate,
-                                description=f"{batch['id']} {batch['status']}")
+                                description=batch["status"])
     except KeyboardInterrupt:
         typer.echo(f"cancelling {batch['id']}", err=True)
         _check(client.post(f"/v1/batches/{batch['id']}/cancel"))
