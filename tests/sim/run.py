@@ -167,29 +167,36 @@ async def play(redis: Redis, url: str, seed: int, *, steps: int | None = None, r
 async def shrink(redis: Redis, url: str, seed: int, failing: Outcome, *, budget: int = 150,
                  faults: tuple[str, ...] = ALL_FAULTS) -> Outcome:
     """Delta debugging over the step list: drop chunks (halves, quarters ... single steps) while
-    the same invariant still breaks; at most `budget` replays."""
+    the same invariant still breaks; at most `budget` replays. Admissions are kept in a first
+    pass (steps name requests by their admission order, which dropping one would shift)."""
     assert failing.violation is not None
     best = failing
     steps = failing.steps[: (failing.at + 1) if failing.at is not None else len(failing.steps)]
     want = failing.violation.invariant
-    tries, n = 0, 2
-    while len(steps) >= 2 and tries < budget:
-        size = max(len(steps) // n, 1)
-        cut = False
-        for start in range(0, len(steps), size):
-            if tries >= budget:
+    tries = 0
+    for keep_admissions in (True, False):
+        n = 2
+        while tries < budget:
+            movable = [i for i, s in enumerate(steps) if not (keep_admissions and s[0] == "admit")]
+            if len(movable) < 2 and n > 2:
                 break
-            candidate = steps[:start] + steps[start + size:]
-            tries += 1
-            got = await play(redis, url, seed, replay=candidate, faults=faults)
-            if got.violation is not None and got.violation.invariant == want:
-                steps, best, cut = candidate, got, True
-                n = max(n - 1, 2)
-                break
-        if not cut:
-            if size == 1:
-                break
-            n = min(n * 2, len(steps))
+            size = max(len(movable) // n, 1)
+            cut = False
+            for start in range(0, len(movable), size):
+                if tries >= budget:
+                    break
+                drop = set(movable[start:start + size])
+                candidate = [s for i, s in enumerate(steps) if i not in drop]
+                tries += 1
+                got = await play(redis, url, seed, replay=candidate, faults=faults)
+                if got.violation is not None and got.violation.invariant == want:
+                    steps, best, cut = candidate, got, True
+                    n = max(n - 1, 2)
+                    break
+            if not cut:
+                if size == 1:
+                    break
+                n = min(n * 2, max(len(movable), 2))
     best.steps = steps
     return best
 
