@@ -64,6 +64,7 @@ class Tracked:
     rows: int = 1
     readers: list[Reader] = field(default_factory=list)
     answer: dict[int, str] | None = None  # per row, the text a poll or the infer call answered
+    every_reader: bool = False  # a client's first request: a late reader and a hang-up, whatever the draw
 
 
 def replay(deltas: list[dict]) -> dict[int, str]:

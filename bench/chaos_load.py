@@ -1,16 +1,12 @@
 """The load of `sluice bench chaos`: clients that use Sluice the ways its users do.
 
-Four kinds of request: plain single-row requests (POST /v1/requests with an Idempotency-Key,
-retried on either api until a 202 or a refusal) followed by SSE readers or by a long-poll;
-structured requests (a background POST /v1/responses with a json_schema text format: a retry
-regenerates such a row from its start); and multi-row requests (POST /v1/models/{m}/infer with
-2 to 4 rows, answered once all rows are final). A streamed request has a reader from its start
-and, for a share of them, a second reader that joins mid-stream; any reader may hang up once
-after a few events and resume with Last-Event-ID (through the other api when theirs died).
-A multi-row request's id is learnt from Redis while the call waits (as an operator would find it),
-so that readers can follow it; the call's own answer is compared with the final too.
+Plain requests (POST /v1/requests with an Idempotency-Key, retried on either api) followed by
+SSE readers or a long-poll; structured ones (a background POST /v1/responses, json_schema: a
+retry regenerates the row from its start); multi-row ones (POST /v1/models/{m}/infer, 2-4 rows;
+their id is read from Redis while the call waits, so readers can follow them). A followed request
+has a reader from its start and, for a share, one joining mid-stream (a Responses stream for a
+structured one); any reader may hang up once and resume (Last-Event-ID, starting_after).
 """
-
 from __future__ import annotations
 
 import asyncio
@@ -34,6 +30,7 @@ SUBMIT_TIMEOUT_S = 60.0  # a submit still unanswered after this long is given up
 # done at max_output_tokens; "failed" stands for expired too).
 RESPONSE_ENDS = {"response.completed": "done", "response.incomplete": "done", "response.failed": "failed",
                  "response.cancelled": "cancelled"}
+KINDS = ("stream", "structured", "rows", "poll")
 SCHEMA = {"type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"]}
 
 
@@ -56,9 +53,7 @@ class Load:
         self.late_readers, self.structured, self.multi_row = late_readers, structured, multi_row
         self.rows_model = rows_model or models[-1]
         self.redis = redis_async.Redis.from_url(redis_url, decode_responses=True) if redis_url else None
-        self.rng = random.Random(seed)
-        self.max_tokens = max_tokens
-        self.figures = LoadFigures()
+        self.rng, self.max_tokens, self.figures = random.Random(seed), max_tokens, LoadFigures()
 
     async def run(self, seconds: float, follow_until: float) -> LoadFigures:
         """Keep `clients` requests in flight for `seconds`; every client then follows its last
@@ -82,27 +77,31 @@ class Load:
         n = 0
         while time.monotonic() < stop:
             n += 1
-            api, kind = self.rng.randrange(len(self.urls)), self._kind()
+            # A client's first request is of a kind fixed by the client, with both readers and a
+            # hang-up: every kind and reader shows up even in a short run on a loaded machine.
+            api, kind = self.rng.randrange(len(self.urls)), KINDS[c % len(KINDS)] if n == 1 else self._kind()
+            kind = "stream" if kind == "rows" and self.redis is None else kind
             # Continuous batching takes one row per request: multi-row calls go to the dynamic model.
             model = self.rows_model if kind == "rows" else self.rng.choice(self.models)
             prompt = f"chaos client {c} request {n}"
             try:
                 # A stream the api keeps open with pings would outlast the drain: the drain ends it.
                 async with asyncio.timeout_at(follow_until):
-                    await self._one(http, api, model, kind, prompt, follow_until)
+                    await self._one(http, api, model, kind, prompt, follow_until, every_reader=n == 1)
             except TimeoutError:
                 pass  # not followed to its final: the audit says whether it has one
             except Exception as err:  # a bench bug must not stop the load; it is reported
                 self.figures.client_errors.append(f"{kind} {prompt}: {type(err).__name__}: {err}")
 
     async def _one(self, http: httpx.AsyncClient, api: int, model: str, kind: str, prompt: str,
-                   follow_until: float) -> None:
+                   follow_until: float, every_reader: bool) -> None:
         if kind == "rows":
-            return await self._rows(http, api, model, prompt, follow_until)
+            return await self._rows(http, api, model, prompt, follow_until, every_reader)
         tracked = await (self._structured(http, api, model, prompt) if kind == "structured"
                          else self._submit(http, api, model, prompt, kind))
         if tracked is None:
             return
+        tracked.every_reader = every_reader
         self.figures.tracked.append(tracked)
         if kind == "poll":
             return await self._poll(http, tracked, api, follow_until)
@@ -119,8 +118,7 @@ class Load:
             try:
                 r = await http.post(f"{url}{path}", json=body, headers=headers or {}, timeout=timeout)
             except httpx.TransportError as err:
-                r = None
-                self.figures.retry_reasons[type(err).__name__] += 1
+                r, _ = None, self.figures.retry_reasons.update([type(err).__name__])
             if r is not None and r.status_code == 503 and "overloaded" in r.text:
                 self.figures.queue_full += 1  # refused for good: nothing was enqueued
                 await asyncio.sleep(0.5)
@@ -150,12 +148,12 @@ class Load:
                 "max_output_tokens": self.rng.randint(*self.max_tokens),
                 "text": {"format": {"type": "json_schema", "name": "chaos", "schema": SCHEMA}}}
         r, tries = await self._post(http, api, "/v1/responses", body)
-        rid = request_id(r.json()["id"]) if r is not None else None
-        return Tracked(rid, model, "structured", None, tries) if rid else None
+        return Tracked(request_id(r.json()["id"]) or "", model, "structured", None, tries) if r is not None else None
 
-    async def _rows(self, http: httpx.AsyncClient, api: int, model: str, prompt: str, follow_until: float) -> None:
+    async def _rows(self, http: httpx.AsyncClient, api: int, model: str, prompt: str, follow_until: float,
+                    every_reader: bool) -> None:
         """A multi-row call: its id is looked up in the model's stream while the call waits;
-        readers follow it; if the call breaks off (its api died), the client polls the id."""
+        readers follow it, also when the call breaks off (its api died)."""
         marker = f"{prompt} {uuid.uuid4().hex[:8]}"
         rows = [{"prompt": f"{marker} row {i}", "max_tokens": self.rng.randint(*self.max_tokens)}
                 for i in range(self.rng.randint(2, 4))]
@@ -163,7 +161,7 @@ class Load:
         readers: asyncio.Task | None = None
         try:
             rid = await self._find(model, marker, call)
-            t = Tracked(rid or "", model, "rows", None, 1, rows=len(rows))
+            t = Tracked(rid or "", model, "rows", None, 1, rows=len(rows), every_reader=every_reader)
             if rid:
                 self.figures.tracked.append(t)
                 readers = asyncio.create_task(self._readers(http, t, api, follow_until))
@@ -182,9 +180,8 @@ class Load:
                 return
             await (readers or self._readers(http, t, api, follow_until))
         finally:
-            for task in (call, readers):
-                if task is not None:
-                    task.cancel()
+            call.cancel()
+            _ = readers and readers.cancel()
 
     async def _infer(self, http: httpx.AsyncClient, api: int, model: str,
                      rows: list[dict]) -> tuple[httpx.Response | None, int]:
@@ -221,8 +218,8 @@ class Load:
         """The reader from the start and, for a share of requests, one joining mid-stream."""
         first = Reader("first")
         t.readers.append(first)
-        tasks = [self._stream(http, t, first, api, follow_until)]
-        if self.rng.random() < self.late_readers:
+        tasks = [self._stream(http, t, first, api, follow_until, hang_up=t.every_reader)]
+        if t.every_reader or self.rng.random() < self.late_readers:
             # A structured request's second reader is a Responses stream of its background response.
             late = Reader("responses" if t.kind == "structured" else "late")
             t.readers.append(late)
@@ -230,14 +227,14 @@ class Load:
         await asyncio.gather(*tasks)
 
     async def _stream(self, http: httpx.AsyncClient, t: Tracked, rd: Reader, api: int, follow_until: float,
-                      join_after: float = 0.0) -> None:
+                      join_after: float = 0.0, hang_up: bool = False) -> None:
         """Follow the SSE stream to its final; a share of the readers also hang up once after a
         few deltas (as a browser or a phone changing networks does) and resume: /events with
         Last-Event-ID, a Responses stream (reader "responses") with starting_after."""
         await asyncio.sleep(join_after)
         last: str | None = None  # the last event's id (sequence number for a Responses stream)
         text = ""  # a Responses stream's whole text (response.output_text.done)
-        drop_after = self.rng.randint(1, 6) if self.rng.random() < self.hangups else None
+        drop_after = self.rng.randint(1, 6) if hang_up or self.rng.random() < self.hangups else None
         while time.monotonic() < follow_until:
             url = self.urls[(api + rd.reconnects) % len(self.urls)]
             if rd.name == "responses":
