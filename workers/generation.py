@@ -105,7 +105,7 @@ class Generation:
         msg = run.delivery.message
         values = msg.rows[row]
         s = msg.sampling
-        before = before or Delivered()
+        before = held = before or Delivered()
         if s.structured is not None and before.finish is None:
             # A grammar cannot start mid-way: a structured row is generated again from its start
             # (same seed), and readers skip the tokens they already have (by index).
@@ -132,6 +132,10 @@ class Generation:
                 priority=msg.priority,
                 resume_token_ids=before.token_ids,
             ))
+        if result.tokens < result.replayed:
+            # Stopped (a cancel, the deadline) before regenerating what the stream holds: that part
+            # agreed so far (_check_replayed), and the row's output is what its clients streamed.
+            result.text, result.tokens, result.logprobs = list(held.text), len(held.token_ids), list(held.logprobs)
         text = "".join(result.text)
         extra = self.engine.extra_outputs(values, text, result.tokens)
         run.prompt_tokens += result.prompt_tokens
