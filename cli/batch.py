@@ -105,10 +105,14 @@ def _check(r: httpx.Response) -> dict:
 
 @batch_app.command("run")
 def run(
-    input: Path = typer.Argument(..., exists=True, dir_okay=False, help=".jsonl (batch format), .parquet or .arrow"),
+    input: Path = typer.Argument(..., exists=True, dir_okay=False,
+                                 help=".jsonl (OpenAI batch lines), or .parquet / .arrow with a prompt column "
+                                      "(and optionally custom_id, max_tokens, temperature, top_p, seed)"),
     output: Path = typer.Option(..., "-o", "--output", help="Where to write the results (same format)."),
     model: str = typer.Option(..., "--model"),
-    endpoint: str = typer.Option("/v1/completions", "--endpoint", help="/v1/completions or /v1/chat/completions"),
+    endpoint: str = typer.Option("/v1/completions", "--endpoint",
+                                 help="/v1/completions or /v1/chat/completions, for table input (a .jsonl line "
+                                      "names its own url)"),
     max_tokens: int = typer.Option(256, "--max-tokens", help="For rows that do not set their own."),
     url: str = Url,
     api_key: str | None = ApiKey,
