@@ -262,9 +262,9 @@ class ReplyEvent:
 
 class ReplyDecoder:
     """A reply stream's entries as events, each token once: per row, the next token index not
-    yet delivered. A delta overlapping tokens already delivered (a retried attempt replays the
-    same seed) is skipped whole: its text cannot be split per token, and the same seed
-    regenerates the same tokens."""
+    yet delivered. A delta overlapping tokens already delivered is skipped whole: its text cannot
+    be split per token, and a retried structured attempt that replays them writes only past them,
+    having checked that it regenerated the very tokens (or it fails: workers/generation.py)."""
 
     def __init__(self, next_index: int = 0) -> None:
         self.seen = {0: next_index}
