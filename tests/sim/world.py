@@ -182,7 +182,7 @@ class World(Lossy):
         if added > listed:
             raise Violation("one dead letter, one entry", f"dlq retry of {rid} (listed {listed} time(s)) "
                                                           f"put {added} entries on the stream")
-        if done:
+        if done or added:  # (a retry whose answer was lost may say "gone" for a letter it did requeue)
             self.ledger.revived.add(rid)
             self.ledger.finals.pop(rid, None)
             for r in self.readers:
