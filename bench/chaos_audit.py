@@ -156,9 +156,11 @@ def audit_one(r: redis_sync.Redis, t: Tracked) -> dict:
            "deltas": runs(deltas), "status_attempt": status.get("attempt"), "worker": status.get("worker"),
            "submit_tries": t.submit_tries, "readers": [rd.describe() for rd in t.readers], "broken": []}
     if not finals:
-        row["broken"].append("lost: no final event")
         entry = status.get("entry")
         row["stream_entry_present"] = bool(entry and r.xrange(status.get("stream", keys.requests), entry, entry))
+        # Still on its stream when the drain ended (workers too slow to come back): late, not lost.
+        row["broken"].append("unfinished: no final yet, its entry is on the stream" if row["stream_entry_present"]
+                             else "lost: no final event")
         row["idempotency_bound"] = t.idem_key and r.get(idempotency(f"anonymous:{t.idem_key}"))
         row["in_dead_letters"] = any(f.get("id") == t.rid for _, f in r.xrange(keys.dead_letters))
     if len(finals) > 1:
@@ -202,7 +204,8 @@ def audit(redis_url: str, tracked: list[Tracked]) -> dict:
     r = sync_connect(redis_url)
     rows = [audit_one(r, t) for t in tracked]
     figures = {"accepted": len(tracked), "done": 0, "failed": 0, "expired": 0, "cancelled": 0,
-               "lost": 0, "duplicated": 0, "stream_mismatch": 0, "reader_mismatch": 0, "answer_mismatch": 0,
+               "lost": 0, "unfinished": 0, "duplicated": 0, "stream_mismatch": 0, "reader_mismatch": 0,
+               "answer_mismatch": 0,
                "retried": 0, "readers": sum(len(t.readers) for t in tracked), "readers_mismatched": 0,
                "readers_unfinished": 0, "readers_dropped": sum(rd.dropped for t in tracked for rd in t.readers),
                "readers_late": sum(rd.name != "first" for t in tracked for rd in t.readers),
@@ -215,6 +218,7 @@ def audit(redis_url: str, tracked: list[Tracked]) -> dict:
         broken = row["broken"]
         figures["done_once"] += state == "done" and len(row["finals"]) == 1
         figures["lost"] += any(b.startswith("lost") for b in broken)
+        figures["unfinished"] += any(b.startswith("unfinished") for b in broken)
         figures["duplicated"] += any(b.startswith("duplicated") for b in broken)
         figures["stream_mismatch"] += any(b.startswith("stream") for b in broken)
         figures["reader_mismatch"] += any(b.startswith("reader") for b in broken)
@@ -242,6 +246,7 @@ def table(f: dict, models: list[str]) -> Table:
              f"{f['accepted']} ({kinds['stream']}/{kinds['poll']}/{kinds['structured']}/{kinds['rows']})"),
             ("done exactly once", f["done_once"])]
     rows += [(c, f[c]) for c in ("failed", "expired", "cancelled", "lost", "duplicated")]
+    rows += [("unfinished at the drain's end (entry still queued)", f["unfinished"])]
     rows += [("failed as diverged (a retried structured row regenerated other tokens)", f["diverged"])]
     rows += [("streamed != final (reply stream, per row)", f["stream_mismatch"]),
              ("  of which a retried structured row regenerated other tokens", f["regenerated_otherwise"]),
