@@ -57,12 +57,13 @@ class Quarantine:
 
     def sort(self, redelivered: list, count: int, isolated: int) -> list | None:
         """What a fetch of `count` hands out of what it reclaimed (held): the suspects are parked,
-        the rest goes at once; a quarantine group (at most `isolated`) goes when the caller may
-        run one, ahead of anything else. None: nothing from here, read new entries."""
+        the rest goes at once (never held back: whatever is not parked is handed out now), and
+        a quarantine group (at most `isolated`, within what is left of `count`) goes with it when
+        the caller may run one. None: nothing from here, read new entries."""
         self.parked.extend(d for d in redelivered if d.isolated)
-        if self.parked and isolated > 0:
-            return self.next_group(min(count, isolated))
         fresh = [d for d in redelivered if not d.isolated]
+        if self.parked and isolated > 0:
+            return fresh + self.next_group(min(count - len(fresh), isolated))
         return fresh if fresh or count <= 0 else None
 
     def drop(self, held: Held) -> None:

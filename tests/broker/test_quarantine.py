@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass
 
+import pytest
+from redis.asyncio import Redis
+
 from sluice.broker.quarantine import Quarantine, group_cap
+from sluice.config.settings import Settings
+from tests.broker.helpers import admission, ready_consumer, submit_n
+from tests.broker.test_exactly_once import expire_lease
 
 
 @dataclass(eq=False)
@@ -31,7 +38,7 @@ def test_the_first_group_is_half_the_suspects_then_the_smallest_cap_goes_first()
     assert q.next_group(64) == []
 
 
-def test_sort_hands_out_a_group_or_ordinary_work_never_both() -> None:
+def test_sort_parks_a_suspect_until_a_group_may_run() -> None:
     q = Quarantine()
     retried = Suspect(1, isolated=False)  # a first retry: ordinary work
     suspect = Suspect(2)
@@ -39,3 +46,53 @@ def test_sort_hands_out_a_group_or_ordinary_work_never_both() -> None:
     assert q.parked == [suspect]
     assert q.sort([], 8, 8) == [suspect]
     assert q.sort([], 8, 8) is None  # nothing held: read new entries
+
+
+@pytest.mark.parametrize("seed", range(200))
+def test_sort_never_holds_back_ordinary_work_nor_hands_out_a_suspect_twice(seed: int) -> None:
+    """Any sequence of fetches (what each reclaimed, its count, its room for a group): every
+    ordinary redelivery goes out in the fetch that reclaimed it, every suspect goes out once or
+    is still parked, a group never past the room, and never more than `count` at once.
+    (Suspects and first retries reclaimed at once, with room for a group, once dropped the
+    first retries: held and leased forever, never run.)"""
+    rng = random.Random(seed)
+    q = Quarantine()
+    out: list[Suspect] = []
+    made = 0
+    for _ in range(12):
+        count, isolated = rng.randint(0, 6), rng.choice([0, 0, 1, 2, 8])
+        room = count - len(q.parked)
+        got = []
+        for _ in range(rng.randint(0, max(room, 0))):
+            made += 1
+            got.append(Suspect(made, isolated=rng.random() < 0.5))
+        handed = q.sort(got, count, isolated) or []
+        assert [d for d in got if not d.isolated] == [d for d in handed if not d.isolated]
+        assert len(handed) <= max(count, 0)
+        assert sum(d.isolated for d in handed) <= isolated
+        out += handed
+    assert sorted(d.n for d in out + q.parked) == list(range(1, made + 1))  # each exactly once
+
+
+async def test_a_fetch_reclaiming_a_suspect_and_a_first_retry_hands_out_both(
+        redis: Redis, settings: Settings) -> None:
+    """The simulation's replay: two requests run on w0, whose lease lapses; w1 takes one over
+    and its lease lapses too; w2 reclaims both at once, a suspect (attempt 3) and a first retry
+    (attempt 2), with room for a group. Both are handed out: nothing w2 holds is left unrun."""
+    adm = admission(redis, settings)
+    sent = await submit_n(adm, 2)
+    w0 = await ready_consumer(redis, settings, "w0")
+    for d in await w0.fetch(2, 100):
+        assert await w0.start(d) == "run"
+        await expire_lease(redis, d, "w0")
+    w1 = await ready_consumer(redis, settings, "w1")
+    (retried,) = await w1.fetch(1, 100)
+    assert await w1.start(retried) == "run"
+    await expire_lease(redis, retried, "w1")
+    w2 = await ready_consumer(redis, settings, "w2")
+    got = await w2.fetch(4, 100, isolated=4)
+    assert sorted((d.attempt, d.isolated) for d in got) == [(2, False), (3, True)]
+    assert {d.message.id for d in got} == {m.id for m in sent}
+    assert set(w2.held) == {d.key for d in got}  # everything it holds is in its hands
+    for d in got:
+        assert await w2.start(d) == "run"

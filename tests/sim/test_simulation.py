@@ -13,9 +13,6 @@ BUDGET_S = 75.0  # seeds are not started past this (a loaded 2-core machine runs
 # Bugs the simulation found that are still open, by a phrase of their violation: reported as a
 # warning, not a failure, until their fix lands (then the phrase goes).
 KNOWN_OPEN = {
-    "never handed out": "broker/quarantine.py Quarantine.sort: a fetch that reclaims suspects (attempt >= 3) "
-                        "and ordinary redeliveries (attempt 2) at once, with quarantine room, hands out the "
-                        "suspects' group and drops the others, held and leased forever",
     "no TTL on ['sluice:{m:sim}:reply:": "broker/lua/reply.lua sets the reply stream's TTL on an attempt's first "
                                          "write only: a failover that lost the stream (or anything that removed it) "
                                          "lets the attempt's next write re-create it without a TTL",
