@@ -3,7 +3,8 @@
 -- worker frozen past its lease and then woken, or one whose start a failover lost, must not
 -- write tokens beside those of the worker that holds the request.
 -- KEYS: stream (unused), reply, status
--- ARGV: fence (the writer's fencing token), reply_ttl (0: set already), delta_json...
+-- ARGV: fence (the writer's fencing token), reply_ttl (0: set already, unless a write re-creates
+--       the stream: then it lives as long as its status), delta_json...
 -- Returns 1 (written), 0 (fenced: nothing written) or {row, next index, ...}: the rows whose
 -- deltas were refused from that index on (the others were written).
 local reply, status = KEYS[2], KEYS[3]
@@ -25,6 +26,9 @@ if #moved > 0 then
 end
 if reply_ttl ~= '0' then  -- the stream's TTL: on an attempt's first write (the final shortens it)
   redis.call('EXPIRE', reply, reply_ttl)
+elseif #moved > 0 and redis.call('TTL', reply) == -1 then
+  -- a later write that re-created the stream (a failover lost it): as long as its status
+  redis.call('EXPIRE', reply, math.max(redis.call('TTL', status), 1))
 end
 if #gaps > 0 then
   return gaps

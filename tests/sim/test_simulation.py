@@ -12,11 +12,7 @@ STEPS = 150
 BUDGET_S = 75.0  # seeds are not started past this (a loaded 2-core machine runs fewer)
 # Bugs the simulation found that are still open, by a phrase of their violation: reported as a
 # warning, not a failure, until their fix lands (then the phrase goes).
-KNOWN_OPEN = {
-    "no TTL on ['sluice:{m:sim}:reply:": "broker/lua/reply.lua sets the reply stream's TTL on an attempt's first "
-                                         "write only: a failover that lost the stream (or anything that removed it) "
-                                         "lets the attempt's next write re-create it without a TTL",
-}
+KNOWN_OPEN: dict[str, str] = {}
 
 
 async def test_no_interleaving_breaks_exactly_once() -> None:
