@@ -147,7 +147,7 @@ class Load:
         body = {"model": model, "input": prompt, "temperature": 0.0, "background": True,
                 "max_output_tokens": self.rng.randint(*self.max_tokens),
                 "text": {"format": {"type": "json_schema", "name": "chaos", "schema": SCHEMA}}}
-        r, tries = await self._post(http, api, "/v1/responses", body)
+        r, tries = await self._post(http, api, "/v1/responses", body, timeout=30)  # compiles its schema
         return Tracked(request_id(r.json()["id"]) or "", model, "structured", None, tries) if r is not None else None
 
     async def _rows(self, http: httpx.AsyncClient, api: int, model: str, prompt: str, follow_until: float,
