@@ -1,10 +1,11 @@
 -- Guard a fetched entry before it runs. Skips (and acknowledges) an entry that is not the
--- request's current one (a duplicate), or whose request is already final, cancelled or
--- past its deadline; otherwise marks it running under this attempt and this entry, and takes a
--- fresh fencing token (see fenced in _lib.lua): the writes of every earlier start are fenced
--- from now on. A start is fenced when a later attempt, or this attempt under another
--- consumer, started already; a redelivered entry (attempt > 1) must also still be pending
--- here (a takeover raced it). A fresh entry was just read by this consumer: no XPENDING.
+-- request's current one (a duplicate), or whose request is already final (or its status gone:
+-- final and expired), cancelled or past its deadline; otherwise marks it running under this
+-- attempt and this entry, and takes a fresh fencing token (see fenced in _lib.lua): the writes
+-- of every earlier start are fenced from now on. A start is fenced when a later attempt, or
+-- this attempt under another consumer, started already; a redelivered entry (attempt > 1)
+-- must also still be pending here (a takeover raced it). A fresh entry was just read by this
+-- consumer: no XPENDING.
 -- A quarantined start (a redelivered entry running alone) is charged to the request: past N
 -- charges it becomes a dead letter.
 -- KEYS: stream, status, cancel (unused: the status says it), reply
@@ -28,7 +29,11 @@ local function finish(state, err)
 end
 -- is_final's question, the current entry, the cancel mark, the attempt under way, the age
 local known = redis.call('HMGET', status, 'state', 'entry', 'cancel', 'attempt', 'worker', 'enqueued_at')
-if is_final_state(known[1]) then  -- whoever holds the entry now, it has nothing left to do
+-- No status (admit.lua and requeue.lua write it with the entry, in one script): the request
+-- was final and its result expired (a cancel deletes the queued entry, not a copy a worker
+-- fetched already), or it was lost with its entry. Nothing runs: a second final, or a run
+-- under a status without its model, lane and owner, would break exactly-once.
+if not known[1] or is_final_state(known[1]) then  -- whoever holds the entry now, nothing is left to do
   ack_and_delete(stream, group, entry_id)
   return 'final'
 end
@@ -53,7 +58,7 @@ if quarantined then
   redis.call('HINCRBY', status, 'charges', 1)
 end
 -- The status's TTL (status_ttl from admission) is renewed only where the wait ate half of it,
--- on a retry, or where the hash was not there to carry one.
+-- or on a retry.
 if attempt > 1 or not known[6] or tonumber(now) - tonumber(known[6]) > tonumber(status_ttl) / 2 then
   redis.call('EXPIRE', status, status_ttl)
 end

@@ -23,6 +23,7 @@ from tests.broker.helpers import (
     done_result,
     fetch_one,
     message,
+    pending,
     ready_consumer,
     replies,
     running_request,
@@ -263,3 +264,26 @@ async def test_the_status_hash_records_who_made_a_request(redis: Redis, settings
         await adm.submit(m, max_queued=10)
     assert await redis.hget(KEYS.status(mine.id), "owner") == "sha256:abc"
     assert await redis.hget(KEYS.status(anonymous.id), "owner") is None
+
+
+@pytest.mark.parametrize("deadline_passed", [False, True])
+async def test_a_stale_fetched_entry_never_revives_a_request_whose_status_is_gone(
+        redis: Redis, settings: Settings, deadline_passed: bool) -> None:
+    """The simulation's replay: a worker fetched two queued requests; one is cancelled (its
+    queued entry deleted, not the worker's copy) and its cancelled result then expires. The
+    worker's start of its copy found no status and took it for a fresh request: an `expired`
+    final where the client had `cancelled` (deadline passed), or a run under a status without
+    its model, lane and owner. Now it runs nothing and writes nothing; the other one runs."""
+    adm = admission(redis, settings)
+    cancelled, other = await submit_n(adm, 2)
+    c = await ready_consumer(redis, settings)
+    got = {d.message.id: d for d in await c.fetch(2, 100)}
+    assert await adm.cancel(KEYS.model, cancelled.id) == "cancelled"
+    await redis.delete(KEYS.status(cancelled.id), KEYS.reply(cancelled.id))  # its result expired
+    stale = got[cancelled.id]
+    if deadline_passed:
+        stale.message.deadline = 0.0
+    assert await c.start(stale) == "final"
+    assert not await redis.exists(KEYS.status(cancelled.id), KEYS.reply(cancelled.id))  # nothing revived
+    assert [p["message_id"] for p in await pending(redis)] == [got[other.id].entry_id]
+    assert await c.start(got[other.id]) == "run"
