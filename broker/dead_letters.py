@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -94,7 +95,7 @@ class DeadLetters:
                 keys=[d.stream, shard.status(d.request_id), shard.reply(d.request_id),
                       shard.dead_letters, shard.requests if bulk else shard.bulk],
                 args=[max_queued, d.request_id, msg.model_dump_json(), now, self.status_ttl_s, d.entry_id,
-                      lane_max, msg.model, msg.lane, msg.owner or "", self.result_ttl_s],
+                      lane_max, msg.model, msg.lane, msg.owner or "", self.result_ttl_s, uuid.uuid4().hex],
             )
             if entry == "":
                 log.warning("dead letter %s (request %s) is gone: retried or dropped already", d.entry_id,

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 
@@ -147,3 +148,33 @@ async def test_a_dead_letter_is_retried_once_even_from_a_stale_listing(redis: Re
     assert await redis.xlen(KEYS.requests) == 1
     entry = await redis.hget(KEYS.status(m.id), "entry")
     assert [e for e, _ in await redis.xrange(KEYS.requests)] == [entry]
+
+
+async def test_a_retry_whose_answer_was_lost_and_re_sent_reports_the_letter_retried(
+        redis: Redis, settings: Settings) -> None:
+    """requeue.lua's answer lost and the call re-sent as it was (redis-py retries a call whose
+    connection broke): the re-run found the letter gone and `dlq retry` reported it "gone"
+    though the first run had requeued it. Now the re-run answers the entry it put on the
+    stream; nothing is put there twice, and another call (a stale listing) still finds it gone."""
+    m = await _dead_lettered_with_an_owner(redis, settings)
+    letters = DeadLetters(redis, MODEL)
+    stale = await letters.list()
+    requeue = letters.scripts.requeue
+    answers = []
+
+    async def answer_lost(**kw):
+        answers.append(await requeue(**kw))  # ran; its answer never came back
+        return await requeue(**kw)  # the same call, sent again
+
+    scripts, letters.scripts = letters.scripts, dataclasses.replace(letters.scripts, requeue=answer_lost)
+    assert await letters.retry(None, max_queued=10) == [m.id]
+    entry = await redis.hget(KEYS.status(m.id), "entry")
+    assert answers == [entry] and [e for e, _ in await redis.xrange(KEYS.requests)] == [entry]
+
+    async def listed(_ids):
+        return stale
+
+    letters.scripts = scripts
+    letters._select = listed  # type: ignore[method-assign]
+    assert await letters.retry(None, max_queued=10) == []  # another call: gone
+    assert await redis.xlen(KEYS.requests) == 1
