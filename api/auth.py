@@ -152,12 +152,16 @@ def _needs_key(dependant: Dependant) -> bool:
     return any(d.call is require_key or _needs_key(d) for d in dependant.dependencies)
 
 
+# Set in a request's scope by a refusal that must not read the body it left unread (api/connections.py).
+CLOSE_UNREAD = "sluice.close_unread"
+
+
 class KeyBeforeBody:
     """Plain ASGI: a request to a route that needs a key is answered 401 before any of its body
     is read. FastAPI reads and parses a body (a multipart upload, spooled to disk, included)
     before it runs the route's dependencies, so without this anyone could make the api read and
     store up to the body limit without a key. The route's own `require_key` still gives it its
-    caller; the api's protocol closes the connection after an answer that left the body unread."""
+    caller; the api's protocol closes the connection after this answer, leaving the body unread."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
@@ -169,6 +173,7 @@ class KeyBeforeBody:
             try:
                 caller_for(scope["app"].state.sluice.key_digests, headers.get(b"authorization", b"").decode("latin-1"))
             except ApiError as refused:
+                scope[CLOSE_UNREAD] = True  # the api's protocol closes instead of draining the body
                 body = error_body(refused.message, refused.code, refused.param)
                 await ErrorResponse(body, refused.status, headers=refused.headers)(scope, receive, send)
                 return

@@ -9,8 +9,11 @@
 - a cap on open connections per api process (`api_max_connections`): one more is answered 503
   and closed before anything of it is read, so the process keeps file descriptors for the
   connections it serves (uvicorn's `limit_concurrency` answers 503 but keeps them open);
-- no draining: a response given before its request's body was read (a 401, a 413) closes the
-  connection, so the rest of that body is never read.
+- no draining for a caller without a valid key: its 401, given before the body was read,
+  closes the connection, so the rest of that body is never read. Any other answer given before
+  the body was read (a 413 to a keyed caller) lets the body arrive and discards it, under the
+  body timeout, so the client, which sends its whole body before it reads, gets the answer
+  instead of a reset (nginx's lingering close).
 
 Slow clients otherwise hold a connection, and a file descriptor, for as long as they like:
 partial headers, a header a byte at a time, a body at a few bytes a second. A plain ASGI
@@ -27,6 +30,7 @@ from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from sluice.api.auth import CLOSE_UNREAD
 from sluice.config.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -94,9 +98,10 @@ class GuardedHttp(HttpToolsProtocol):
 
     def on_response_complete(self) -> None:
         cycle = self.cycle
-        if not self.pipeline and cycle is not None and cycle.more_body and not self.transport.is_closing():
+        if (not self.pipeline and cycle is not None and cycle.more_body and cycle.scope.get(CLOSE_UNREAD)
+                and not self.transport.is_closing()):
             self._disarm()
-            self.transport.close()  # answered before its body was read: the rest is never read
+            self.transport.close()  # refused before its body was read: the rest is never read
         super().on_response_complete()
 
     # The timer

@@ -76,12 +76,17 @@ async def _submit(body: SubmitRequest, s: ApiState, caller: Caller, idempotency_
         if first:
             first_model, first_id = first
             status = await s.admission.status(first_model, first_id)
+            # The mark and the status are written by one script: a mark seen means the status
+            # was there then, so a status read after the mark and gone is a result expired (not
+            # a first admission that landed between two reads: that one is found now).
+            if not status and await s.admission.was_admitted(first_model, first_id):
+                status = await s.admission.status(first_model, first_id)
+                if not status:  # never run one id twice
+                    raise ApiError(410, f"request {first_id!r}, made with this Idempotency-Key, has finished and "
+                                        "its result expired (a result is kept for its model's retention after it "
+                                        "finishes); send a new Idempotency-Key to run it again", code="expired")
             if status:
                 return Submitted(id=first_id, status=status.state.value, model=first_model)
-            if await s.admission.was_admitted(first_model, first_id):  # never run one id twice
-                raise ApiError(410, f"request {first_id!r}, made with this Idempotency-Key, has finished and its "
-                                    "result expired (a result is kept for its model's retention after it "
-                                    "finishes); send a new Idempotency-Key to run it again", code="expired")
             model, rid = await s.deployments.get(first_model), first_id
     try:
         sampling = Sampling(temperature=body.temperature, top_p=body.top_p, stop=tuple(body.stop or ()),
