@@ -87,6 +87,7 @@ def api(
         return
     # Each process builds its app from SLUICE_* (the options above go there too), and writes its
     # metrics where every process's scrape reads them (api/metrics.py).
+    saved = dict(os.environ)  # given back after: a test in this process starts more processes
     os.environ.update({k: str(v) for k, v in (("SLUICE_REDIS_URL", settings.redis_url),
                                               ("SLUICE_MODELS_FILE", settings.models_file)) if v is not None})
     metrics_dir = Path(tempfile.mkdtemp(prefix="sluice-api-metrics-"))
@@ -96,6 +97,8 @@ def api(
                     http="sluice.api.connections:FromEnvironment", **options)
     finally:
         shutil.rmtree(metrics_dir, ignore_errors=True)
+        os.environ.clear()
+        os.environ.update(saved)
 
 
 @app.command()
