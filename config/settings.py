@@ -55,7 +55,7 @@ class Settings(BaseSettings):
     api_redis_connections: int = Field(default=32, ge=4, le=1024)
 
     # Lifetimes of what a request leaves in Redis. Steady-state memory is about
-    # rate x result_ttl_s x bytes per finished request (README, "Retention").
+    # rate x result_ttl_s x bytes per finished request (docs/delivery.md, "Retention").
     result_ttl_s: int = Field(default=3600, gt=0)  # a finished request's status and result
     reply_ttl_s: int = Field(default=60, gt=0)  # its reply stream, after the final
     status_ttl_s: int = Field(default=86400, gt=0)  # an unfinished request's status and reply stream
@@ -73,7 +73,7 @@ class Settings(BaseSettings):
     durability: Literal["default", "strict"] = "default"
     # With replicas (a cluster's, or Sentinel's primary's): a 202 only once the admission is on
     # this many replicas (else 503 not_durable), and a worker's commit waits for them too
-    # (WAIT): what a failover can lose (README, "Scaling out").
+    # (WAIT): what a failover can lose (docs/scaling.md, "Redis Cluster and Sentinel").
     redis_wait_replicas: int = Field(default=0, ge=0)
     max_queued: int = Field(default=1000, gt=0)  # entries of both lanes together, per model
     # The part of max_queued the bulk lane may hold: the rest is always left to interactive.
@@ -108,7 +108,7 @@ class Settings(BaseSettings):
     batch_ttl_s: int = Field(default=30 * 86400, gt=0)  # a finished batch object
     # A batch input file: at most this many requests (non-blank lines; OpenAI's limit is 50,000)
     # of at most this many bytes each, refused at batches.create; the jobs worker reads it a
-    # line at a time (README, "Security").
+    # line at a time (docs/operations.md, "Security").
     max_batch_lines: int = Field(default=50_000, gt=0)
     max_batch_line_bytes: int = Field(default=2 * 1024 * 1024, gt=0)
     bulk_outstanding: int = Field(default=64, gt=0)  # rows of one job on the bulk stream at once
