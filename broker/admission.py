@@ -15,6 +15,7 @@ from sluice.broker.connection import has_replicas, read_copied, wait_for_copies
 from sluice.broker.keys import GROUP, ModelKeys
 from sluice.broker.scripts import Scripts
 from sluice.broker.status import RequestStatus
+from sluice.broker.webhooks import SubscribedOwners
 from sluice.protocol.messages import RequestMessage
 from sluice.protocol.states import State
 
@@ -52,6 +53,7 @@ class Admission:
         self.fsync_timeout_ms = fsync_timeout_ms
         self.wait_replicas = wait_replicas  # replicas an admission must be on before it is accepted
         self._waitaof: bool | None = None  # whether the server has WAITAOF (Redis 7.2+), once known
+        self.webhook_owners = SubscribedOwners(redis)  # an owner with an endpoint: its finals append events
 
     async def submit(self, message: RequestMessage, *, max_queued: int, result_ttl_s: int | None = None,
                      slo_max: int | None = None, shards: int = 1, keyed: bool = False) -> str:
@@ -78,10 +80,13 @@ class Admission:
         stream, other, lane_max, slo_max = self._bounds(keys, first.lane, max_queued, slo_max, shards)
         bound = lane_max if slo_max is None else min(lane_max, slo_max)
         marks = [keys.admitted(m.id) for m in messages] if keyed else []
+        # a job's rows have no event of their own: their batch has
+        hook = first.lane != "bulk" and await self.webhook_owners.has(first.owner)
         entries = await self.scripts.admit(
             keys=[stream, other, *(keys.status(m.id) for m in messages), *marks],
             args=[max_queued, bound, self.status_ttl_s, first.enqueued_at, first.model, first.lane,
                   first.owner or "", result_ttl_s or self.result_ttl_s, self.status_ttl_s if keyed else 0,
+                  "1" if hook else "",
                   *(x for m in messages for x in (m.id, m.model_dump_json()))],
         )
         if entries is None:

@@ -16,9 +16,11 @@ from typing import Any
 
 from redis.asyncio import Redis
 
+from sluice.broker import webhooks
 from sluice.broker.keys import PREFIX
 from sluice.broker.pages import newest_first
 from sluice.broker.scripts import Scripts
+from sluice.broker.webhooks import SubscribedOwners
 from sluice.protocol.ids import new_batch_id
 from sluice.protocol.states import BatchState
 
@@ -58,6 +60,7 @@ class JobStore:
         self.ttl_s = ttl_s
         self.result_ttl_s = result_ttl_s
         self.lifetime_s = _WINDOW_S + ttl_s
+        self.webhook_owners = SubscribedOwners(redis)  # a batch of an owner with an endpoint: `hook`
 
     async def create(self, input_file_id: str, endpoint: str, completion_window: str,
                      metadata: dict[str, str] | None, owner: str | None = None) -> dict[str, Any]:
@@ -68,6 +71,8 @@ class JobStore:
                   "completion_window": completion_window, "status": "validating", "created_at": now,
                   "expires_at": now + 24 * 3600, "total": 0, "completed": 0, "failed": 0, "output_tokens": 0,
                   "metadata": json.dumps(metadata or {}), "owner": owner or ""}
+        if await self.webhook_owners.has(owner):  # its final appends an event (job_move.lua)
+            fields["hook"] = "1"
         # Not a transaction: the index is another slot. The hash is written first; a listing
         # skips an id whose hash is not there.
         async with self.redis.pipeline(transaction=False) as pipe:
@@ -126,6 +131,8 @@ class JobStore:
         the status it has afterwards ('' for no such batch). With a token, the move happens only
         while that token holds the job's lock, and LockLost is raised otherwise."""
         pairs = [str(x) for k, v in fields.items() if v is not None for x in (k, v)]
+        if BatchState(to).final:
+            await self._announce(job_id)
         moved, status = await self.scripts.job_move(
             keys=[_key(job_id), _key(job_id, "lock"), _key(job_id, "out"), _key(job_id, "rids")],
             args=[to, " ".join(expected), token or "", int(time.time()), self.ttl_s, self.result_ttl_s, *pairs])
@@ -135,10 +142,21 @@ class JobStore:
 
     async def request_cancel(self, job_id: str) -> dict[str, Any] | None:
         """Cancel a batch that is being run; the answer is the batch, in its real status."""
+        await self._announce(job_id)
         if await self.scripts.job_cancel(keys=[_key(job_id), _key(job_id, "lock")],
                                            args=[int(time.time()), self.ttl_s]) is None:
             return None
         return await self.get(job_id)
+
+    async def _announce(self, job_id: str) -> None:
+        """Before a move that may make a batch with the `hook` mark final: its id in the senders'
+        index (webhooks.BATCHES), so they find the event the script appends to the batch's own
+        outbox (another slot than the index's: written first, so a crash between the two leaves an
+        id without an event, which the senders drop, never an event nobody finds)."""
+        if await self.redis.hget(_key(job_id), "hook"):
+            async with self.redis.pipeline(transaction=True) as pipe:  # one slot: webhooks.TAG
+                pipe.zadd(webhooks.BATCHES, {job_id: time.time()}).expire(webhooks.BATCHES, self.lifetime_s)
+                await pipe.execute()
 
     # -- what a job needs to resume, written only by the runner holding the lock
     async def request_ids(self, job_id: str) -> dict[int, str]:

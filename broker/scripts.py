@@ -14,6 +14,7 @@ from redis.commands.core import AsyncScript
 from redis.exceptions import NoScriptError
 
 from sluice.broker.connection import is_cluster
+from sluice.broker.webhooks import OUTBOX_MAX_LEN
 from sluice.protocol.states import FINAL_BATCH_STATES, FINAL_STATES
 
 
@@ -29,7 +30,8 @@ def prelude() -> str:
     """Finality, defined once: protocol/states.py's final states as the Lua tables that
     lua/_lib.lua's is_final_state (a request) and job_move.lua (a batch) ask."""
     return (f"local FINAL_STATES = {_lua_set(FINAL_STATES)}  -- protocol/states.py\n"
-            f"local BATCH_FINAL = {_lua_set(FINAL_BATCH_STATES)}  -- protocol/states.py\n")
+            f"local BATCH_FINAL = {_lua_set(FINAL_BATCH_STATES)}  -- protocol/states.py\n"
+            f"local OUTBOX_MAX_LEN = {OUTBOX_MAX_LEN}  -- broker/webhooks.py\n")
 
 
 def _source(name: str) -> str:

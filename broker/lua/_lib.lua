@@ -74,6 +74,16 @@ local function is_final(status)
   return is_final_state(redis.call('HGET', status, 'state'))
 end
 
+-- Webhooks (docs/webhooks.md): one event on the outbox of the status's slot (`<tag>:outbox`, the
+-- status's own hash tag: cluster-safe), bounded by OUTBOX_MAX_LEN (the prelude's), for the
+-- sender group to deliver. Called only for a request that carries the `hook` mark.
+local function append_event(status, rid, state, now)
+  local outbox = string.match(status, '^(.*):status:') .. ':outbox'
+  local got = redis.call('HMGET', status, 'owner', 'model')
+  redis.call('XADD', outbox, 'MAXLEN', '~', OUTBOX_MAX_LEN, '*', 'id', rid, 'state', state,
+             'owner', got[1] or '', 'model', got[2] or '', 'at', now)
+end
+
 -- The final event on the reply stream, the status hash, both with their TTLs, and the
 -- announcement that wakes long-polling readers. Refuses (returns false) when the request
 -- is final already (the announcement: the request's id, then a newline and the final when it
@@ -82,12 +92,18 @@ end
 -- short `reply_ttl` (readers fall back to the status hash), and the delivery bookkeeping
 -- nobody reads after the final is dropped: what a finished request costs is mostly its text.
 -- `rows` (the request's row count, when the caller knows it) names reply.lua's token counts
--- to drop; without it they are looked up (HKEYS). `known`: {state, retain_s} if read already.
+-- to drop; without it they are looked up (HKEYS). `known`: {state, retain_s, hook} if read already.
+-- Webhooks: a request whose owner had an endpoint at admission carries `hook` (admit.lua), and
+-- its final appends one event to its slot's outbox in this same call (append_event); a request
+-- without it costs nothing more here.
 local function write_final(status, reply, state, final, now, result_ttl, reply_ttl, channel, rid, rows, known)
-  -- is_final's question, and the retention (`known`: the caller read them already)
-  known = known or redis.call('HMGET', status, 'state', 'retain_s')
+  -- is_final's question, the retention and the webhook mark (`known`: the caller read them already)
+  known = known or redis.call('HMGET', status, 'state', 'retain_s', 'hook')
   if is_final_state(known[1]) then
     return false
+  end
+  if known[3] then
+    append_event(status, rid, state, now)
   end
   redis.call('XADD', reply, '*', 'kind', 'final', 'data', final)
   redis.call('EXPIRE', reply, reply_ttl)

@@ -12,16 +12,19 @@
 -- KEYS: stream, the other lane's stream, then one status hash per request, then (keep_s > 0)
 --       one admitted mark per request
 -- ARGV: max_queued, lane_max, status_ttl, now, model, lane, owner ('' for none), retain_s,
---       keep_s, then rid, data for each request
+--       keep_s, hook ('1' when the owner has a webhook endpoint: each status carries the mark,
+--       and write_final appends its event to the outbox; '' for none), then rid, data for each
+--       request
 -- Returns the entry ids ('' for one final already; the first ones on a re-run), or false when
 -- the bound refuses them.
 local stream, other = KEYS[1], KEYS[2]
 local max_queued, lane_max, status_ttl, now = tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3], ARGV[4]
 local model, lane, owner, retain_s, keep_s = ARGV[5], ARGV[6], ARGV[7], ARGV[8], tonumber(ARGV[9])
-local n = (#ARGV - 9) / 2
+local hook = ARGV[10]
+local n = (#ARGV - 10) / 2
 local FIRST_STATUS, FIRST_MARK = 3, 3 + n  -- KEYS[3 .. 2 + n]: statuses; KEYS[3 + n ...]: marks
-local function rid_of(i) return ARGV[8 + 2 * i] end  -- ARGV[10...]: rid, data pairs
-local function data_of(i) return ARGV[9 + 2 * i] end
+local function rid_of(i) return ARGV[9 + 2 * i] end  -- ARGV[11...]: rid, data pairs
+local function data_of(i) return ARGV[10 + 2 * i] end
 
 local entries = {}
 if redis.call('EXISTS', KEYS[FIRST_STATUS]) == 1 then
@@ -41,6 +44,9 @@ for i = 1, n do
              'lane', lane, 'entry', entry, 'stream', stream, 'retain_s', retain_s)
   if owner ~= '' then
     redis.call('HSET', status, 'owner', owner)
+  end
+  if hook ~= '' then
+    redis.call('HSET', status, 'hook', hook)
   end
   redis.call('EXPIRE', status, status_ttl)
   if keep_s > 0 then

@@ -22,7 +22,7 @@ local fence = ARGV[COUNTS + n]
 local FIRST_DELTA = COUNTS + n + 1
 
 -- Read once: is_final's question, the retention, the fencing token, the token counts.
-local fields = {'state', 'retain_s', 'attempt', 'fence'}
+local fields = {'state', 'retain_s', 'attempt', 'fence', 'hook'}  -- hook: the webhook mark (write_final)
 for row = 0, n - 1 do
   fields[#fields + 1] = 'next:' .. row
 end
@@ -32,7 +32,7 @@ if fenced(got[4], fence) then
 end
 local known = {state = got[1], retain_s = got[2], attempt = got[3]}
 for row = 0, n - 1 do
-  known['next:' .. row] = tonumber(got[row + 5]) or 0
+  known['next:' .. row] = tonumber(got[row + 6]) or 0
 end
 local deltas = {}
 for i = FIRST_DELTA, #ARGV do
@@ -60,7 +60,7 @@ if #gaps > 0 then  -- no final: the deltas written keep their counts, and the st
 end
 -- (the counts need no writing: the final drops them)
 local written = write_final(status, reply, state, final, now, result_ttl, reply_ttl, done_channel, rid,
-                            rows, {known.state, known.retain_s})
+                            rows, {known.state, known.retain_s, got[5]})
 ack_and_delete(stream, group, entry_id)
 if written then
   return 1

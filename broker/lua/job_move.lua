@@ -4,7 +4,8 @@
 -- lock changes nothing; the api's moves name no token. A move to a final status (BATCH_FINAL,
 -- from protocol/states.py) starts the batch's retention, and the short one of what only a
 -- runner needed (its rows' ids and output records: the output file has them), kept as long as
--- any request's result.
+-- any request's result. A batch created with the `hook` mark (its owner had a webhook endpoint)
+-- appends its final's event to its own outbox, in its slot (broker/webhooks.py batch_outbox).
 -- KEYS: batch, lock, out, rids
 -- ARGV: to, expected statuses (space-separated), token ('' for none), now, retention (s),
 --       result retention (s), then field, value pairs
@@ -15,7 +16,8 @@ local to, expected_statuses, token, now = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
 local retention, result_retention = ARGV[5], ARGV[6]
 local FIRST_FIELD = 7  -- ARGV[7...]: field, value pairs
 
-local status = redis.call('HGET', batch, 'status') or ''
+local got = redis.call('HMGET', batch, 'status', 'hook', 'owner')
+local status = got[1] or ''
 if token ~= '' and not holds_lock(lock, token) then
   return {-1, status}
 end
@@ -36,5 +38,11 @@ if BATCH_FINAL[to] then
   redis.call('EXPIRE', batch, retention)
   redis.call('EXPIRE', out, result_retention)
   redis.call('EXPIRE', rids, result_retention)
+  if got[2] then
+    local outbox = string.sub(lock, 1, -6) .. ':outbox'  -- `{sluice:batch:<id>}:lock`
+    redis.call('XADD', outbox, 'MAXLEN', '~', OUTBOX_MAX_LEN, '*', 'id', redis.call('HGET', batch, 'id'),
+               'state', to, 'owner', got[3] or '', 'at', now)
+    redis.call('EXPIRE', outbox, retention)
+  end
 end
 return {1, to}

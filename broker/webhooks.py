@@ -1,0 +1,58 @@
+"""Webhooks in Redis: the key names, the outboxes the final-writing scripts append to, and which
+owners have an endpoint (the admission's mark). Endpoints are broker/webhook_endpoints.py; the
+deliveries broker/webhook_deliveries.py. docs/webhooks.md tells the whole story."""
+
+from __future__ import annotations
+
+import time
+
+from redis.asyncio import Redis
+
+from sluice.broker.keys import PREFIX, ModelKeys
+
+# The outbox streams are capped (MAXLEN ~): a sender group drains them within milliseconds, so
+# the cap bites only when no sender has run for this many events (then the oldest are dropped).
+OUTBOX_MAX_LEN = 100_000
+GROUP = "senders"
+# Every webhook key but the outboxes shares one hash tag: the delivery scripts touch one slot.
+TAG = f"{PREFIX}:{{webhooks}}"
+ENDPOINTS = f"{TAG}:endpoints"  # hash: endpoint id -> endpoint JSON
+OWNERS = f"{TAG}:owners"  # hash: owner ('' without keys) -> how many endpoints it has
+BATCHES = f"{TAG}:batches"  # sorted set: batch ids whose final may carry an event, by time
+DUE = f"{TAG}:due"  # sorted set: delivery id -> when it is due (or its lease ends)
+DEAD = f"{TAG}:dead"  # list: deliveries that used up their retry period, newest first
+
+
+def delivery(delivery_id: str) -> str:
+    """A delivery's hash: endpoint, event, attempts, first attempt, last error."""
+    return f"{TAG}:delivery:{delivery_id}"
+
+
+def outbox(keys: ModelKeys) -> str:
+    """A shard's outbox stream (the slot of the statuses whose finals append to it)."""
+    return f"{keys.tag}:outbox"
+
+
+def batch_outbox(job_id: str) -> str:
+    """A batch's own outbox, in the slot of its hash (job_move.lua, job_cancel.lua)."""
+    return f"{{{PREFIX}:batch:{job_id}}}:outbox"
+
+
+class SubscribedOwners:
+    """Which owners have a webhook endpoint, read from Redis at most every `refresh_s` (one HGETALL
+    per process, not per request): admission asks it to mark a request whose final must append
+    an event, so a request of an owner without one costs no command more. An endpoint created
+    now marks the requests admitted from `refresh_s` on."""
+
+    def __init__(self, redis: Redis, refresh_s: float = 2.0) -> None:
+        self.redis = redis
+        self.refresh_s = refresh_s
+        self._owners: frozenset[str] = frozenset()
+        self._read_at = float("-inf")
+
+    async def has(self, owner: str | None) -> bool:
+        if time.monotonic() - self._read_at > self.refresh_s:
+            counts = await self.redis.hgetall(OWNERS)
+            self._owners = frozenset(o for o, n in counts.items() if int(n) > 0)
+            self._read_at = time.monotonic()
+        return (owner or "") in self._owners

@@ -1,0 +1,112 @@
+"""The webhook outbox (broker/webhooks.py, lua/_lib.lua's append_event): every final of a request
+whose owner has an endpoint appends exactly one event to its slot's outbox, in the script that
+writes the final; a request of an owner without one appends nothing and costs no command more."""
+
+from __future__ import annotations
+
+import time
+
+from redis.asyncio import Redis
+
+from sluice.broker import webhooks
+from sluice.broker.jobs import JobStore
+from sluice.broker.webhooks import OWNERS, batch_outbox, outbox
+from sluice.config.settings import Settings
+from tests.broker.helpers import KEYS, admission, done_result, fetch_one, message, ready_consumer
+from tests.broker.test_expiry import sweep
+
+OWNER = "ab" * 32
+
+
+async def events(redis: Redis) -> list[dict]:
+    return [f for _, f in await redis.xrange(outbox(KEYS))]
+
+
+async def subscribed(redis: Redis, settings: Settings, owner: str = OWNER):
+    await redis.hset(OWNERS, owner, 1)
+    return admission(redis, settings)
+
+
+async def submit(adm, *, owner: str | None = OWNER, **kw):
+    m = message(**kw).model_copy(update={"owner": owner})
+    await adm.submit(m, max_queued=1000)
+    return m
+
+
+async def test_a_commit_appends_one_event_only_for_a_subscribed_owner(redis: Redis, settings: Settings) -> None:
+    adm = await subscribed(redis, settings)
+    hooked, plain = await submit(adm), await submit(adm, owner="cd" * 32)
+    assert await redis.hget(KEYS.status(hooked.id), "hook") == "1"
+    assert await redis.hget(KEYS.status(plain.id), "hook") is None
+    c = await ready_consumer(redis, settings)
+    for _ in range(2):
+        d = await fetch_one(c)
+        assert await c.start(d) == "run"
+        assert await c.commit(d, done_result()) is True
+        assert await c.commit(d, done_result()) is False  # a re-sent commit writes no second final
+    (ev,) = await events(redis)
+    assert ev["id"] == hooked.id and ev["state"] == "done" and ev["owner"] == OWNER and ev["model"] == KEYS.model
+    assert float(ev["at"]) <= time.time()
+
+
+async def test_cancel_expire_and_dead_letter_each_append_their_final(redis: Redis, settings: Settings) -> None:
+    adm = await subscribed(redis, settings)
+    cancelled = await submit(adm)
+    assert await adm.cancel(KEYS.model, cancelled.id) == "cancelled"
+    assert await adm.cancel(KEYS.model, cancelled.id) == "cancelled"  # final already: no second event
+    expired = await submit(adm, deadline_in=-1)
+    assert await sweep(redis, now=time.time()) == [expired.id]
+    failed = await submit(adm)
+    c = await ready_consumer(redis, settings)
+    d = await fetch_one(c)
+    assert await c.dead_letter(d.stream, d.entry_id, failed.id, d.message.model_dump_json(), "boom", 3, d.message)
+    assert [(e["id"], e["state"]) for e in await events(redis)] == [
+        (cancelled.id, "cancelled"), (expired.id, "expired"), (failed.id, "failed")]
+
+
+async def test_a_start_that_finds_the_request_cancelled_appends_the_cancel(redis: Redis, settings: Settings) -> None:
+    adm = await subscribed(redis, settings)
+    m = await submit(adm)
+    c = await ready_consumer(redis, settings)
+    d = await fetch_one(c)  # fetched, then cancelled while queued: the cancel is its final
+    assert await adm.cancel(KEYS.model, m.id) == "cancelled"
+    assert await c.start(d) == "final"
+    assert [(e["id"], e["state"]) for e in await events(redis)] == [(m.id, "cancelled")]
+
+
+async def test_bulk_rows_and_owners_without_endpoints_append_nothing(redis: Redis, settings: Settings) -> None:
+    adm = await subscribed(redis, settings)
+    await submit(adm, lane="bulk")
+    await submit(adm, owner=None)  # no keys: the anonymous owner '' has no endpoint here
+    c = await ready_consumer(redis, settings)
+    for d in await c.fetch(2, 1000):
+        assert await c.start(d) == "run"
+        assert await c.commit(d, done_result()) is True
+    assert await events(redis) == []
+
+
+async def test_the_owners_are_read_at_most_once_per_refresh(redis: Redis, settings: Settings) -> None:
+    owners = webhooks.SubscribedOwners(redis, refresh_s=3600)
+    assert not await owners.has(OWNER)
+    await redis.hset(OWNERS, OWNER, 1)
+    assert not await owners.has(OWNER)  # cached: no read per request
+    owners.refresh_s = 0
+    assert await owners.has(OWNER)
+
+
+async def test_a_batch_final_appends_its_event_to_its_own_outbox(redis: Redis, settings: Settings) -> None:
+    await redis.hset(OWNERS, OWNER, 1)
+    jobs = JobStore(redis)
+    done = await jobs.create("file-x", "/v1/completions", "24h", None, owner=OWNER)
+    plain = await jobs.create("file-x", "/v1/completions", "24h", None, owner="cd" * 32)
+    for job in (done, plain):
+        assert await jobs.move(job["id"], "in_progress", ["validating"]) == "in_progress"
+        assert await jobs.move(job["id"], "completed", ["in_progress"]) == "completed"
+        assert await jobs.move(job["id"], "failed", ["in_progress"]) == "completed"  # refused: no event
+    cancelled = await jobs.create("file-x", "/v1/completions", "24h", None, owner=OWNER)
+    assert (await jobs.request_cancel(cancelled["id"]))["status"] == "cancelled"
+    for job, state in ((done, "completed"), (cancelled, "cancelled")):
+        (ev,) = [f for _, f in await redis.xrange(batch_outbox(job["id"]))]
+        assert ev["id"] == job["id"] and ev["state"] == state and ev["owner"] == OWNER
+    assert await redis.xlen(batch_outbox(plain["id"])) == 0
+    assert set(await redis.zrange(webhooks.BATCHES, 0, -1)) == {done["id"], cancelled["id"]}
