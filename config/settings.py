@@ -115,6 +115,14 @@ class Settings(BaseSettings):
     job_lock_ttl_s: float = Field(default=15.0, gt=0)
     jobs_concurrency: int = Field(default=4, gt=0)
 
+    # Webhooks (docs/webhooks.md): the sender's limits. Endpoints on private, loopback and
+    # link-local addresses are refused unless allowed (a sender runs inside the operator's network).
+    webhooks_allow_private: bool = False
+    webhooks_timeout_s: float = Field(default=10.0, gt=0)  # one delivery's request, connect to last byte
+    webhooks_retry_period_s: float = Field(default=72 * 3600.0, gt=0)  # then the dead-letter list
+    webhooks_concurrency: int = Field(default=8, gt=0)  # deliveries in flight per endpoint, per sender
+    webhooks_lease_s: float = Field(default=60.0, gt=0)  # a dead sender's events are taken over after it
+
     @property
     def files_path(self) -> Path:
         return self.files_dir or self.data_dir / "files"
