@@ -8,7 +8,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import Depends, FastAPI
 
-from sluice.api import batches, dashboard, errors, health, requests, responses, tokenize
+from sluice.api import batches, dashboard, errors, health, requests, responses, tokenize, webhooks
 from sluice.api import models as model_routes
 from sluice.api import openai as openai_routes
 from sluice.api.auth import KeyBeforeBody, require_key
@@ -57,4 +57,5 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(responses.router, dependencies=protected)
     app.include_router(tokenize.router, dependencies=protected)
     app.include_router(batches.router, dependencies=protected)
+    app.include_router(webhooks.router, dependencies=protected)  # admin keys only
     return app
