@@ -16,12 +16,12 @@ import pytest
 from fastapi import FastAPI
 from redis.asyncio import Redis
 
+from sluice.bench.sse import SseEvent, SseParser, parse, sse_events
 from sluice.config.settings import Settings
 from sluice.protocol.messages import DeltaEvent
 from sluice.workers.worker import Worker
 from tests.api.conftest import StartApi, http_client
 from tests.broker.helpers import KEYS, done_result, running_request
-from tests.e2e.sse import SseEvent, sse_events
 from tests.fakes import eventually
 
 IDLE_S = 1.0
@@ -46,6 +46,11 @@ async def add_delta(redis: Redis, rid: str, delta: DeltaEvent) -> None:
 async def events_of(response: httpx.Response) -> list[SseEvent]:
     assert response.status_code == 200, response.text
     return [ev async for ev in sse_events(response)]
+
+
+def comments_of(response: httpx.Response) -> list[str]:
+    parse(response.text, parser := SseParser())
+    return parser.comments
 
 
 async def test_final_comes_from_the_status_when_the_reply_stream_expired(
@@ -79,7 +84,7 @@ async def test_a_silent_stream_closes_with_a_comment_and_resumes_from_last_event
     response = await read(api, m.id)  # one delta, then nothing for longer than the idle timeout
     (delta,) = await events_of(response)
     assert delta.event == "delta" and delta.json()["text"] == " a"
-    comments = [line for line in response.text.splitlines() if line.startswith(":")]
+    comments = comments_of(response)
     assert comments and "Last-Event-ID" in comments[-1]
 
     await add_delta(redis, m.id, DeltaEvent(i=1, text=" b", token_ids=[2]))
@@ -93,7 +98,7 @@ async def test_a_queued_request_with_no_event_closes_after_the_idle_timeout(api:
     assert r.status_code == 202, r.text
     response = await read(api, r.json()["id"])
     assert await events_of(response) == []
-    assert any(line.startswith(":") for line in response.text.splitlines())
+    assert comments_of(response)
     status = await api.get(f"/v1/requests/{r.json()['id']}")
     assert status.json()["status"] == "queued"  # closing the stream cancelled nothing
 

@@ -13,6 +13,7 @@ import httpx
 import pytest
 from redis.asyncio import Redis
 
+from sluice.bench.sse import sse_events
 from sluice.broker.replies import _coalesce, delivered
 from sluice.protocol.messages import DeltaEvent, FinalResult, RequestMessage, RowOutput, TokenLogprob
 from sluice.protocol.openai_objects import Shape, chat_object
@@ -21,7 +22,6 @@ from sluice.protocol.states import State
 from sluice.workers.worker import Worker
 from tests.api.conftest import StartApi, http_client
 from tests.broker.helpers import KEYS, MODEL
-from tests.e2e.sse import sse_events
 from tests.fakes import eventually
 
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}

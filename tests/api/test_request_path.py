@@ -12,11 +12,11 @@ import httpx
 from fastapi import FastAPI
 from redis.asyncio import Redis
 
+from sluice.bench.sse import sse_events
 from sluice.protocol.messages import RequestMessage
 from sluice.workers.worker import Worker
 from tests.api.conftest import StartApi, http_client
 from tests.broker.helpers import KEYS, MODEL
-from tests.e2e.sse import sse_events
 
 WAIT_S = 30  # a long-poll's bound: far above what a null-engine request takes
 
@@ -94,19 +94,36 @@ async def test_cancel_stops_a_running_request(api: httpx.AsyncClient, null_worke
 
     await eventually(running, what="the request to start")
     r = await api.delete(f"/v1/requests/{rid}")
-    assert r.status_code == 202, r.text
-    assert r.json()["id"] == rid and r.json()["model"] == MODEL
+    assert r.status_code == 202, r.text  # accepted: its worker aborts it
+    assert r.json() == {"id": rid, "model": MODEL, "status": "cancelling"}
     final = (await api.get(f"/v1/requests/{rid}", params={"wait": WAIT_S})).json()
     assert final["status"] == "cancelled", final
     again = await api.delete(f"/v1/requests/{rid}")  # cancelling a final request changes nothing
-    assert again.status_code == 202 and again.json()["status"] != "cancelling"
+    assert again.status_code == 409 and again.json()["error"]["code"] == "already_final", again.text
+    assert again.json()["request"] == final
     assert (await api.get(f"/v1/requests/{rid}")).json()["status"] == "cancelled"
 
 
 async def test_a_cancelled_queued_request_never_runs(api: httpx.AsyncClient) -> None:
     rid = await submit(api)
-    assert (await api.delete(f"/v1/requests/{rid}")).status_code == 202
-    assert (await api.get(f"/v1/requests/{rid}")).json()["status"] == "cancelled"
+    r = await api.delete(f"/v1/requests/{rid}")
+    assert r.status_code == 200, r.text  # done at once: the answer is its final, as GET shows it
+    assert r.json()["status"] == "cancelled" and r.json()["error"] == "cancelled by the client"
+    assert r.json() == (await api.get(f"/v1/requests/{rid}")).json()
+
+
+async def test_cancelling_a_finished_request_is_a_409_naming_its_state(
+        api: httpx.AsyncClient, null_worker: Worker) -> None:
+    rid = await submit(api)
+    done = (await api.get(f"/v1/requests/{rid}", params={"wait": WAIT_S})).json()
+    assert done["status"] == "done", done
+    r = await api.delete(f"/v1/requests/{rid}")
+    assert r.status_code == 409, r.text
+    assert r.json()["error"] == {"message": f"request {rid!r} is already done: only a queued or running request "
+                                            "can be cancelled", "type": "already_final", "param": "id",
+                                 "code": "already_final"}
+    assert r.json()["request"] == done  # the final comes with it
+    assert (await api.get(f"/v1/requests/{rid}")).json() == done  # nothing changed
 
 
 async def test_an_unknown_request_is_a_404_on_every_route(api: httpx.AsyncClient) -> None:

@@ -79,7 +79,7 @@ async def test_a_foreground_response_answers_with_the_result(sdk: openai.AsyncOp
 
 
 async def _events(api: httpx.AsyncClient, method: str, url: str, **kw) -> list[dict]:
-    from tests.e2e.sse import sse_events
+    from sluice.bench.sse import sse_events
 
     async with api.stream(method, url, **kw) as r:
         assert r.status_code == 200, await r.aread()

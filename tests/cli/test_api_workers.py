@@ -12,8 +12,8 @@ from pathlib import Path
 
 import httpx
 
+from sluice.bench.sse import sse_events
 from sluice.cli.stack import LocalStack
-from tests.e2e.sse import sse_events
 
 MODEL = "echo"
 MODELS_YAML = f"models:\n  - name: {MODEL}\n    continuous_batching_config: {{max_concurrent_batch_size: 32}}\n"

@@ -16,9 +16,9 @@ import httpx
 import pytest
 import redis as redis_sync
 
+from sluice.bench.sse import SseEvent, sse_events
 from sluice.broker.keys import ModelKeys
 from tests.e2e.conftest import NullStack, null_stack, submit, wait_done
-from tests.e2e.sse import SseEvent, sse_events
 
 MODEL = "disc"
 MODELS = f"models:\n  - name: {MODEL}\n    continuous_batching_config: {{max_concurrent_batch_size: 8}}\n"

@@ -11,11 +11,11 @@ import pytest
 import redis as redis_sync
 import redis.asyncio as aioredis
 
+from sluice.bench.sse import sse_events
 from sluice.broker.consumer import Delivery, StreamConsumer
 from sluice.broker.keys import GROUP, ModelKeys
 from sluice.protocol.messages import RequestMessage
 from tests.e2e.conftest import CUSTOM, DYNAMIC, LEASE_TIMEOUT_S, MODEL, Stack, configure, submit, wait_done
-from tests.e2e.sse import sse_events
 from tests.e2e.test_batching_modes import log_records
 
 pytestmark = [pytest.mark.engine, pytest.mark.xdist_group("engine"), pytest.mark.usefixtures("restore_continuous")]

@@ -8,8 +8,8 @@ import time
 import httpx
 import pytest
 
+from sluice.bench.sse import sse_events
 from tests.e2e.conftest import MODEL, Stack, submit, wait_done
-from tests.e2e.sse import sse_events
 
 pytestmark = [pytest.mark.engine, pytest.mark.xdist_group("engine")]
 
