@@ -3,7 +3,8 @@
 Every api process reads the same log, so any replica answers the same. A window whose read was
 capped is scaled up by how much of the window the sample spans (`sampled`: an estimate).
 Latencies come from the timings the worker wrote into each record: end to end, queue wait and
-time to first token, each from admission (as a client waits for them).
+time to first token, each from admission (as a client waits for them). A request its client
+cancelled is counted apart: it is no failure (`failed` counts failed and expired ones).
 
 `ActivityReader` keeps what a refresh costs small: a minute that is over cannot change, so each
 api process reads it once; a refresh reads only the last 60 seconds (the current minute is part
@@ -21,6 +22,7 @@ from redis.asyncio import Redis
 from sluice.broker.activity import LogWindow, errors_of, sample_log
 
 MAX_FAILURES = 10
+NOT_FAILED = ("done", "cancelled")  # what the log records that is no failure: a cancel is the client's own
 MIN_COVERED_S = 5.0
 MINUTE_S = 60.0
 CLOCK_SLACK_S = 5.0  # entry ids come from Redis's clock: a minute is over this long after its end
@@ -54,12 +56,12 @@ def _tokens(record: dict[str, Any]) -> int:
 def window_stats(w: LogWindow, first_at: float | None) -> dict[str, Any]:
     """One window's counts, rates and latency percentiles. `data` is false for a window the log
     does not reach back to (trimmed, or before its first record): its values are unknown.
-    `requests` and `failed` count the part of the window the log covers (`partial`: not all)."""
+    `requests`, `failed` and `cancelled` count the part of the window the log covers (`partial`: not all)."""
     partial = first_at is not None and w.start < first_at < w.end
     out: dict[str, Any] = {"start": _r(w.start), "end": _r(w.end), "data": True, "partial": partial,
                            "sampled": w.sampled}
     if first_at is not None and first_at >= w.end and not w.records:
-        return {**out, "data": False, "requests": None, "failed": None, "requests_per_s": None,
+        return {**out, "data": False, "requests": None, "failed": None, "cancelled": None, "requests_per_s": None,
                 "tokens_per_s": None, **{f"{k}_{p}_s": None for k in ("e2e", "ttft", "queue") for p in ("p50", "p95")}}
     # The part of the window the log covers: all of it, or since its first record (the log was
     # trimmed, or began, inside the window; rates are over that part, a few seconds at least).
@@ -76,7 +78,8 @@ def window_stats(w: LogWindow, first_at: float | None) -> dict[str, Any]:
         requests.setdefault(str(record.get("request_id") or f"#{i}"), record)  # rows of one request: once
         tokens += _tokens(record)
     done = [r for r in requests.values() if r.get("status") == "done"]
-    failed = len(requests) - len(done)
+    cancelled = sum(r.get("status") == "cancelled" for r in requests.values())
+    failed = len(requests) - len(done) - cancelled
     lat: dict[str, list[float]] = {"e2e": [], "ttft": [], "queue": []}
     for r in done:
         timings = r.get("timings") if isinstance(r.get("timings"), dict) else {}
@@ -85,19 +88,20 @@ def window_stats(w: LogWindow, first_at: float | None) -> dict[str, Any]:
             if value is not None:
                 lat[name].append(value)
     return {**out, "requests": round(len(requests) * scale), "failed": round(failed * scale),
+            "cancelled": round(cancelled * scale),
             "requests_per_s": _r(len(requests) * scale / seconds), "tokens_per_s": _r(tokens * scale / seconds, 1),
             **{f"{k}_{p}_s": _r(percentile(v, q)) for k, v in lat.items() for p, q in (("p50", 0.5), ("p95", 0.95))}}
 
 
 def recent_failures(windows: list[LogWindow], limit: int = MAX_FAILURES) -> list[dict[str, Any]]:
-    """The newest requests the log records as not done (failed, expired, cancelled), newest
-    first, from windows given newest first."""
+    """The newest requests the log records as failed or expired (not done, nor cancelled by
+    their client), newest first, from windows given newest first."""
     seen: dict[str, dict[str, Any]] = {}
     for w in windows:
         for at, record in w.records:
             rid = record.get("request_id")
             status = record.get("status")
-            if not rid or status in (None, "done") or rid in seen:
+            if not rid or status is None or status in NOT_FAILED or rid in seen:
                 continue
             seen[str(rid)] = {"request_id": str(rid), "status": str(status), "at": _r(at), "error": None}
             if len(seen) >= limit:

@@ -1,9 +1,10 @@
 """The operator's live page: `GET /dashboard` (a static page, no key) polls `GET /v1/dashboard`
 (admin only when keys are set: it shows every caller's failures, host names and pids).
 
-Everything comes from Redis, so every api replica shows the same: per model its queues, live
-workers, throughput and latency minute by minute (api/activity.py), recent failures and dead
-letters; and the bulk jobs being run. Each read is bounded, whatever the traffic (the inference
+Everything comes from Redis, so every api replica shows the same: per model its queues (waiting
+and running apart, broker/queues.py), live workers, throughput and latency minute by minute
+(api/activity.py), recent failures (a client's own cancel is none) and dead letters; and the
+bulk jobs being run. Each read is bounded, whatever the traffic (the inference
 log is read in samples, see api/activity.py).
 """
 
@@ -24,6 +25,7 @@ from sluice.api.activity import ActivityReader
 from sluice.api.auth import require_admin
 from sluice.api.state import ApiState, state
 from sluice.broker.dead_letters import DeadLetters
+from sluice.broker.queues import queue_figures
 from sluice.broker.registry import WorkerInfo
 from sluice.config.model import ModelConfig
 
@@ -72,13 +74,13 @@ def _reader(request: Request, s: ApiState) -> ActivityReader:
 async def _model(request: Request, s: ApiState, m: ModelConfig, live: list[WorkerInfo], now: float) -> dict[str, Any]:
     letters = DeadLetters(s.redis, m.name, shards=m.shards)
     queue, (dead, newest), found = await asyncio.gather(
-        s.admission.queue_stats(m.name, m.shards), letters.recent(DEAD_LETTERS_SHOWN),
+        queue_figures(s.redis, m.name, m.shards), letters.recent(DEAD_LETTERS_SHOWN),
         _reader(request, s).read(m.name, now))
     mine = [w for w in live if w.model == m.name]
     return {
         "name": m.name, "version": m.version, "mode": m.mode.value,
         "max_queued": m.max_queued or s.settings.max_queued,
-        "queue": {lane: {"depth": depth, "oldest_age_s": round(age, 1)} for lane, (depth, age) in queue.items()},
+        "queue": {lane: figures.view() for lane, figures in queue.items()},
         "in_flight": sum(w.in_flight for w in mine), "capacity": sum(w.capacity for w in mine),
         "workers": [_worker(w, now) for w in mine],
         "activity": {k: v for k, v in found.items() if k != "recent_failures"},

@@ -6,8 +6,9 @@ from fastapi import APIRouter, Depends
 from fastapi.responses import JSONResponse, Response
 
 from sluice.api.auth import require_admin
-from sluice.api.metrics import OLDEST_AGE, QUEUE_DEPTH, exposition
+from sluice.api.metrics import OLDEST_AGE, QUEUE_DEPTH, QUEUE_RUNNING, exposition
 from sluice.api.state import ApiState, state
+from sluice.broker.queues import queue_figures
 
 router = APIRouter(tags=["health"])
 
@@ -47,8 +48,9 @@ async def workers(s: ApiState = Depends(state)) -> dict:
 async def metrics(s: ApiState = Depends(state)) -> Response:
     """Prometheus text format; the queue gauges are read from Redis at each scrape."""
     for m in (await s.deployments.all(fresh=True)).values():
-        for lane, (depth, age) in (await s.admission.queue_stats(m.name, m.shards)).items():
-            QUEUE_DEPTH.labels(m.name, lane).set(depth)
-            OLDEST_AGE.labels(m.name, lane).set(age)
+        for lane, figures in (await queue_figures(s.redis, m.name, m.shards)).items():
+            QUEUE_DEPTH.labels(m.name, lane).set(figures.waiting)
+            QUEUE_RUNNING.labels(m.name, lane).set(figures.running)
+            OLDEST_AGE.labels(m.name, lane).set(figures.oldest_waiting_s)
     body, media_type = exposition()
     return Response(body, media_type=media_type)

@@ -14,10 +14,12 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 
 ADMITTED = Counter("sluice_requests_admitted", "Requests put on a model's stream", ["model", "lane"])
 REJECTED = Counter("sluice_requests_rejected", "Requests refused at admission, by reason", ["model", "reason"])
-QUEUE_DEPTH = Gauge("sluice_queue_depth", "Entries on a model's stream (waiting plus running)", ["model", "lane"],
-                    multiprocess_mode="mostrecent")
-OLDEST_AGE = Gauge("sluice_queue_oldest_age_seconds", "Age of the oldest entry on a model's stream",
-                   ["model", "lane"], multiprocess_mode="mostrecent")
+QUEUE_DEPTH = Gauge("sluice_queue_depth", "Requests waiting for a worker on a model's lane (running ones apart)",
+                    ["model", "lane"], multiprocess_mode="mostrecent")
+QUEUE_RUNNING = Gauge("sluice_queue_running", "Requests a worker has taken from a model's lane and not finished",
+                      ["model", "lane"], multiprocess_mode="mostrecent")
+OLDEST_AGE = Gauge("sluice_queue_oldest_age_seconds", "How long the oldest request waiting on a model's lane has "
+                   "waited (0: none waits)", ["model", "lane"], multiprocess_mode="mostrecent")
 
 
 def exposition() -> tuple[bytes, str]:

@@ -13,6 +13,7 @@ from sluice.api.auth import Caller, require_admin, require_key
 from sluice.api.errors import ApiError
 from sluice.api.intake import Sampling
 from sluice.api.state import ApiState, state
+from sluice.broker.queues import queue_figures
 from sluice.config.batching import ContinuousBatchingConfig, DynamicBatchingConfig
 from sluice.config.model import ConfigError, ModelConfig, parse_model
 from sluice.config.schema import to_arrow
@@ -38,11 +39,12 @@ async def list_models(s: ApiState = Depends(state)) -> dict:
 @router.get("/{model}")
 async def get_model(model: str, s: ApiState = Depends(state), caller: Caller = Depends(require_key)) -> dict:
     m = await s.deployments.get(model)
-    depth, bulk_depth = await s.admission.depth(m.name, m.shards)
+    queue = await queue_figures(s.redis, m.name, m.shards)
     live = [w for w in await s.workers.live(s.settings.worker_ttl_s) if w.model == m.name]
     return {
         **describe(m),
-        "queue": {"depth": depth, "bulk_depth": bulk_depth,
+        # Waiting and running apart, per lane; the bound counts both.
+        "queue": {**{lane: figures.view() for lane, figures in queue.items()},
                   "max_queued": m.max_queued or s.settings.max_queued},
         # Worker names carry host names: an admin's business, as /v1/workers is.
         "workers": [{**({"name": w.name} if caller.admin else {}), "version": w.version,

@@ -14,13 +14,13 @@ import httpx
 from fastapi import FastAPI
 from redis.asyncio import Redis
 
-from sluice.api.activity import ActivityReader, percentile, window_stats
+from sluice.api.activity import ActivityReader, percentile, recent_failures, window_stats
 from sluice.broker.activity import LogWindow
 from sluice.config.settings import Settings
 from sluice.workers.worker import Worker
 from tests.api.keyed_app import ADMIN, ALICE, client, keyed_app
 from tests.api.test_request_path import WAIT_S, eventually, submit
-from tests.broker.helpers import KEYS, MODEL, fetch_one, ready_consumer
+from tests.broker.helpers import KEYS, MODEL, done_result, fetch_one, ready_consumer
 
 
 async def dashboard(api: httpx.AsyncClient) -> dict:
@@ -36,7 +36,7 @@ def model_of(data: dict) -> dict:
 
 async def test_queue_depth_counts_the_requests_no_worker_takes(api: httpx.AsyncClient) -> None:
     empty = model_of(await dashboard(api))
-    assert empty["queue"]["interactive"] == {"depth": 0, "oldest_age_s": 0.0}
+    assert empty["queue"]["interactive"] == {"waiting": 0, "running": 0, "oldest_waiting_s": 0.0}
     assert empty["workers"] == [] and empty["capacity"] == 0 and empty["recent_failures"] == []
     assert empty["activity"]["log_since"] is None
     assert all(w["requests"] == 0 and w["data"] for w in empty["activity"]["minutes"])  # no traffic: zero
@@ -44,11 +44,36 @@ async def test_queue_depth_counts_the_requests_no_worker_takes(api: httpx.AsyncC
         await submit(api)
     data = await dashboard(api)
     m = model_of(data)
-    assert m["queue"]["interactive"]["depth"] == 3 and m["queue"]["bulk"]["depth"] == 0
-    assert m["queue"]["interactive"]["oldest_age_s"] >= 0
+    assert m["queue"]["interactive"]["waiting"] == 3 and m["queue"]["bulk"]["waiting"] == 0
+    assert m["queue"]["interactive"]["running"] == 0 and m["queue"]["interactive"]["oldest_waiting_s"] >= 0
     assert m["version"] == 1 and m["mode"] == "continuous" and m["max_queued"] > 0
     assert len(m["activity"]["minutes"]) == data["minutes"] == 10
     assert data["batches"] == [] and data["other_workers"] == []
+
+
+async def test_a_running_request_is_running_not_waiting(api: httpx.AsyncClient, redis: Redis,
+                                                        settings: Settings) -> None:
+    """One running request: 0 waiting, 1 running, nothing waiting for any time (the page once
+    said "1 queued, 1 in flight, oldest waiting 2.0 s"), on the dashboard, /v1/models/{model}
+    and the metrics alike."""
+    rid = await submit(api)
+    c = await ready_consumer(redis, settings, "dash-w1")
+    d = await fetch_one(c)
+    assert d.message.id == rid and await c.start(d) == "run"
+    await submit(api)  # and one that waits
+    nothing = {"waiting": 0, "running": 0, "oldest_waiting_s": 0.0}
+    m = model_of(await dashboard(api))
+    assert m["queue"]["interactive"]["waiting"] == 1 and m["queue"]["interactive"]["running"] == 1
+    assert m["queue"]["bulk"] == nothing
+    shown = (await api.get(f"/v1/models/{MODEL}")).json()["queue"]
+    assert shown["interactive"]["waiting"] == 1 and shown["interactive"]["running"] == 1
+    assert shown["bulk"] == nothing and shown["max_queued"] == m["max_queued"]
+    metrics = (await api.get("/metrics")).text
+    assert f'sluice_queue_depth{{lane="interactive",model="{MODEL}"}} 1.0' in metrics
+    assert f'sluice_queue_running{{lane="interactive",model="{MODEL}"}} 1.0' in metrics
+    assert await c.commit(d, done_result())
+    m = model_of(await dashboard(api))
+    assert m["queue"]["interactive"]["waiting"] == 1 and m["queue"]["interactive"]["running"] == 0
 
 
 async def test_a_dead_letter_appears(api: httpx.AsyncClient, redis: Redis, settings: Settings) -> None:
@@ -61,7 +86,7 @@ async def test_a_dead_letter_appears(api: httpx.AsyncClient, redis: Redis, setti
     (letter,) = m["dead_letters"]["recent"]
     assert letter["request_id"] == rid and letter["error"] == "engine crashed"
     assert letter["attempts"] == 3 and letter["lane"] == "interactive"
-    assert m["queue"]["interactive"]["depth"] == 0  # off the stream
+    assert m["queue"]["interactive"] == {"waiting": 0, "running": 0, "oldest_waiting_s": 0.0}  # off the stream
 
 
 async def test_activity_workers_and_failures_from_real_traffic(api: httpx.AsyncClient, null_worker: Worker) -> None:
@@ -83,15 +108,14 @@ async def test_activity_workers_and_failures_from_real_traffic(api: httpx.AsyncC
     await eventually(logged, what="five requests in the inference log")
     m = model_of(await dashboard(api))
     last = m["activity"]["last_minute"]
-    assert last["data"] and not last["sampled"] and last["failed"] == 1
+    # The client's own cancel is counted, apart: it is no failure.
+    assert last["data"] and not last["sampled"] and last["failed"] == 0 and last["cancelled"] == 1
     assert last["requests_per_s"] > 0 and last["tokens_per_s"] > 0
     assert 0 < last["e2e_p50_s"] <= last["e2e_p95_s"] < WAIT_S
     assert last["ttft_p50_s"] is not None and last["queue_p50_s"] is not None
     assert m["activity"]["log_since"] is not None
     assert sum(w["requests"] or 0 for w in m["activity"]["minutes"][-2:]) == 5  # this minute and the one before
-    (failure,) = m["recent_failures"]
-    assert failure["request_id"] == long and failure["status"] == "cancelled"
-    assert failure["error"] == "cancelled by the client"
+    assert m["recent_failures"] == []
     (worker,) = m["workers"]
     assert worker["name"] == "api-test-worker" and worker["capacity"] == 4 and worker["state"] == "running"
     assert m["capacity"] == 4 and 0 <= m["in_flight"] <= 4
@@ -139,6 +163,15 @@ def window(records: list[tuple[float, dict]], sampled: bool = False, start: floa
 def record(rid: str, status: str = "done", *, e2e: float = 1.0, tokens: int = 10, row: int = 0) -> dict:
     return {"request_id": rid, "row": row, "status": status, "output": {"num_output_tokens": tokens},
             "timings": {"enqueued": 0.0, "started": e2e / 4, "first_token": e2e / 2, "finished": e2e}}
+
+
+def test_a_cancel_is_no_failure() -> None:
+    records = [(1050.0, record("ok")), (1051.0, record("gone", "cancelled", tokens=1)),
+               (1052.0, record("bad", "failed", tokens=0)), (1053.0, record("late", "expired", tokens=0))]
+    s = window_stats(window(records), first_at=900.0)
+    assert s["requests"] == 4 and s["failed"] == 2 and s["cancelled"] == 1
+    assert [f["request_id"] for f in recent_failures([window(records)])] == ["bad", "late"]
+    assert window_stats(window([]), first_at=1100.0)["cancelled"] is None  # no data: unknown
 
 
 def test_window_stats_count_requests_once_and_take_percentiles() -> None:
