@@ -10,13 +10,14 @@ from fastapi.responses import JSONResponse
 from sse_starlette.sse import EventSourceResponse
 
 from sluice.api.auth import Caller, require_key
-from sluice.api.errors import ApiError
+from sluice.api.errors import ApiError, ErrorResponse, error_body
 from sluice.api.intake import Sampling, request_id
 from sluice.api.schemas import RequestView, SubmitRequest, Submitted
 from sluice.api.state import ApiState, state
 from sluice.api.streams import SlotStream
 from sluice.broker.reply_router import resume_index
 from sluice.broker.status import RequestStatus
+from sluice.protocol.messages import FinalResult
 from sluice.protocol.states import State
 
 router = APIRouter(prefix="/v1/requests", tags=["requests"])
@@ -100,22 +101,32 @@ async def _submit(body: SubmitRequest, s: ApiState, caller: Caller, idempotency_
     return Submitted(id=message.id, status="queued", model=model.name)
 
 
+def final_view(rid: str, model: str, result: FinalResult) -> RequestView:
+    """A final as every native route shows it: a field that is absent (None) is left out, at every
+    level (an output row's logprobs, tool calls, extra fields; a timing not reached)."""
+    return RequestView(id=rid, model=model, **result.model_dump(mode="json", exclude_none=True))
+
+
 def view(status: RequestStatus) -> RequestView:
     if status.result is not None:
-        return RequestView(id=status.id, model=status.model, **status.result.model_dump(mode="json"))
+        return final_view(status.id, status.model, status.result)
     timings = {"enqueued": status.enqueued_at, "started": status.started_at}
     return RequestView(id=status.id, model=status.model, status=status.state.value,
                        timings={k: v for k, v in timings.items() if v is not None}, attempt=status.attempt)
 
 
-async def visible_model(s: ApiState, caller: Caller, rid: str) -> str:
-    """The request's model, if the caller may see it: another key's request is as missing as
-    an unknown id (404, not 403), so ids cannot be probed."""
+async def visible(s: ApiState, caller: Caller, rid: str) -> tuple[str, RequestStatus | None]:
+    """The request's model and status, if the caller may see it: another key's request is as
+    missing as an unknown id (404, not 403), so ids cannot be probed."""
     model = await s.lookup.model_of(rid)
     status = await s.admission.status(model, rid)
     if not caller.admin and not caller.owns(status.owner if status else None):
         raise ApiError(404, f"request {rid!r} not found", code="not_found")
-    return model
+    return model, status
+
+
+async def visible_model(s: ApiState, caller: Caller, rid: str) -> str:
+    return (await visible(s, caller, rid))[0]
 
 
 @router.get("/{rid}", response_model=RequestView, response_model_exclude_none=True)
@@ -129,13 +140,34 @@ async def get_request(
     return view(await s.lookup.wait_final(model, rid, min(wait, s.settings.max_wait_s)))
 
 
-@router.delete("/{rid}", status_code=202)
-async def cancel(rid: str, s: ApiState = Depends(state), caller: Caller = Depends(require_key)) -> dict:
-    model = await visible_model(s, caller, rid)
+@router.delete("/{rid}", response_model=RequestView, response_model_exclude_none=True, responses={
+    202: {"model": Submitted, "description": "Running: `{id, model, status: \"cancelling\"}`; its worker aborts "
+                                             "it and it ends `cancelled`"},
+    409: {"description": "Final already (`done`, `failed`, `expired`, `cancelled`): nothing changes; the error "
+                         "names the state, and `request` holds the final as GET shows it"}})
+async def cancel(rid: str, s: ApiState = Depends(state),
+                 caller: Caller = Depends(require_key)) -> RequestView | JSONResponse:
+    """Cancel a request. A queued one ends `cancelled` at once: 200 with that final."""
+    model, before = await visible(s, caller, rid)
+    if before is not None and before.final:
+        return _already_final(before)
     result = await s.admission.cancel(model, rid)
-    if result is None:
+    if result == "cancelling":
+        return JSONResponse(Submitted(id=rid, status=result, model=model).model_dump(), status_code=202)
+    after = await s.admission.status(model, rid) if result else None
+    if after is None:
         raise ApiError(404, f"request {rid!r} not found", code="not_found")
-    return {"id": rid, "model": model, "status": result}
+    if result == "cancelled":
+        return view(after)
+    return _already_final(after)  # it finished between the two reads
+
+
+def _already_final(status: RequestStatus) -> JSONResponse:
+    """409: a final request cannot be cancelled (RFC 9110, 15.5.10); its final comes with it."""
+    body = error_body(f"request {status.id!r} is already {status.state.value}: only a queued or running "
+                      "request can be cancelled", "already_final", "id")
+    body["request"] = view(status).model_dump(mode="json", exclude_none=True)
+    return ErrorResponse(body, 409)
 
 
 @router.get("/{rid}/events")
@@ -170,7 +202,7 @@ async def events(
                 yield {"event": "delta", "id": ev.entry_id,
                        "data": json.dumps({"index": ev.delta.i, "text": ev.delta.text, "row": ev.delta.row})}
             elif ev.final is not None:
-                final = RequestView(id=rid, model=model, **ev.final.model_dump(mode="json"))
+                final = final_view(rid, model, ev.final)
                 kind = "done" if ev.final.status is State.DONE else "error"
                 yield {"event": kind, "id": ev.entry_id, "data": final.model_dump_json(exclude_none=True)}
                 return

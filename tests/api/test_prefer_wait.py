@@ -3,10 +3,13 @@ within S seconds, and the usual 202 when it is not."""
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import pytest
 
 from sluice.api.requests import preferred_wait
+from sluice.bench.sse import sse_events
 from sluice.workers.worker import Worker
 from tests.broker.helpers import MODEL
 
@@ -54,3 +57,28 @@ def test_the_prefer_header_is_read_as_rfc_7240_asks(header: str | None, wait: fl
 async def test_an_unreadable_preference_is_ignored_not_refused(api: httpx.AsyncClient) -> None:
     r = await api.post("/v1/requests", json=BODY, headers={"Prefer": "wait=soon"})
     assert r.status_code == 202 and "Preference-Applied" not in r.headers
+
+
+def nulls(value: object, at: str = "") -> list[str]:
+    """Where a JSON answer holds a null."""
+    if value is None:
+        return [at or "."]
+    if isinstance(value, dict):
+        return [p for k, v in value.items() for p in nulls(v, f"{at}.{k}")]
+    if isinstance(value, list):
+        return [p for i, v in enumerate(value) for p in nulls(v, f"{at}[{i}]")]
+    return []
+
+
+async def test_a_final_leaves_absent_fields_out_wherever_it_is_shown(
+        api: httpx.AsyncClient, null_worker: Worker) -> None:
+    """No logprobs, tool calls or extra fields were asked for: the answer has no such keys, not
+    five nulls (issue 30), from Prefer: wait, GET and the events' `done` alike."""
+    r = await api.post("/v1/requests", json=BODY, headers={"Prefer": "wait=30"})
+    assert r.status_code == 200, r.text
+    waited = r.json()
+    assert nulls(waited) == [] and set(waited["output"]) == {"text", "num_output_tokens", "finish_reason"}
+    polled = (await api.get(f"/v1/requests/{waited['id']}")).json()
+    assert polled == waited
+    events = [e async for e in sse_events(await api.get(f"/v1/requests/{waited['id']}/events"))]
+    assert events[-1].event == "done" and json.loads(events[-1].data) == waited
