@@ -120,6 +120,7 @@ class Settings(BaseSettings):
     webhooks_allow_private: bool = False
     webhooks_timeout_s: float = Field(default=10.0, gt=0)  # one delivery's request, connect to last byte
     webhooks_retry_period_s: float = Field(default=72 * 3600.0, gt=0)  # then the dead-letter list
+    webhooks_retry_base_s: float = Field(default=5.0, gt=0)  # the first retry's delay; doubled each time
     webhooks_concurrency: int = Field(default=8, gt=0)  # deliveries in flight per endpoint, per sender
     webhooks_lease_s: float = Field(default=60.0, gt=0)  # a dead sender's events are taken over after it
 
