@@ -211,23 +211,33 @@ class JobStore:
         """Whether a live runner holds the job's lock.
 
         A killed runner's lock outlives it by up to one TTL, so a held lock is watched: if it
-        lapses, its runner is gone; if it is still held past the expiry it had when first seen
-        (refreshed) or another runner has taken it, a runner is alive.
+        lapses, its runner is gone; if it is refreshed (its expiry, in Redis's own clock, moves
+        on), still held past the expiry it had when first seen, or taken by another runner, a
+        runner is alive. A live runner refreshes its lock at least once a second
+        (workers/job_lock.py), so it is told from a dead one in about that, whatever the TTL.
         """
         key = _key(job_id, "lock")
-        async with self.redis.pipeline(transaction=True) as pipe:
-            pipe.get(key)
-            pipe.pttl(key)
-            holder, ttl_ms = await pipe.execute()
+        holder, ttl_ms, expiry = await self._lock_held(key)
         if holder is None:
             return False
         deadline = time.monotonic() + max(ttl_ms, 0) / 1000 + poll_s
         while time.monotonic() < deadline:
             await asyncio.sleep(poll_s)
-            now = await self.redis.get(key)
+            now, _, now_expiry = await self._lock_held(key)
             if now != holder:
                 return now is not None
+            if now_expiry > expiry:
+                return True
         return True
+
+    async def _lock_held(self, key: str) -> tuple[str | None, int, int]:
+        """The lock's holder, its TTL and its absolute expiry (ms, Redis's clock), read at once."""
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.get(key)
+            pipe.pttl(key)
+            pipe.pexpiretime(key)
+            holder, ttl_ms, expiry = await pipe.execute()
+        return holder, int(ttl_ms), int(expiry)
 
 
 def _object(raw: dict[str, str]) -> dict[str, Any]:

@@ -18,6 +18,11 @@ from sluice.protocol.states import FINAL_BATCH_STATES
 
 log = logging.getLogger(__name__)
 
+# The longest wait between two refreshes (a third of the TTL when that is shorter): a live
+# runner shows itself to a second run within about this (JobStore.runner_alive), whatever the
+# TTL, and a long TTL only makes the lock outlast longer stalls.
+REFRESH_S = 1.0
+
 
 class JobLock:
     def __init__(self, store: JobStore, job_id: str, ttl_s: float):
@@ -62,7 +67,7 @@ class JobLock:
         """Refresh the lock; mark it lost when another runner holds it, it has lapsed, or Redis
         could not be reached to refresh it before it would lapse."""
         while not self._finished:  # a flag as well: redis-py can swallow a cancel (see Worker.run)
-            await asyncio.sleep(self.ttl_s / 3)
+            await asyncio.sleep(min(self.ttl_s / 3, REFRESH_S))
             if self._finished:
                 return
             asked = time.monotonic()

@@ -35,6 +35,15 @@ def job_settings(settings: Settings) -> Settings:
     return settings.model_copy(update={"job_lock_ttl_s": 0.6, "bulk_outstanding": 4})
 
 
+@pytest.fixture
+def steady_settings(settings: Settings) -> Settings:
+    """A lock no stall of a loaded machine lapses (30 s; refreshed every second all the same):
+    for the tests whose live runner must stay live. With 0.6 s, a test process or Redis held
+    off the CPU for 0.4 s lost its runner's lock to nobody, and the job went to whoever came
+    next, or to no one."""
+    return settings.model_copy(update={"job_lock_ttl_s": 30.0, "bulk_outstanding": 4})
+
+
 def lock_key(batch_id: str) -> str:
     return f"{{sluice:batch:{batch_id}}}:lock"
 
@@ -49,9 +58,10 @@ async def new_batch(redis: Redis, settings: Settings, n: int) -> str:
 
 
 @asynccontextmanager
-async def null_worker(redis: Redis, delay_s: float = 0.005) -> AsyncIterator[list[str]]:
-    """Finishes every row put on the bulk stream; yields the request ids of the entries it took,
-    in order (a row submitted twice shows twice)."""
+async def null_worker(redis: Redis, delay_s: float = 0.005,
+                      running: asyncio.Event | None = None) -> AsyncIterator[list[str]]:
+    """Finishes every row put on the bulk stream (while `running`, when given, is set); yields
+    the request ids of the entries it took, in order (a row submitted twice shows twice)."""
     seen: list[str] = []
     stop = asyncio.Event()
 
@@ -59,6 +69,9 @@ async def null_worker(redis: Redis, delay_s: float = 0.005) -> AsyncIterator[lis
         # Ends on a flag, not on cancellation alone: redis-py on Python 3.11 can swallow a
         # cancel that lands as a call completes (see Worker.run), and the loop would go on.
         while not stop.is_set():
+            if running is not None and not running.is_set():
+                await asyncio.sleep(0.005)
+                continue
             for entry_id, fields in await redis.xrange(STREAM, count=1):
                 rid = RequestMessage.from_fields(fields).id
                 seen.append(rid)
@@ -104,7 +117,8 @@ def files_in(settings: Settings) -> list[Path]:
     return sorted(settings.files_path.iterdir())
 
 
-async def test_a_runner_whose_lock_is_stolen_stops_and_writes_nothing(redis: Redis, job_settings: Settings) -> None:
+async def test_a_runner_whose_lock_is_stolen_stops_and_writes_nothing(redis: Redis, steady_settings: Settings) -> None:
+    job_settings = steady_settings  # stolen, never lapsed: the only other runner is the test's
     batch_id = await new_batch(redis, job_settings, 60)
     async with null_worker(redis) as seen:
         running = await running_job(redis, job_settings, batch_id, 5)
@@ -131,14 +145,21 @@ async def test_two_runners_across_an_expired_lock_submit_each_row_once(redis: Re
     await assert_completed_once(redis, job_settings, batch_id, 60, seen)
 
 
-async def test_a_second_run_leaves_the_job_to_its_live_runner(redis: Redis, job_settings: Settings) -> None:
+async def test_a_second_run_leaves_the_job_to_its_live_runner(redis: Redis, steady_settings: Settings) -> None:
+    job_settings = steady_settings  # its lock cannot lapse: the runner is live whatever the load
     batch_id = await new_batch(redis, job_settings, 200)
-    async with null_worker(redis, delay_s=0.02) as seen:
+    working = asyncio.Event()
+    working.set()
+    async with null_worker(redis, delay_s=0.02, running=working) as seen:
         running = await running_job(redis, job_settings, batch_id, 2)
-        # A re-dispatched task does not wait for the whole job in a Celery slot.
-        await asyncio.wait_for(runner(redis, job_settings, batch_id).run(), timeout=2)
+        working.clear()  # the job cannot end while the second run looks: no race with its 198 rows
+        # A re-dispatched task does not wait for the whole job in a Celery slot: it returns
+        # while the job cannot end (waiting for it would hang here until the guard).
+        await asyncio.wait_for(runner(redis, job_settings, batch_id).run(), timeout=60)
         assert not running.done()
-        await asyncio.wait_for(running, timeout=30)
+        assert await redis.get(lock_key(batch_id)) is not None  # held still: the second took nothing
+        working.set()
+        await asyncio.wait_for(running, timeout=60)
     await assert_completed_once(redis, job_settings, batch_id, 200, seen)
 
 
