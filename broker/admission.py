@@ -179,30 +179,6 @@ class Admission:
                     self.fsync_timeout_ms)
         return dataclasses.replace(status, state=State.RUNNING, result=None), True
 
-    async def depth(self, model: str, shards: int = 1) -> tuple[int, int]:
-        """Entries on the interactive (every shard's) and bulk streams (waiting plus running)."""
-        stats = await self.queue_stats(model, shards)
-        return stats["interactive"][0], stats["bulk"][0]
-
-    async def queue_stats(self, model: str, shards: int = 1) -> dict[str, tuple[int, float]]:
-        """Per lane: entries on the streams (interactive: summed over the shards), and the age in
-        seconds of the oldest one (0 if none)."""
-        k = ModelKeys(model)
-        streams = [("interactive", s.requests) for s in k.shards(shards)] + [("bulk", k.bulk)]
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for _, stream in streams:
-                pipe.xlen(stream)
-                pipe.xrange(stream, count=1)
-            answers = await pipe.execute()
-        now_ms = time.time() * 1000
-        depth = {"interactive": 0, "bulk": 0}
-        oldest = {"interactive": now_ms, "bulk": now_ms}
-        for i, (lane, _) in enumerate(streams):
-            depth[lane] += answers[2 * i]
-            if answers[2 * i + 1]:
-                oldest[lane] = min(oldest[lane], int(answers[2 * i + 1][0][0].split("-")[0]))
-        return {lane: (depth[lane], max(now_ms - oldest[lane], 0.0) / 1000) for lane in depth}
-
     async def inference_log(self, model: str, limit: int) -> list[dict[str, Any]]:
         """The newest `limit` records of the model's inference log, oldest first."""
         entries = await self.redis.xrevrange(ModelKeys(model).log, count=limit)

@@ -15,6 +15,7 @@ from sluice.broker.consumer import StreamConsumer
 from sluice.broker.dead_letters import DeadLetters
 from sluice.broker.housekeeping import shards_in_use
 from sluice.broker.notifications import DoneListener
+from sluice.broker.queues import queue_figures
 from sluice.config.settings import Settings
 from sluice.protocol.ids import new_request_id, request_created_at, request_shard
 from tests.broker.helpers import KEYS, MODEL, admission, done_result, message
@@ -49,7 +50,8 @@ async def test_every_shard_is_read_committed_and_announced(redis: Redis, setting
         await adm.submit(m, max_queued=100, shards=K)
     for k in range(K):
         assert await redis.xlen(KEYS.at(k).requests) == 2
-    assert await adm.depth(MODEL, K) == (2 * K, 0)
+    assert {lane: f.waiting for lane, f in (await queue_figures(redis, MODEL, K)).items()} == \
+        {"interactive": 2 * K, "bulk": 0}
 
     done = DoneListener(redis, recheck_s=30)
     done.start()
@@ -74,7 +76,7 @@ async def test_every_shard_is_read_committed_and_announced(redis: Redis, setting
     for m in msgs:
         assert (await adm.status(MODEL, m.id)).state.value == "done"
         assert await adm.find_model(m.id, [MODEL]) == MODEL
-    assert await adm.depth(MODEL, K) == (0, 0)
+    assert all(f.entries == 0 for f in (await queue_figures(redis, MODEL, K)).values())
     assert await c.cancelled([m.id for m in msgs]) == set()
     await adm.cancel(MODEL, msgs[0].id)  # final already: nothing changes
 
