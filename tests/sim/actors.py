@@ -122,6 +122,10 @@ class Worker(Lossy):
         run.task = asyncio.ensure_future(self.generation.rows(run.running, resume))
         await settle()
 
+    def generating(self, rid: str) -> bool:
+        run = self.runs.get(rid)
+        return run is not None and run.task is not None and not run.task.done()
+
     async def emit(self, rid: str, row: int, n: int) -> bool:
         run = self.runs.get(rid)
         if run is None or run.task is None or row >= len(run.running.engine_ids):

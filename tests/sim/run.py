@@ -17,11 +17,11 @@ from tests.sim.invariants import check_end, check_step
 from tests.sim.world import KEYS, Violation, World
 
 Step = tuple[Any, ...]
-ALL_FAULTS = ("crash", "freeze", "lose", "dup", "failover", "clock")
+ALL_FAULTS = ("crash", "freeze", "lose", "dup", "failover", "clock", "poison")
 # (weight, step kind); faults only where the run allows them
 WEIGHTS = {"admit": 8, "cancel": 1.5, "dlq": 1.5, "join": 7, "hangup": 2, "reconnect": 3, "fetch": 8, "start": 8,
            "resume": 5, "emit": 25, "flush": 9, "commit": 8, "lease": 2, "watch": 1.5, "crash": 1.5, "freeze": 3,
-           "lose": 2, "dup": 1, "snapshot": 2, "failover": 1.5, "clock": 1.5}
+           "lose": 2, "dup": 1, "snapshot": 2, "failover": 1.5, "clock": 1.5, "poison": 0.7}
 
 
 @dataclass
@@ -54,8 +54,8 @@ def choose(world: World, rng: random.Random, faults: tuple[str, ...]) -> Step:
             return ("join", req, rng.choice(with_flush))
         enabled.update(cancel=lambda: ("cancel", pick()),
                        dlq=lambda: ("dlq", rng.choice(dead) if dead and rng.random() < 0.9 else pick(),
-                                    rng.choice([0, 1, 1, 1, 2])),
-                       join=join, dup=lambda: ("dup", pick()))
+                                    rng.choice([0, 1, 1, 2, 2])),
+                       join=join, dup=lambda: ("dup", pick()), poison=lambda: ("poison", pick()))
     reading = [r.idx for r in world.readers if r.live and r.last_id != "0"]  # mid-stream
     gone = [r.idx for r in world.readers if not r.live and r.final is None]
     if reading:
@@ -78,24 +78,35 @@ def choose(world: World, rng: random.Random, faults: tuple[str, ...]) -> Step:
     if done:
         enabled["commit"] = lambda: (lambda wi, rid: ("commit", wi, idx[rid]))(*rng.choice(done))
     busy = [wi for wi, w in enumerate(world.workers) if w.runs or w.fetched] or list(range(len(world.workers)))
+    # A worker holding a retried request is hit more often: requests go on through quarantine to
+    # the dead-letter stream, so that `dlq retry` and `drop` have letters to work on.
+    retried = [wi for wi, w in enumerate(world.workers) for run in w.runs.values() if run.d.attempt > 1]
+    victim = lambda: rng.choice(retried if retried and rng.random() < 0.8 else busy)  # noqa: E731
     if "crash" in faults:
-        enabled["crash"] = lambda: ("crash", rng.choice(busy))
+        enabled["crash"] = lambda: ("crash", victim())
     if "freeze" in faults:
-        enabled["freeze"] = lambda: ("freeze", rng.choice(busy))
+        enabled["freeze"] = lambda: ("freeze", victim())
     if "lose" in faults:
         enabled["lose"] = lambda: ("lose", rng.randrange(-1, len(world.workers)))
-    if "dup" not in faults:
-        enabled.pop("dup", None)
+    for kind in ("dup", "poison"):
+        if kind not in faults:
+            enabled.pop(kind, None)
     if "failover" in faults:
         enabled["snapshot"] = lambda: ("snapshot",)
         if world.snapshot is not None:
             enabled["failover"] = lambda: ("failover",)
-    if "clock" in faults:
-        enabled["clock"] = lambda: ("clock", rng.choice([5, 30, 70, 200, 700, 700]))
+    if "clock" in faults:  # with a dead letter, mostly past its failed result's retention (then a dlq retry)
+        enabled["clock"] = lambda: ("clock", rng.choice([700, 700, 200] if world.dead else [5, 30, 70, 200, 700, 700]))
     # Few requests at a time, each taken through more of its life (takeovers, retries, expiry).
     unfinished = len(set(world.ledger.accepted) - set(world.ledger.finals) - world.ledger.expired)
     weights = dict(WEIGHTS, admit=WEIGHTS["admit"] if unfinished < 3 else 0.5,
-                   dlq=WEIGHTS["dlq"] * (2 if world.dead else 0.3))
+                   dlq=WEIGHTS["dlq"] * (2 if world.dead else 0.3), clock=WEIGHTS["clock"] * (2 if world.dead else 1))
+    # A failover is likeliest where it takes back a start (and the read before it) that a run is
+    # still writing under: another worker may then read and start the same attempt afresh.
+    if retried:
+        weights.update(crash=WEIGHTS["crash"] * 3, freeze=WEIGHTS["freeze"] * 3)
+    if world.started_since_snapshot and going:
+        weights["failover"] = 8
     weights["hangup"] = 8  # (enabled only while a reader is mid-stream)
     kinds = sorted(enabled)
     kind = rng.choices(kinds, [weights[k] for k in kinds])[0]

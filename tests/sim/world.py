@@ -83,6 +83,8 @@ class World(Lossy):
         self.readers: list[Reader] = []
         self.ledger = Ledger()
         self.snapshot: tuple[list[tuple[str, int, bytes]], Ledger] | None = None
+        self.started_since_snapshot = 0  # runs started after the snapshot (a failover takes their start back)
+        self.poison: set[str] = set()  # requests that crash the worker generating them (until a dlq retry)
         self.log: list[str] = []  # what each step did (printed with a failing replay)
         self.dead: list[str] = []  # the request ids in the dead-letter stream after the last step
 
@@ -183,6 +185,7 @@ class World(Lossy):
             raise Violation("one dead letter, one entry", f"dlq retry of {rid} (listed {listed} time(s)) "
                                                           f"put {added} entries on the stream")
         if done or added:  # (a retry whose answer was lost may say "gone" for a letter it did requeue)
+            self.poison.discard(rid)  # (the operator retries once its cause is fixed)
             self.ledger.revived.add(rid)
             self.ledger.finals.pop(rid, None)
             for r in self.readers:
@@ -245,6 +248,7 @@ class World(Lossy):
             if data is not None:
                 dumped.append((key, max(await self.redis.pttl(key), 0), data))
         self.snapshot = (dumped, copy.deepcopy(self.ledger))
+        self.started_since_snapshot = 0
 
     async def failover(self) -> str:
         """A replica that missed the writes since the snapshot takes over (asynchronous
@@ -257,6 +261,7 @@ class World(Lossy):
         for key, ttl, data in dumped:
             await raw("RESTORE", key, ttl, data, "REPLACE")
         self.ledger = copy.deepcopy(ledger)
+        self.started_since_snapshot = 0
         ends = await self._stream_ends()
         for r in self.readers:  # it read from the primary (no replica reads here): what it showed may be gone
             shown_lost = r.last_id != "0" and (not ends[r.rid] or _order(ends[r.rid]) < _order(r.last_id))
@@ -331,11 +336,17 @@ class World(Lossy):
         if name == "fetch":
             return f"fetched {[d.message.id[-6:] + '@' + str(d.attempt) for d in await w.fetch(args[1])]}"
         if name == "start":
-            return str(await w.start(args[1]))
+            started = await w.start(args[1])
+            self.started_since_snapshot += started == "run" and self.snapshot is not None
+            return str(started)
         if name == "resume":
             return str(await w.resume(self.rid(args[1])))
         if name == "emit":
-            return str(await w.emit(self.rid(args[1]), args[2], args[3]))
+            rid = self.rid(args[1])
+            if rid in self.poison and w.generating(rid):  # the engine dies on it, and its batch with it
+                await self.crash(args[0] % len(self.workers))
+                return "poison: crashed"
+            return str(await w.emit(rid, args[2], args[3]))
         if name == "flush":
             await w.flush()
             return "flushed"
@@ -357,6 +368,9 @@ class World(Lossy):
             return "next reply lost"
         if name == "dup":
             return await self.duplicate(*args)
+        if name == "poison":
+            self.poison.add(self.rid(args[0]))
+            return "crashes its worker from now on"
         if name == "snapshot":
             await self.take_snapshot()
             return "snapshot"
@@ -376,4 +390,4 @@ def _order(entry_id: str) -> tuple[int, int]:
 
 
 WORKER_STEPS = {"fetch", "start", "resume", "emit", "flush", "commit", "lease", "watch", "crash", "freeze"}
-NEEDS_REQUEST = {"cancel", "dlq", "join", "resume", "emit", "commit", "dup"}
+NEEDS_REQUEST = {"cancel", "dlq", "join", "resume", "emit", "commit", "dup", "poison"}
