@@ -18,12 +18,12 @@ import pyarrow.parquet as pq
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
+from sluice.cli.shared import ApiKey, ApiUrl
 from sluice.protocol.states import FINAL_BATCH_STATES
 
 batch_app = typer.Typer(no_args_is_help=True, help="Bulk jobs: run a file through a model, watch, cancel.")
 
-Url = typer.Option("http://127.0.0.1:8000", "--url", envvar="SLUICE_URL", help="The Sluice api.")
-ApiKey = typer.Option(None, "--api-key", envvar="SLUICE_API_KEY")
+BatchId = typer.Argument(..., metavar="BATCH_ID", help="The batch job's id (batch_...).")
 PARAMS = ("max_tokens", "temperature", "top_p", "seed")
 SHOWN_ERRORS = 3  # failed rows printed when a batch ends; the rest are in the output file
 
@@ -105,19 +105,22 @@ def _check(r: httpx.Response) -> dict:
 
 @batch_app.command("run")
 def run(
-    input: Path = typer.Argument(..., exists=True, dir_okay=False,
+    input: Path = typer.Argument(..., exists=True, dir_okay=False, metavar="INPUT",
                                  help=".jsonl (OpenAI batch lines), or .parquet / .arrow with a prompt column "
-                                      "(and optionally custom_id, max_tokens, temperature, top_p, seed)"),
-    output: Path = typer.Option(..., "-o", "--output", help="Where to write the results (same format)."),
-    model: str = typer.Option(..., "--model"),
-    endpoint: str = typer.Option("/v1/completions", "--endpoint",
+                                      "(and optionally custom_id, max_tokens, temperature, top_p, seed)."),
+    output: Path = typer.Option(..., "-o", "--output", metavar="OUTPUT",
+                                help="Where to write the results (same format)."),
+    model: str = typer.Option(..., "--model", metavar="MODEL", help="The deployed model."),
+    endpoint: str = typer.Option("/v1/completions", "--endpoint", metavar="PATH",
                                  help="/v1/completions or /v1/chat/completions, for table input (a .jsonl line "
-                                      "names its own url)"),
-    max_tokens: int = typer.Option(256, "--max-tokens", help="For rows that do not set their own."),
-    url: str = Url,
+                                      "names its own url)."),
+    max_tokens: int = typer.Option(256, "--max-tokens", metavar="N", help="For rows that do not set their own."),
+    url: str = ApiUrl,
     api_key: str | None = ApiKey,
 ) -> None:
-    """Submit INPUT as a batch job, show its progress, and write OUTPUT when it ends."""
+    """Run a file of prompts as a batch job, and write its results.
+
+    Submits INPUT as a batch job, shows its progress, and writes OUTPUT when it ends."""
     fmt = _format(input)
     data = input.read_bytes() if fmt == "jsonl" else _lines_from_table(_read_table(input, fmt), model, endpoint,
                                                                         max_tokens)
@@ -179,14 +182,16 @@ def _follow(client: httpx.Client, batch: dict) -> dict:
 
 
 @batch_app.command("status")
-def status(batch_id: str, url: str = Url, api_key: str | None = ApiKey) -> None:
+def status(batch_id: str = BatchId, url: str = ApiUrl, api_key: str | None = ApiKey) -> None:
     """Show a batch job."""
     with _client(url, api_key) as client:
         typer.echo(json.dumps(_check(client.get(f"/v1/batches/{batch_id}")), indent=2))
 
 
 @batch_app.command("cancel")
-def cancel(batch_id: str, url: str = Url, api_key: str | None = ApiKey) -> None:
-    """Cancel a batch job: outstanding rows are aborted, finished ones are kept."""
+def cancel(batch_id: str = BatchId, url: str = ApiUrl, api_key: str | None = ApiKey) -> None:
+    """Cancel a batch job.
+
+    Its outstanding rows are aborted, its finished ones are kept."""
     with _client(url, api_key) as client:
         typer.echo(_check(client.post(f"/v1/batches/{batch_id}/cancel"))["status"])

@@ -9,7 +9,11 @@ import typer
 from sluice.config.settings import Settings
 
 dlq_app = typer.Typer(no_args_is_help=True, help="Requests that failed every delivery: list, retry, drop.")
-RedisUrl = typer.Option(None, "--redis-url", envvar="SLUICE_REDIS_URL", help="Redis URL (redis:// or rediss://).")
+RedisUrl = typer.Option(None, "--redis-url", metavar="URL", envvar="SLUICE_REDIS_URL",
+                        help="The Redis to use (default: that of the `sluice up` running on the data directory).")
+Model = typer.Option(..., "--model", metavar="MODEL", help="The deployed model.")
+Ids = typer.Argument(None, metavar="REQUEST_ID", help="The dead letters' request ids (or --all).")
+All = typer.Option(False, "--all", help="Every dead letter of the model.")
 
 
 def _settings(**overrides) -> Settings:
@@ -74,8 +78,8 @@ def _selection(ids: list[str] | None, all_: bool) -> list[str] | None:
 
 
 @dlq_app.command("list")
-def dlq_list(model: str = typer.Option(..., "--model"), redis_url: str | None = RedisUrl) -> None:
-    """The dead-letter stream of a model: request id, deliveries, last error."""
+def dlq_list(model: str = Model, redis_url: str | None = RedisUrl) -> None:
+    """List a model's dead letters: request id, deliveries, last error."""
     letters = _dead_letters(model, redis_url, lambda d, _: d.list())
     for d in letters:
         typer.echo(f"{d.request_id}\t{d.attempts}\t{d.error}")
@@ -84,8 +88,8 @@ def dlq_list(model: str = typer.Option(..., "--model"), redis_url: str | None = 
 
 
 @dlq_app.command("retry")
-def dlq_retry(ids: list[str] | None = typer.Argument(None), all_: bool = typer.Option(False, "--all"),
-              model: str = typer.Option(..., "--model"), redis_url: str | None = RedisUrl) -> None:
+def dlq_retry(ids: list[str] | None = Ids, all_: bool = All, model: str = Model,
+              redis_url: str | None = RedisUrl) -> None:
     """Put dead-lettered requests back on their queue."""
     chosen = _selection(ids, all_)
     done = _dead_letters(model, redis_url, lambda d, bound: d.retry(chosen, max_queued=bound))
@@ -93,8 +97,8 @@ def dlq_retry(ids: list[str] | None = typer.Argument(None), all_: bool = typer.O
 
 
 @dlq_app.command("drop")
-def dlq_drop(ids: list[str] | None = typer.Argument(None), all_: bool = typer.Option(False, "--all"),
-             model: str = typer.Option(..., "--model"), redis_url: str | None = RedisUrl) -> None:
+def dlq_drop(ids: list[str] | None = Ids, all_: bool = All, model: str = Model,
+             redis_url: str | None = RedisUrl) -> None:
     """Delete dead-lettered requests for good."""
     chosen = _selection(ids, all_)
     done = _dead_letters(model, redis_url, lambda d, _: d.drop(chosen))

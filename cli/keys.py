@@ -27,8 +27,10 @@ def keys_new(
     scope: KeyScope = typer.Option(KeyScope.user, "--scope", help="user: submits, and sees and cancels its own "
                                    "requests, files and batches; admin: everything."),
 ) -> None:
-    """Print a new key (give it to its holder) and its SLUICE_API_KEYS entry (put it in the api's
-    environment, comma-separated with the others): the api keeps only the digest."""
+    """Print a new key and its SLUICE_API_KEYS entry.
+
+    Give the key to its holder, and put the entry in the api's environment (comma-separated with
+    the others): the api keeps only the key's digest."""
     key = new_key()
     typer.echo(f"key={key}")
     typer.echo(f"SLUICE_API_KEYS={scope.value}:sha256:{digest(key)}")

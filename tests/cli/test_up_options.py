@@ -19,7 +19,7 @@ def up_options() -> list:
 
 def test_every_up_flag_has_a_sluice_variable_shown_in_help(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("COLUMNS", "200")
-    shown = CliRunner().invoke(app, ["up", "--help"]).output
+    shown = " ".join(CliRunner().invoke(app, ["up", "--help"]).output.split())  # as wrapped to the terminal
     for option in up_options():
         assert isinstance(option.envvar, str) and option.envvar.startswith("SLUICE_"), option.name
         assert f"env var: {option.envvar}" in shown, option.envvar
