@@ -22,6 +22,7 @@ import httpx
 import redis.asyncio as redis_async
 
 from sluice.bench.chaos_audit import FINAL_STATES, Reader, Tracked, final_texts
+from sluice.bench.sse import sse_events
 from sluice.broker.keys import ModelKeys
 from sluice.protocol.responses import request_id, response_id
 
@@ -287,14 +288,7 @@ async def _sse(r: httpx.Response) -> AsyncIterator[tuple[str, str | None, dict]]
     """(event name, its id or Responses sequence number, its data) per server-sent event."""
     if r.status_code != 200:
         return
-    event: dict[str, str] = {}
-    async for line in r.aiter_lines():
-        if line:
-            name, _, value = line.partition(":")
-            event[name] = value[1:] if value.startswith(" ") else value
-            continue
-        if "data" in event:
-            data = json.loads(event["data"])
-            seq = data.get("sequence_number") if isinstance(data, dict) else None
-            yield event.get("event", ""), event.get("id") or (str(seq) if seq is not None else None), data
-        event = {}
+    async for ev in sse_events(r):
+        data = ev.json()
+        seq = data.get("sequence_number") if isinstance(data, dict) else None
+        yield ev.event, ev.id or (str(seq) if seq is not None else None), data

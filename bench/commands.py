@@ -10,6 +10,8 @@ from collections import Counter
 import aiohttp
 import redis
 
+from sluice.bench.sse import aevents
+
 
 def commandstats(client: redis.Redis) -> Counter[str]:
     """Calls per command since the last CONFIG RESETSTAT (INFO and CONFIG themselves left out)."""
@@ -32,8 +34,8 @@ async def _requests(url: str, n: int, concurrency: int, streamed: bool, max_toke
                 async with client.post(f"{url}/v1/requests", json=body) as r:
                     rid = (await r.json())["id"]
                 async with client.get(f"{url}/v1/requests/{rid}/events") as events:
-                    async for line in events.content:
-                        if line.startswith(b"event: done"):
+                    async for ev in aevents(events.content):
+                        if ev.event == "done":
                             return
                 raise AssertionError(f"{rid}: the stream ended without its final")
 

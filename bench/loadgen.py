@@ -9,7 +9,6 @@ drawn uniformly from ranges, from a seed, so every target gets the same requests
 from __future__ import annotations
 
 import asyncio
-import json
 import random
 import statistics
 import time
@@ -17,6 +16,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import aiohttp
+
+from sluice.bench.sse import aevents
 
 WORDS = ("river stone light garden window silver market engine harbor forest signal winter paper "
          "candle bridge orbit meadow copper lantern valley").split()
@@ -132,11 +133,6 @@ async def close(send: Send) -> None:
         await aclose()
 
 
-async def _lines(response: aiohttp.ClientResponse):
-    async for raw in response.content:
-        yield raw.decode().rstrip("\r\n")
-
-
 def sluice_sender(url: str, model: str | None) -> Send:
     session = _Session(url)
 
@@ -150,19 +146,16 @@ def sluice_sender(url: str, model: str | None) -> Send:
                 rec.error, rec.end = f"{r.status}: {(await r.text())[:200]}", time.perf_counter()
                 return rec
             rid = (await r.json())["id"]
-        event = None
         async with session().get(f"{session.url}/v1/requests/{rid}/events") as response:
-            async for line in _lines(response):
-                if line.startswith("event:"):
-                    event = line[6:].strip()
-                elif line.startswith("data:") and event == "delta":
+            async for ev in aevents(response.content):
+                if ev.event == "delta":
                     now = time.perf_counter()
                     rec.ttft = rec.ttft if rec.ttft is not None else now - rec.start
                     rec.token_times.append(now)
-                elif line.startswith("data:") and event in ("done", "error"):
-                    final = json.loads(line[5:])
+                elif ev.event in ("done", "error"):
+                    final = ev.json()
                     rec.end = time.perf_counter()
-                    rec.ok = event == "done"
+                    rec.ok = ev.event == "done"
                     rec.output_tokens = (final.get("output") or {}).get("num_output_tokens", 0)
                     t = final.get("timings") or {}
                     if t.get("started") and t.get("enqueued"):
@@ -186,13 +179,10 @@ def openai_sender(url: str, model: str, api_key: str | None = None) -> Send:
             if response.status != 200:
                 rec.error, rec.end = f"{response.status}", time.perf_counter()
                 return rec
-            async for line in _lines(response):
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
+            async for ev in aevents(response.content):
+                if ev.data == "[DONE]":
                     break
-                chunk = json.loads(data)
+                chunk = ev.json()
                 if chunk.get("usage"):
                     rec.output_tokens = chunk["usage"]["completion_tokens"]
                 if any(c.get("text") for c in chunk.get("choices", [])):

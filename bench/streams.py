@@ -20,6 +20,7 @@ import httpx
 import redis
 import typer
 
+from sluice.bench.sse import aevents
 from sluice.cli.stack import LocalStack
 
 MODELS = "models:\n  - name: echo\n    continuous_batching_config: {max_concurrent_batch_size: 256}\n"
@@ -63,8 +64,10 @@ async def open_sse(url: str, rid: str) -> tuple[asyncio.StreamReader, asyncio.St
 
 async def _until_done(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
     try:
-        while line := await reader.readline():
-            if line.startswith(b"event: done"):
+        # The body is chunked: each event comes in one chunk, and the chunk-size lines between
+        # them read as fields no server-sent-events reader knows, which it ignores.
+        async for ev in aevents(reader):
+            if ev.event == "done":
                 return True
         return False
     finally:

@@ -25,6 +25,7 @@ import httpx
 import typer
 
 from sluice.bench.loadgen import p50_p99
+from sluice.bench.sse import events
 from sluice.cli.processes import free_port, stop_processes, wait_ready
 from sluice.cli.stack import LocalStack
 from sluice.config.model import load_models
@@ -150,8 +151,8 @@ def _first_token_after_up(cache_dir: Path, data_dir: Path) -> float:
             rid = client.post("/v1/requests", json={"prompt": "The capital of France is", "max_tokens": 4,
                                                     "temperature": 0.0}).json()["id"]
             with client.stream("GET", f"/v1/requests/{rid}/events") as response:
-                for line in response.iter_lines():
-                    if line.startswith("event: delta"):
+                for ev in events(response.iter_lines()):
+                    if ev.event == "delta":
                         return time.perf_counter() - t0
         raise RuntimeError("no token came back")
     finally:

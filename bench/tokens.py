@@ -23,6 +23,7 @@ import httpx
 import redis
 import typer
 
+from sluice.bench.sse import sse_events
 from sluice.cli.stack import LocalStack
 
 MODELS = "models:\n  - name: echo\n    continuous_batching_config: {max_concurrent_batch_size: 256}\n"
@@ -42,14 +43,12 @@ async def _stream_one(http: httpx.AsyncClient, max_tokens: int) -> int:
     """Submit a request and follow its SSE stream to the end; the tokens its deltas carried."""
     r = await http.post("/v1/requests", json={"prompt": "tokens", "max_tokens": max_tokens})
     r.raise_for_status()
-    tokens, event = 0, ""
+    tokens = 0
     async with http.stream("GET", f"/v1/requests/{r.json()['id']}/events") as response:
-        async for line in response.aiter_lines():
-            if line.startswith("event:"):
-                event = line[6:].strip()
-            elif line.startswith("data:") and event == "delta":
-                tokens += len(json.loads(line[5:])["text"].split())  # the null engine's tokens: " t<i>"
-            elif line.startswith("data:") and event in ("done", "error"):
+        async for ev in sse_events(response):
+            if ev.event == "delta":
+                tokens += len(ev.json()["text"].split())  # the null engine's tokens: " t<i>"
+            elif ev.event in ("done", "error"):
                 break
     return tokens
 

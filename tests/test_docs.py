@@ -148,6 +148,7 @@ def test_the_quick_start_answers_as_the_readme_shows(tmp_path: Path) -> None:
     import shlex
     import subprocess
 
+    from sluice.bench.sse import parse
     from sluice.cli.stack import LocalStack
 
     steps = quick_start_tour()
@@ -175,6 +176,6 @@ def test_the_quick_start_answers_as_the_readme_shows(tmp_path: Path) -> None:
     assert all(submitted[k] == v for k, v in re.findall(r'"(\w+)": "(\w+)"', shown.group(2))), submitted
     assert wait_code == 200 and json.loads(waited)["status"] == "done" and "output" in json.loads(waited)
     assert poll_code == 200 and json.loads(polled)["id"] == rid and json.loads(polled)["status"] == "done"
-    kinds = re.findall(r"^event: (\w+)", events, flags=re.M)
+    kinds = [e.event for e in parse(events)]
     assert kinds and set(kinds[:-1]) == {"delta"} and kinds[-1] in ("done", "error"), events
     assert cancel_code == 409 and "409" in steps[4][0], cancel_code  # final by then, as the README says

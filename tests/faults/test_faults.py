@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import redis as redis_sync
 
+from sluice.bench.sse import events
 from sluice.broker.keys import WORKERS
 from tests.faults.conftest import KEYS, MODEL, Cluster, audit, crash_until_final, record, wait_final
 
@@ -53,13 +54,10 @@ def stream_text(url: str, rid: str, out: dict[str, str]) -> None:
     text = []
     with httpx.Client(base_url=url, timeout=120) as client:
         with client.stream("GET", f"/v1/requests/{rid}/events") as response:
-            event = None
-            for line in response.iter_lines():
-                if line.startswith("event:"):
-                    event = line.split(":", 1)[1].strip()
-                elif line.startswith("data:") and event == "delta":
-                    text.append(json.loads(line[5:])["text"])
-                elif line.startswith("data:") and event in ("done", "error"):
+            for ev in events(response.iter_lines()):
+                if ev.event == "delta":
+                    text.append(ev.json()["text"])
+                elif ev.event in ("done", "error"):
                     break
     out[rid] = "".join(text)
 

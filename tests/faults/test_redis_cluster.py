@@ -15,6 +15,7 @@ import httpx
 import pytest
 import redis
 
+from sluice.bench.sse import events
 from sluice.cli.processes import free_port
 from sluice.cli.stack import LocalStack
 from sluice.cli.topologies import LocalCluster
@@ -63,15 +64,11 @@ def stream_text(url: str, rid: str, out: dict[str, str], timeout_s: float = 90) 
                         time.sleep(0.3)
                         continue
                     assert response.status_code == 200, response.read()
-                    event = None
-                    for line in response.iter_lines():
-                        if line.startswith("id:"):
-                            last = line[3:].strip()
-                        elif line.startswith("event:"):
-                            event = line.split(":", 1)[1].strip()
-                        elif line.startswith("data:") and event == "delta":
-                            text.append(json.loads(line[5:])["text"])
-                        elif line.startswith("data:") and event in ("done", "error"):
+                    for ev in events(response.iter_lines()):
+                        last = ev.id or last
+                        if ev.event == "delta":
+                            text.append(ev.json()["text"])
+                        elif ev.event in ("done", "error"):
                             out[rid] = "".join(text)
                             return
             except httpx.HTTPError:
