@@ -168,6 +168,8 @@ def render_compose(models: list[ModelConfig], *, variant: str = "gpu", models_fi
         else:
             services[service_name(model)] = _worker(model, base, variant)
     services["jobs"] = {**copy.deepcopy(base), "command": ["jobs"], "depends_on": copy.deepcopy(_API_HEALTHY)}
+    services["webhooks"] = {**copy.deepcopy(base), "command": ["webhooks", "send"],  # docs/webhooks.md
+                            "depends_on": copy.deepcopy(_API_HEALTHY)}
     return {"services": services, "volumes": {"redis-data": None, "files": None}}
 
 

@@ -13,6 +13,7 @@ from sluice.cli.dead_letters import dlq_app
 from sluice.cli.keys import keys_app
 from sluice.cli.models import models_app
 from sluice.cli.shared import AllowAnonymous, ModelsFile, RedisUrl, settings_with, setup_logging
+from sluice.cli.webhooks import webhooks_app
 
 # Plain help, as argparse's and clap's (vLLM, uv): a flag without a type, a paragraph wrapped to
 # the terminal (up to 120 columns), each option's SLUICE_* variable and default beside its help.
@@ -24,6 +25,7 @@ app.add_typer(dlq_app, name="dlq")
 app.add_typer(bench_app, name="bench")
 app.add_typer(batch_app, name="batch")
 app.add_typer(keys_app, name="keys")
+app.add_typer(webhooks_app, name="webhooks")
 
 
 @app.command()

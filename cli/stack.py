@@ -47,6 +47,7 @@ class LocalStack:
     apis: dict[int, subprocess.Popen] = field(default_factory=dict)  # port -> process
     workers: dict[str, subprocess.Popen] = field(default_factory=dict)  # name -> process
     jobs: subprocess.Popen | None = None
+    webhooks: subprocess.Popen | None = None  # the webhook sender (docs/webhooks.md)
 
     def __post_init__(self) -> None:
         self.data_dir = Path(self.data_dir)
@@ -126,11 +127,16 @@ class LocalStack:
         self.jobs = self._spawn(["jobs"], "jobs")
         return self.jobs
 
+    def start_webhooks(self) -> subprocess.Popen:
+        self.webhooks = self._spawn(["webhooks", "send"], "webhooks")
+        return self.webhooks
+
     @property
     def processes(self) -> list[subprocess.Popen]:
         """Workers first: stopped in this order, they drain their requests while the api
         still answers."""
-        return [*self.workers.values(), *([self.jobs] if self.jobs else []), *self.apis.values()]
+        return [*self.workers.values(), *([self.jobs] if self.jobs else []),
+                *([self.webhooks] if self.webhooks else []), *self.apis.values()]
 
     def wait_ready(self, timeout_s: float = 600, cancelled: Callable[[], bool] = lambda: False,
                    probe: str = "readyz") -> bool:

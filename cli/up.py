@@ -70,8 +70,10 @@ def _last_lines(path: Path, n: int = 3) -> str:
 def _exited(stack: LocalStack, proc) -> str:
     """"<process> exited with N", and the end of its log."""
     name = next((n for n, p in stack.workers.items() if p is proc), None)
-    log_name = f"{name}.log" if name else "jobs.log" if proc is stack.jobs else "api.log"
-    what = f"worker {name}" if name else "the jobs worker" if proc is stack.jobs else "the api"
+    log_name = f"{name}.log" if name else "jobs.log" if proc is stack.jobs else \
+        "webhooks.log" if proc is stack.webhooks else "api.log"
+    what = f"worker {name}" if name else "the jobs worker" if proc is stack.jobs else \
+        "the webhook sender" if proc is stack.webhooks else "the api"
     logs = stack.logs_dir or stack.data_dir / "logs"
     tail = _last_lines(logs / log_name) if stack.output == "logs" else ""
     return f"{what} exited with {proc.returncode}; its log is {logs / log_name}" + (f":\n{tail}" if tail else "")
@@ -210,6 +212,7 @@ def _run(lock: UpLock, models: list[ModelConfig], replicas: list[Replica], setti
                                SLUICE_WORKER_METRICS_HOST=metrics_host,
                                SLUICE_WORKER_METRICS_URL=f"http://127.0.0.1:{mport}/metrics", **r.env)
         stack.start_jobs()
+        stack.start_webhooks()  # the webhook sender (docs/webhooks.md)
         # One api process per four cores, up to four (SLUICE_API_WORKERS overrides): the workers'
         # engines and Redis need the rest.
         api_processes = os.environ.get("SLUICE_API_WORKERS") or str(max(1, min(4, (os.cpu_count() or 1) // 4)))

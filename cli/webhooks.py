@@ -9,9 +9,12 @@ import uuid
 
 import typer
 
-from sluice.cli.dead_letters import RedisUrl, _redis_url, _settings
+from sluice.cli.dead_letters import _redis_url
+from sluice.cli.shared import RedisUrl
+from sluice.cli.shared import settings_with as _settings
 
 webhooks_app = typer.Typer(no_args_is_help=True, help="Webhook endpoints, dead deliveries and the sender.")
+EndpointId = typer.Argument(..., metavar="ENDPOINT_ID", help="The endpoint's id (we_...).")
 
 
 def _run(redis_url: str | None, action):
@@ -34,11 +37,14 @@ def _show(data) -> None:
 
 
 @webhooks_app.command("add")
-def add(url: str = typer.Argument(..., help="where to POST events (http:// or https://)"),
-        event: list[str] = typer.Option([], "--event", "-e", help="an event type to send (repeat; none: all)"),
-        owner: str = typer.Option("", help="the api key digest (sha256 hex) whose work it hears of; '' without keys"),
-        key: str | None = typer.Option(None, help="the api key itself (its digest is stored, not the key)"),
-        description: str = typer.Option("", help="a note shown in listings"),
+def add(url: str = typer.Argument(..., metavar="URL", help="Where to POST events (http:// or https://)."),
+        event: list[str] = typer.Option([], "--event", "-e", metavar="TYPE",
+                                        help="An event type to send (repeat; none: all)."),
+        owner: str = typer.Option("", metavar="DIGEST",
+                                  help="The api key digest (sha256 hex) whose work it hears of; '' without keys."),
+        key: str | None = typer.Option(None, metavar="KEY",
+                                       help="The api key itself (its digest is stored, not the key)."),
+        description: str = typer.Option("", metavar="TEXT", help="A note shown in listings."),
         redis_url: str | None = RedisUrl) -> None:
     """Register an endpoint; its signing secret is shown once."""
     from sluice.api.auth import digest
@@ -90,7 +96,7 @@ def _one(endpoint_id: str, redis_url: str | None, change) -> None:
 
 
 @webhooks_app.command("rm")
-def rm(endpoint_id: str, redis_url: str | None = RedisUrl) -> None:
+def rm(endpoint_id: str = EndpointId, redis_url: str | None = RedisUrl) -> None:
     """Delete an endpoint (its deliveries still waiting are dropped)."""
     async def change(store, redis):
         return {"id": endpoint_id, "deleted": True} if await store.delete(endpoint_id) else None
@@ -99,7 +105,7 @@ def rm(endpoint_id: str, redis_url: str | None = RedisUrl) -> None:
 
 
 @webhooks_app.command("rotate")
-def rotate(endpoint_id: str, redis_url: str | None = RedisUrl) -> None:
+def rotate(endpoint_id: str = EndpointId, redis_url: str | None = RedisUrl) -> None:
     """A new signing secret, shown once (the previous one still signs for 24 h)."""
     async def change(store, redis):
         e = await store.rotate(endpoint_id)
@@ -109,7 +115,8 @@ def rotate(endpoint_id: str, redis_url: str | None = RedisUrl) -> None:
 
 
 @webhooks_app.command("disable")
-def disable(endpoint_id: str, enable: bool = typer.Option(False, "--enable", help="enable it again"),
+def disable(endpoint_id: str = EndpointId,
+            enable: bool = typer.Option(False, "--enable", help="Enable it again instead."),
             redis_url: str | None = RedisUrl) -> None:
     """Stop (or with --enable, resume) sending to an endpoint."""
     async def change(store, redis):
@@ -120,7 +127,7 @@ def disable(endpoint_id: str, enable: bool = typer.Option(False, "--enable", hel
 
 
 @webhooks_app.command("test")
-def test(endpoint_id: str, redis_url: str | None = RedisUrl) -> None:
+def test(endpoint_id: str = EndpointId, redis_url: str | None = RedisUrl) -> None:
     """Send a `webhook.test` event to one endpoint (through the running sender)."""
     from sluice.broker.webhook_deliveries import Deliveries
     from sluice.protocol.webhooks import test_payload
@@ -136,9 +143,10 @@ def test(endpoint_id: str, redis_url: str | None = RedisUrl) -> None:
 
 
 @webhooks_app.command("dead")
-def dead(replay: bool = typer.Option(False, "--replay", help="deliver them again, with a fresh retry period"),
-         event_id: list[str] = typer.Option([], "--id", help="only this delivery or event id (repeat)"),
-         limit: int = typer.Option(100, min=1), redis_url: str | None = RedisUrl) -> None:
+def dead(replay: bool = typer.Option(False, "--replay", help="Deliver them again, with a fresh retry period."),
+         event_id: list[str] = typer.Option([], "--id", metavar="ID", help="Only this delivery or event id (repeat)."),
+         limit: int = typer.Option(100, min=1, metavar="N", help="Show at most this many."),
+         redis_url: str | None = RedisUrl) -> None:
     """Deliveries that failed for their whole retry period; --replay sends them again."""
     from sluice.broker.webhook_deliveries import Deliveries
 
@@ -152,12 +160,14 @@ def dead(replay: bool = typer.Option(False, "--replay", help="deliver them again
 
 
 @webhooks_app.command("send")
-def send(metrics_port: int | None = typer.Option(None, help="serve Prometheus metrics on this port"),
+def send(metrics_port: int | None = typer.Option(None, metavar="PORT", help="Serve Prometheus metrics on this port."),
          redis_url: str | None = RedisUrl) -> None:
     """Run a webhook sender (as many as you like: they share the work through a consumer group)."""
     import uvloop
 
+    from sluice.cli.shared import setup_logging
     from sluice.workers.webhook_process import serve
 
+    setup_logging()
     settings = _settings(redis_url=redis_url)
     uvloop.run(serve(settings, metrics_port))

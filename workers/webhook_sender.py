@@ -43,7 +43,8 @@ class WebhookSender:
         self.stopping = asyncio.Event()
         self.lease_s = max(settings.webhooks_lease_s, settings.webhooks_timeout_s + 1)  # outlasts an attempt
         self._inflight: set[asyncio.Task] = set()
-        self._limits: dict[str, asyncio.Semaphore] = {}
+        self._limits: dict[str, asyncio.Semaphore] = {}  # per endpoint: webhooks_concurrency
+        self._waiting: dict[str, int] = {}  # per endpoint: deliveries waiting for a slot
         self._known: tuple[float, dict[str, Endpoint]] = (float("-inf"), {})
         self._outboxes: tuple[float, list[str]] = (float("-inf"), [])
         self._grouped: set[str] = set()
@@ -190,18 +191,20 @@ class WebhookSender:
             await self.deliveries.settle(d, "ok")
             metrics.DELIVERIES.labels(d.endpoint, "dropped").inc()
             return
-        limit = self._limits.setdefault(endpoint.id, asyncio.Semaphore(self.settings.webhooks_concurrency))
-        if limit.locked() or not endpoint.enabled:  # busy (or disabled): later, no attempt counted
-            wait = BUSY_RETRY_S if endpoint.enabled else 60.0
-            await self.deliveries.settle(d, "later", next_at=time.time() + wait * random.uniform(1, 2))
+        if not endpoint.enabled:  # disabled: later, no attempt counted (its retry period still runs)
+            await self.deliveries.settle(d, "later", next_at=time.time() + 60 * random.uniform(1, 2))
             return
-        async with limit:
-            try:
-                delivered, what = await post(self.client, endpoint, d.event_id, d.body,
-                                             allow_private=self.settings.webhooks_allow_private,
-                                             timeout_s=self.settings.webhooks_timeout_s)
-            except UnsafeUrl as err:
-                delivered, what = False, str(err)
+        if not await self._slot(endpoint.id):  # at its concurrency limit for long: later, no attempt counted
+            await self.deliveries.settle(d, "later", next_at=time.time() + BUSY_RETRY_S * random.uniform(1, 2))
+            return
+        try:
+            delivered, what = await post(self.client, endpoint, d.event_id, d.body,
+                                         allow_private=self.settings.webhooks_allow_private,
+                                         timeout_s=self.settings.webhooks_timeout_s)
+        except UnsafeUrl as err:
+            delivered, what = False, str(err)
+        finally:
+            self._limits[endpoint.id].release()
         if delivered:
             await self.deliveries.settle(d, "ok")
             metrics.DELIVERIES.labels(endpoint.id, "delivered").inc()
@@ -214,6 +217,22 @@ class WebhookSender:
         else:
             await self.deliveries.settle(d, "retry", next_at=time.time() + delay, error=what)
             metrics.DELIVERIES.labels(endpoint.id, "retried").inc()
+
+    async def _slot(self, endpoint_id: str) -> bool:
+        """One of the endpoint's `webhooks_concurrency` slots, waited for while the delivery's lease
+        leaves time for the attempt; False (nothing taken) past that, or when as many deliveries
+        as 4 slots' worth wait already: a slow endpoint holds a bounded share of this sender."""
+        limit = self._limits.setdefault(endpoint_id, asyncio.Semaphore(self.settings.webhooks_concurrency))
+        if self._waiting.get(endpoint_id, 0) >= 4 * self.settings.webhooks_concurrency:
+            return False
+        self._waiting[endpoint_id] = self._waiting.get(endpoint_id, 0) + 1
+        try:
+            await asyncio.wait_for(limit.acquire(), max(self.lease_s - self.settings.webhooks_timeout_s - 1, 0.2))
+            return True
+        except TimeoutError:
+            return False
+        finally:
+            self._waiting[endpoint_id] -= 1
 
     async def _gauges(self) -> None:
         async def step() -> bool:

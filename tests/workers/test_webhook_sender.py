@@ -35,9 +35,10 @@ def hook_settings(settings: Settings) -> Settings:
 
 
 @asynccontextmanager
-async def sender_and_receiver(redis: Redis, settings: Settings, answer=None) -> AsyncIterator[Receiver]:
+async def sender_and_receiver(redis: Redis, settings: Settings, answer=None,
+                              delay_s: float = 0.0) -> AsyncIterator[Receiver]:
     await ModelRegistry(redis).deploy(ModelConfig(name=MODEL))
-    receiver = await Receiver(**({"answer": answer} if answer else {})).start()
+    receiver = await Receiver(**({"answer": answer} if answer else {}), delay_s=delay_s).start()
     sender = WebhookSender(redis, settings, "sender-1")
     task = asyncio.create_task(sender.run())
     try:
@@ -169,3 +170,12 @@ async def test_during_a_rotation_both_secrets_verify(redis: Redis, hook_settings
     for got in rec.got:
         assert got.verify(old.secret) == got.verify(new.secret)
         assert len(got.headers["webhook-signature"].split(" ")) == 2
+
+
+async def test_an_endpoint_gets_at_most_its_concurrency_at_once(redis: Redis, hook_settings: Settings) -> None:
+    s = hook_settings.model_copy(update={"webhooks_concurrency": 2})
+    async with sender_and_receiver(redis, s, delay_s=0.1) as rec:
+        await EndpointStore(redis).create(rec.url, [], owner="")
+        rids = await finish(redis, s, 11)
+        await until(lambda: len(rec.got) == len(rids))
+    assert rec.max_in_flight == 2

@@ -3,6 +3,7 @@ every POST and can answer a chosen status to a chosen share of first attempts.""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import random
 from collections.abc import Callable
@@ -31,12 +32,21 @@ class Receiver:
     answer: Callable[[Received, bool], int] = lambda got, first: 200  # status for a POST (first: its id new)
     got: list[Received] = field(default_factory=list)
     url: str = ""
+    delay_s: float = 0.0  # each answer comes this late
+    in_flight: int = 0
+    max_in_flight: int = 0
     _runner: web.AppRunner | None = None
 
     async def _handle(self, request: web.Request) -> web.Response:
         got = Received({k.lower(): v for k, v in request.headers.items()}, await request.text())
         first = all(r.headers.get("webhook-id") != got.headers.get("webhook-id") for r in self.got)
         self.got.append(got)
+        self.in_flight += 1
+        self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        try:
+            await asyncio.sleep(self.delay_s)
+        finally:
+            self.in_flight -= 1
         status = self.answer(got, first)
         if status in (301, 302, 307, 308):
             return web.Response(status=status, headers={"Location": "http://127.0.0.1:9/elsewhere"})
