@@ -65,7 +65,8 @@ def test_two_models_become_worker_services_with_their_deployments(models_file: P
     services = rendered["services"]
     # A GPU model: a service per replica, each reserving GPUs of its own (Docker hands every
     # container asking for `count: 1` the same GPU 0); a CPU model: one service, its replicas.
-    assert list(services) == ["redis", "api", "worker-smollm2-0", "worker-smollm2-1", "worker-qwen-small", "jobs"]
+    assert list(services) == ["redis", "api", "worker-smollm2-0", "worker-smollm2-1", "worker-qwen-small", "jobs",
+                              "webhooks"]
 
     big, small = services["worker-smollm2-0"], services["worker-qwen-small"]
     assert big["command"] == ["worker", "--model", "smollm2", "--metrics-port", "9400"]
@@ -84,7 +85,7 @@ def test_two_models_become_worker_services_with_their_deployments(models_file: P
         assert "container_name" not in services[name]  # replicas need distinct containers
         assert services[name]["shm_size"] == "1gb"  # vLLM's shared memory: Docker's 64 MiB is too little
 
-    for name in ("api", *workers, "jobs"):
+    for name in ("api", *workers, "jobs", "webhooks"):
         service = services[name]
         assert service["image"] == "sluice:${SLUICE_TARGET:-gpu}"
         assert service["build"] == {"context": ".", "args": {"VARIANT": "${SLUICE_TARGET:-gpu}"}}
