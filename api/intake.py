@@ -15,12 +15,12 @@ from sluice.api.errors import ApiError
 from sluice.api.metrics import ADMITTED, REJECTED
 from sluice.api.rows import RowsRefused, checked_rows, prompt_text, where
 from sluice.api.slo import SloBounds
-from sluice.api.tokens import PromptLimits
 from sluice.broker.admission import Admission, NotDurable, QueueFull, SloRefused
 from sluice.config.model import ModelConfig
 from sluice.config.settings import Settings
 from sluice.protocol.ids import new_request_id, request_shard
 from sluice.protocol.messages import RequestMessage, SamplingSpec, StructuredSpec
+from sluice.protocol.tokens import PromptLimits
 
 Rows = Sequence[Mapping[str, Any]]
 INT32_MAX = 2**31 - 1

@@ -3,7 +3,7 @@
 Pure: no I/O, and the caller's rows are left as they were. The answer is new rows with each
 `max_tokens` filled in from the deployment's default, so that what a route parsed stays what the
 client sent. The token count against the model's context needs the tokenizer, which may have to
-be read from disk: that check is the caller's (api/intake.py, through api/tokens.py).
+be read from disk: that check is the caller's (api/intake.py, through protocol/tokens.py).
 """
 
 from __future__ import annotations

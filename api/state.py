@@ -23,7 +23,6 @@ from sluice.api.intake import Intake
 from sluice.api.lookup import RequestLookup
 from sluice.api.slo import SloBounds
 from sluice.api.streams import StreamSlots
-from sluice.api.tokens import PromptLimits
 from sluice.broker.admission import Admission
 from sluice.broker.connection import connect
 from sluice.broker.files import FileStore
@@ -36,6 +35,7 @@ from sluice.broker.responses import ResponseRecords
 from sluice.broker.urls import celery_broker
 from sluice.config.model import ModelConfig
 from sluice.config.settings import Settings
+from sluice.protocol.tokens import PromptLimits
 
 log = logging.getLogger(__name__)
 

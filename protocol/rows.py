@@ -1,7 +1,8 @@
 """The checks a row passes before it is queued, whichever way it came: an api route, or a line
 of a batch input file run by the jobs worker. Pure: no I/O, and the caller's rows are left as
-they were. (The token count against the model's context needs the tokenizer: that check is the
-api's, api/tokens.py; where it is not made, the worker's engine refuses the prompt.)"""
+they were. (The token count against the model's context needs the tokenizer: that check is
+protocol/tokens.py's, made by the api and the jobs worker alike where they can read the
+model's tokenizer; where it is not made, the worker's engine refuses the prompt.)"""
 
 from __future__ import annotations
 

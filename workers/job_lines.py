@@ -21,8 +21,9 @@ from sluice.protocol.messages import FinalResult, SamplingSpec
 from sluice.protocol.openai import ChatCompletionRequest, CompletionRequest
 from sluice.protocol.openai_objects import Shape, chat_object, completion_object
 from sluice.protocol.responses import ResponseRequest, response_object
-from sluice.protocol.rows import row_problem, unicode_problem
+from sluice.protocol.rows import prompt_text, row_problem, unicode_problem
 from sluice.protocol.states import State
+from sluice.protocol.tokens import PromptLimits
 
 Record = dict[str, Any]  # one line of an output or error file, as OpenAI writes them
 
@@ -57,10 +58,12 @@ class ParsedFile:
 @dataclass(frozen=True)
 class Rules:
     """What a line is checked against besides its own shape, as the route it names checks a
-    request (protocol/rows.py): the deployed models, by name, and the api's prompt limit."""
+    request (protocol/rows.py): the deployed models, by name, the api's prompt limit, and the
+    models' context lengths in tokens where their tokenizers can be read (protocol/tokens.py)."""
 
     models: Mapping[str, ModelConfig]
     max_prompt_chars: int
+    prompt_limits: PromptLimits | None = None
 
 
 def error_record(custom_id: str | None, code: str, message: str, rid: str | None = None) -> Record:
@@ -195,7 +198,10 @@ def _refused(rules: Rules | None, model: ModelConfig | None, custom_id: str, whe
     if rules is None or model is None:
         return None
     problem = row_problem(model, row, max_prompt_chars=rules.max_prompt_chars)
-    return error_record(custom_id, problem.reason, f"{where}: {problem.message}") if problem else None
+    if problem:
+        return error_record(custom_id, problem.reason, f"{where}: {problem.message}")
+    too_long = rules.prompt_limits.problem(model, prompt_text(row), row["max_tokens"]) if rules.prompt_limits else None
+    return error_record(custom_id, "context_length_exceeded", f"{where}: {too_long}") if too_long else None
 
 
 def _response_line(index: int, custom_id: str, raw: Any, where: str, default_max_tokens: int,

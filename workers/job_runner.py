@@ -27,6 +27,7 @@ from sluice.broker.notifications import DoneListener
 from sluice.broker.registry import ModelRegistry
 from sluice.config.settings import Settings
 from sluice.protocol.states import ACTIVE_BATCH_STATES, FINAL_BATCH_STATES, BatchState
+from sluice.protocol.tokens import PromptLimits
 from sluice.workers.job_feed import LineFeed
 from sluice.workers.job_lines import Line, LineCheck, Record, Rules, jsonl
 from sluice.workers.job_lock import JobLock
@@ -101,7 +102,8 @@ class JobRunner:
             return
         # Its rows and output files belong to whoever made the batch (the object does not show it).
         batch["owner"] = await self.store.owner(self.job_id)
-        rules = Rules({m.name: m for m in await self.models.all()}, self.settings.max_prompt_chars)
+        rules = Rules({m.name: m for m in await self.models.all()}, self.settings.max_prompt_chars,
+                      PromptLimits(self.settings.cache_dir))
         with await self.files.open(batch["input_file_id"]) as source:
             total = await self._validate(source, batch["endpoint"], rules)
             if total is None:
