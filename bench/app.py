@@ -6,7 +6,7 @@ import os
 
 import typer
 
-from sluice.bench import chaos, durability, hostile, queue, serve, simulate, soak, streams, throughput, tokens
+from sluice.bench import chaos, durability, hostile, queue, serve, simulate, soak, streams, throughput, tokens, webhooks
 
 bench_app = typer.Typer(no_args_is_help=True, help="Measure Sluice against a baseline in the same run.",
                         callback=lambda: os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING"))
@@ -26,6 +26,7 @@ COMMANDS = {
     "soak": soak.soak_command,
     "simulate": simulate.simulate,
     "hostile": hostile.hostile,
+    "webhooks": webhooks.webhooks,
 }
 for name, command in COMMANDS.items():
     bench_app.command(name)(command)
