@@ -1,11 +1,14 @@
-"""`sluice bench hostile`: the api attacks of issue 29 replayed against a running stack (Redis, a
-null-engine worker, one api with a key), one at a time. Per attack it prints the answer, the
-time to it, the api's peak RSS over its idle RSS, and the longest /healthz latency seen
-meanwhile (each probe on a new connection, from a thread of its own, every 50 ms).
+"""`sluice bench hostile`: the attacks of issue 29 replayed against a running stack (Redis, a
+null-engine worker, the jobs worker, one api with a key), one at a time. Per attack it prints the
+answer, the time to it, the api's peak RSS over its idle RSS, the jobs worker's peak RSS, and the
+longest /healthz latency seen meanwhile (each probe on a new connection, from a thread of its
+own, every 50 ms; RSS read from /proc every 50 ms by another).
 
 Targets (issue 29): no 5xx; every refusal within 1 s of the request's headers; /healthz never
-slower than 200 ms; the api's RSS never more than 200 MB over idle; no unauthenticated request
-makes the api read or spool more than 64 KiB. Slow-client attacks are answered by closing the
+slower than 200 ms; the api's RSS never more than 200 MB over idle; the jobs worker's under
+500 MB for a 1,000,000-line batch input file (bench/hostile_batch.py), refused by the line cap
+or run (--max-batch-lines 1000000); no unauthenticated request makes the api read or spool more
+than 64 KiB. Slow-client attacks are answered by closing the
 connection after the timeouts (SLUICE_API_HEADER_TIMEOUT_S, SLUICE_API_BODY_TIMEOUT_S): their
 time is that of the close.
 """
@@ -17,74 +20,19 @@ import json
 import resource
 import secrets
 import tempfile
-import threading
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 from pathlib import Path
-from urllib.parse import urlsplit
 
-import httpx
 import typer
 
+from sluice.bench.hostile_batch import big_batch
+from sluice.bench.hostile_probe import Target, Watch, rss_mib
 from sluice.cli.stack import LocalStack
 
 MODELS = ("models:\n  - name: echo\n    continuous_batching_config: {max_concurrent_batch_size: 256}\n"
           "  - name: idle\n    continuous_batching_config: {max_concurrent_batch_size: 4}\n")  # idle: no worker
 Attack = Callable[["Target"], Awaitable[tuple[str, float]]]
-
-
-@dataclass
-class Target:
-    url: str
-    key: str
-    spool: Path  # the api's TMPDIR: where an upload would be spooled
-
-    @property
-    def address(self) -> tuple[str, int]:
-        parts = urlsplit(self.url)
-        return parts.hostname or "127.0.0.1", parts.port or 80
-
-    @property
-    def auth(self) -> dict[str, str]:
-        return {"Authorization": f"Bearer {self.key}"}
-
-    def client(self, **kw: object) -> httpx.AsyncClient:
-        return httpx.AsyncClient(base_url=self.url, headers=self.auth, timeout=120, **kw)  # type: ignore[arg-type]
-
-
-def rss_mib(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return 0.0
-
-
-class Watch(threading.Thread):
-    """/healthz latency (a new connection each time) and the api's RSS, sampled until stopped."""
-
-    def __init__(self, url: str, pid: int) -> None:
-        super().__init__(daemon=True)
-        self.url, self.pid = url, pid
-        self.done = threading.Event()
-        self.worst_s, self.failed, self.peak_mib = 0.0, 0, 0.0
-
-    def run(self) -> None:
-        while not self.done.is_set():
-            self.peak_mib = max(self.peak_mib, rss_mib(self.pid))
-            t0 = time.perf_counter()
-            try:
-                ok = httpx.get(f"{self.url}/healthz", timeout=10).status_code == 200
-            except httpx.HTTPError:
-                ok = False
-            self.worst_s = max(self.worst_s, time.perf_counter() - t0)
-            self.failed += not ok
-            self.done.wait(0.05)
-
-    def stop(self) -> Watch:
-        self.done.set()
-        self.join()
-        return self
 
 
 async def _status(t: Target, method: str, path: str, **kw: object) -> tuple[str, float]:
@@ -252,20 +200,23 @@ ATTACKS: dict[str, Attack] = {
 
 
 def _row(name: str, answer: str, took_s: float, watch: Watch, idle_mib: float) -> str:
-    return (f"{name:48s} {answer[:90]:90s} {took_s:8.2f} s  +{watch.peak_mib - idle_mib:6.1f} MiB "
-            f"(peak {watch.peak_mib:6.1f})  healthz max {watch.worst_s * 1000:7.1f} ms"
+    return (f"{name:48s} {answer:90s} {took_s:8.2f} s  +{watch.peak_mib - idle_mib:6.1f} MiB "
+            f"(peak {watch.peak_mib:6.1f})  jobs {watch.jobs_peak_mib:6.1f} MiB  "
+            f"healthz max {watch.worst_s * 1000:7.1f} ms"
             + (f", {watch.failed} probes failed" if watch.failed else ""))
 
 
-async def _run(stack: LocalStack, target: Target, pid: int, only: list[str]) -> None:
+async def _run(target: Target, pid: int, jobs_pid: int, attacks: dict[str, Attack], only: list[str]) -> None:
     await asyncio.sleep(1)
     idle = max(rss_mib(pid) for _ in range(3))
-    typer.echo(f"api idle RSS {idle:.1f} MiB (pid {pid})")
-    typer.echo(f"{'attack':48s} {'answer':90s} {'time':>10s}  api RSS over idle        longest /healthz")
-    for name, attack in ATTACKS.items():
+    typer.echo(f"api idle RSS {idle:.1f} MiB (pid {pid}); jobs worker idle RSS {rss_mib(jobs_pid):.1f} MiB "
+               f"(pid {jobs_pid}); load average {' '.join(Path('/proc/loadavg').read_text().split()[:3])}")
+    typer.echo(f"{'attack':48s} {'answer':90s} {'time':>10s}  api RSS over idle        jobs RSS peak    "
+               "longest /healthz")
+    for name, attack in attacks.items():
         if only and not any(o.lower() in name.lower() for o in only):
             continue
-        watch = Watch(target.url, pid)
+        watch = Watch(target.url, pid, jobs_pid)
         watch.start()
         try:
             answer, took = await attack(target)
@@ -273,27 +224,34 @@ async def _run(stack: LocalStack, target: Target, pid: int, only: list[str]) -> 
             answer, took = f"error: {type(err).__name__}: {err}", float("nan")
         watch.stop()
         typer.echo(_row(name, answer, took, watch, idle))
+    typer.echo(f"load average after: {' '.join(Path('/proc/loadavg').read_text().split()[:3])}")
 
 
 def hostile(
     only: list[str] = typer.Option([], "--only", help="run the attacks whose names contain this (repeatable)"),
     header_timeout_s: float | None = typer.Option(None, help="SLUICE_API_HEADER_TIMEOUT_S for the api"),
     body_timeout_s: float | None = typer.Option(None, help="SLUICE_API_BODY_TIMEOUT_S for the api"),
+    batch_lines: int = typer.Option(1_000_000, help="lines of the big batch input file (131 bytes each)"),
+    max_batch_lines: int | None = typer.Option(None, help="SLUICE_MAX_BATCH_LINES for the stack: at or above "
+                                                          "--batch-lines, the big file is run, not refused"),
+    batch_run_s: float = typer.Option(30.0, help="how long the big batch's rows run before the bench cancels it"),
 ) -> None:
-    """Replay issue 29's api attacks against a local stack (Redis, a null worker, one keyed api)."""
+    """Replay issue 29's attacks against a local stack (Redis, a null worker, the jobs worker, one keyed api)."""
     key = secrets.token_urlsafe(24)
     data = Path(tempfile.mkdtemp(prefix="sluice-hostile-"))
     spool = data / "tmp"
     spool.mkdir()
     env = {"SLUICE_API_KEYS": f"admin:{key}", "TMPDIR": str(spool)}
-    if header_timeout_s:
-        env["SLUICE_API_HEADER_TIMEOUT_S"] = str(header_timeout_s)
-    if body_timeout_s:
-        env["SLUICE_API_BODY_TIMEOUT_S"] = str(body_timeout_s)
+    for name, value in (("SLUICE_API_HEADER_TIMEOUT_S", header_timeout_s),
+                        ("SLUICE_API_BODY_TIMEOUT_S", body_timeout_s), ("SLUICE_MAX_BATCH_LINES", max_batch_lines)):
+        if value:
+            env[name] = str(value)
+    attacks = {**ATTACKS, f"batch input file of {batch_lines:,} lines": big_batch(batch_lines, data, batch_run_s)}
     with LocalStack(data, models_yaml=MODELS, env=env) as stack:
         stack.start_redis()
         stack.start_worker("echo", engine="null")
+        jobs = stack.start_jobs()
         stack.start_api()
         stack.wait_ready(120, probe="healthz")
         pid = next(iter(stack.apis.values())).pid
-        asyncio.run(_run(stack, Target(stack.url, key, spool), pid, only))
+        asyncio.run(_run(Target(stack.url, key, spool), pid, jobs.pid, attacks, only))
