@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import random
 import secrets
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
+
+from pydantic import ConfigDict
 
 from sluice.api.errors import ApiError
 from sluice.api.metrics import ADMITTED, REJECTED
@@ -19,7 +19,7 @@ from sluice.broker.admission import Admission, NotDurable, QueueFull, SloRefused
 from sluice.config.model import ModelConfig
 from sluice.config.settings import Settings
 from sluice.protocol.ids import new_request_id, request_shard
-from sluice.protocol.messages import RequestMessage, SamplingSpec, StructuredSpec
+from sluice.protocol.messages import RequestMessage, SamplingExtras, SamplingSpec, StructuredSpec
 from sluice.protocol.tokens import PromptLimits
 
 Rows = Sequence[Mapping[str, Any]]
@@ -27,23 +27,17 @@ INT32_MAX = 2**31 - 1
 CHUNK = 64  # rows checked, or messages built, between two turns of the event loop
 
 
-@dataclass(frozen=True)
-class Sampling:
-    """What a caller chose about sampling and time; the rest comes from the deployment."""
+class Sampling(SamplingExtras):
+    """What a caller chose about sampling and time; the rest comes from the deployment. The
+    sampling extras are SamplingExtras' fields, declared there once."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
 
     temperature: float = 1.0
     top_p: float = 1.0
     stop: tuple[str, ...] = ()
     seed: int | None = None  # None: a fresh one, so that every request has a seed to retry with
     timeout_s: float | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    top_k: int = 0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    min_tokens: int = 0
-    ignore_eos: bool = False
-    stop_token_ids: tuple[int, ...] = ()
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     structured: StructuredSpec | None = None
@@ -54,8 +48,7 @@ class Sampling:
     def spec(self, max_tokens: int, seed: int) -> SamplingSpec:
         """The entry's sampling: these choices (those SamplingSpec has), the row's token budget
         and the seed."""
-        names = [f.name for f in dataclasses.fields(self) if f.name in SamplingSpec.model_fields]
-        chosen = {name: getattr(self, name) for name in names}
+        chosen = {name: getattr(self, name) for name in type(self).model_fields if name in SamplingSpec.model_fields}
         return SamplingSpec.model_validate({**chosen, "max_tokens": max_tokens, "seed": seed})
 
 

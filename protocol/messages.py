@@ -24,8 +24,14 @@ class StructuredSpec(BaseModel):
 
 
 class SamplingExtras(BaseModel):
-    """Penalties and vLLM's sampling extras (0 / 1.0 / empty: off, as in vLLM's SamplingParams):
-    the same fields on the native route's body and in the queued entry."""
+    """The sampling knobs, declared once: penalties and vLLM's sampling extras, each a keyword of
+    vLLM's SamplingParams of the same name and meaning (0 / 1.0 / empty: off, as there), with its
+    type, bounds and default. Every body takes them by inheriting this class (the native route's,
+    OpenAI's completions and chat, where null stands for the default, and Responses, on the api
+    and in a batch's lines), the queued entry's SamplingSpec carries them, and the worker hands
+    them to its engine as one object (GenerationRequest.extras) that the vLLM engine passes
+    through to SamplingParams: a knob added here needs no other change in the code
+    (tests/workers/test_sampling_knobs.py), only its line in docs/openai.md."""
 
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
@@ -40,6 +46,12 @@ class SamplingExtras(BaseModel):
         """These fields as keywords (stop_token_ids as a tuple, as api.intake.Sampling keeps it)."""
         values = {name: getattr(self, name) for name in SamplingExtras.model_fields}
         return {**values, "stop_token_ids": tuple(self.stop_token_ids)}
+
+    def sampling_extras(self, **changes: Any) -> SamplingExtras:
+        """These fields alone, as the one object an engine is handed (of a body, or an entry's
+        SamplingSpec), with `changes` made."""
+        values = {name: getattr(self, name) for name in SamplingExtras.model_fields}
+        return SamplingExtras.model_validate({**values, **changes})
 
 
 class SamplingSpec(SamplingExtras):

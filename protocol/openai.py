@@ -9,7 +9,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
-from sluice.protocol.messages import StructuredSpec
+from sluice.protocol.messages import SamplingExtras, StructuredSpec
 from sluice.protocol.openai_objects import Shape
 from sluice.protocol.openai_tools import AUTO, REQUIRED, NamedToolChoice, Tool, tool_calls_schema
 from sluice.protocol.structured import from_fields, from_response_format
@@ -39,7 +39,11 @@ _GUIDED = {"guided_json": "json_schema", "guided_regex": "regex", "guided_choice
            "guided_grammar": "grammar"}
 
 
-class SamplingBody(BaseModel):
+class SamplingBody(SamplingExtras):
+    """What completions and chat bodies share; vLLM's sampling extras (its OpenAI server takes
+    them as extra body fields) come from their one declaration, SamplingExtras, with null
+    standing for the default (OpenAI's SDKs may send a null)."""
+
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = Field(default=None, max_length=128)
@@ -50,16 +54,7 @@ class SamplingBody(BaseModel):
     seed: int | None = Field(default=None, ge=0, le=2**63 - 1)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
-    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     user: str | None = None
-    # vLLM's sampling extras (its OpenAI server takes them as extra body fields)
-    top_k: int | None = Field(default=None, ge=-1)
-    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
-    repetition_penalty: float = Field(default=1.0, gt=0.0, le=2.0)
-    min_tokens: int = Field(default=0, ge=0)
-    ignore_eos: bool = False
-    stop_token_ids: list[int] | None = Field(default=None, max_length=64)
     logit_bias: dict[str, float] | None = None
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
@@ -68,6 +63,14 @@ class SamplingBody(BaseModel):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     priority: int = Field(default=0, ge=-(2**31), le=2**31 - 1)  # vLLM's: lower first
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_extras(cls, data: Any) -> Any:
+        """A null sampling extra is its default, as an absent one."""
+        if isinstance(data, dict) and any(data.get(name, 0) is None for name in SamplingExtras.model_fields):
+            return {k: v for k, v in data.items() if not (v is None and k in SamplingExtras.model_fields)}
+        return data
 
     @field_validator("stop")
     @classmethod
@@ -122,11 +125,7 @@ class SamplingBody(BaseModel):
     def sampling_fields(self) -> dict[str, Any]:
         """SamplingSpec's fields from this body, but for max_tokens and the seed."""
         return {"temperature": self.temperature, "top_p": self.top_p, "stop": tuple(self.stop or ()),
-                "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
-                "top_k": self.top_k or 0, "min_p": self.min_p, "repetition_penalty": self.repetition_penalty,
-                "min_tokens": self.min_tokens, "ignore_eos": self.ignore_eos,
-                "stop_token_ids": tuple(self.stop_token_ids or ()), "structured": self.structured(),
-                "priority": self.priority}
+                **self.extras(), "structured": self.structured(), "priority": self.priority}
 
 
 class CompletionRequest(SamplingBody):

@@ -29,9 +29,8 @@ log = logging.getLogger(__name__)
 
 
 # SamplingSpec fields a GenerationRequest takes as they are (the others depend on the row and
-# on what an earlier attempt delivered).
-_AS_SAMPLED = ("temperature", "top_p", "stop", "presence_penalty", "frequency_penalty", "top_k", "min_p",
-               "repetition_penalty", "ignore_eos", "stop_token_ids", "logprobs", "structured")
+# on what an earlier attempt delivered); its sampling extras travel as one object.
+_AS_SAMPLED = ("temperature", "top_p", "stop", "logprobs", "structured")
 
 
 @dataclass
@@ -126,7 +125,7 @@ class Generation:
                 **{name: getattr(s, name) for name in _AS_SAMPLED},
                 max_tokens=max_tokens - result.tokens,
                 seed=s.seed + row,
-                min_tokens=max(0, s.min_tokens - result.tokens),
+                extras=s.sampling_extras(min_tokens=max(0, s.min_tokens - result.tokens)),
                 # Asked once: a resumed attempt's prompt holds the delivered tokens too.
                 prompt_logprobs=s.prompt_logprobs if result.prompt_logprobs is None else None,
                 priority=msg.priority,

@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from sluice.protocol.messages import StructuredSpec, TokenLogprob
+from sluice.protocol.messages import SamplingExtras, StructuredSpec, TokenLogprob
 
 
 @dataclass
@@ -19,14 +19,9 @@ class GenerationRequest:
     top_p: float = 1.0
     stop: list[str] = field(default_factory=list)
     seed: int | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    top_k: int = 0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    min_tokens: int = 0
-    ignore_eos: bool = False
-    stop_token_ids: list[int] = field(default_factory=list)
+    # Penalties and vLLM's sampling extras, as their one declaration has them (each a
+    # SamplingParams keyword of the same name): an engine passes them on as one object.
+    extras: SamplingExtras = field(default_factory=SamplingExtras)
     logprobs: int | None = None  # per output token, with this many alternatives
     prompt_logprobs: int | None = None
     structured: StructuredSpec | None = None  # constrained decoding

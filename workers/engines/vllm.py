@@ -15,9 +15,16 @@ from sluice.workers.engines.tool_calls import parse_tool_calls
 
 log = logging.getLogger(__name__)
 
-# GenerationRequest fields that are SamplingParams keywords of the same name and meaning.
-_SAMPLING = ("max_tokens", "temperature", "top_p", "seed", "presence_penalty", "frequency_penalty", "top_k", "min_p",
-             "repetition_penalty", "min_tokens", "ignore_eos", "logprobs", "prompt_logprobs")
+# GenerationRequest fields that are SamplingParams keywords of the same name and meaning (its
+# sampling extras are too, every one: sampling_keywords).
+_SAMPLING = ("max_tokens", "temperature", "top_p", "seed", "logprobs", "prompt_logprobs")
+
+
+def sampling_keywords(request: GenerationRequest) -> dict[str, Any]:
+    """SamplingParams keywords for a request, but for its constraint and the output kind."""
+    return {**{name: getattr(request, name) for name in _SAMPLING}, **request.extras.model_dump(),
+            "stop": request.stop or None}
+
 
 # VLLMConfig fields handled here rather than passed through as AsyncEngineArgs of the same name.
 _NOT_ENGINE_ARGS = {"cpu_kvcache_space_gib", "extra_engine_args", "device_group"}
@@ -83,9 +90,7 @@ class VLLMEngine(Engine):
             structured = StructuredOutputsParams(json=spec.json_schema, regex=spec.regex, choice=spec.choice,
                                                  grammar=spec.grammar, json_object=spec.json_object or None)
         params = SamplingParams(
-            **{name: getattr(request, name) for name in _SAMPLING},
-            stop=request.stop or None,
-            stop_token_ids=request.stop_token_ids or None,
+            **sampling_keywords(request),
             structured_outputs=structured,
             output_kind=RequestOutputKind.DELTA,
         )
