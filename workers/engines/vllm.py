@@ -6,6 +6,7 @@ import dataclasses
 import inspect
 import logging
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from typing import Any
 
 from sluice.config.engine import VLLMConfig
@@ -31,7 +32,10 @@ _NOT_ENGINE_ARGS = {"cpu_kvcache_space_gib", "extra_engine_args", "device_group"
 
 
 def engine_args(model_path: str, config: VLLMConfig) -> tuple[dict[str, Any], list[str]]:
-    """AsyncEngineArgs keywords for this vLLM, and the options it does not know (reported, not dropped silently)."""
+    """AsyncEngineArgs keywords for this vLLM, and the options set in the deployment that it does not
+    know (reported, not dropped silently). An option it does not know that only has VLLMConfig's
+    default (max_seq_len_to_capture, gone from vLLM) is left out without a word: no deployment
+    asked for it, and a warning at every start would say nothing the user can act on."""
     from vllm import AsyncEngineArgs
 
     known = {f.name for f in dataclasses.fields(AsyncEngineArgs)}
@@ -39,9 +43,11 @@ def engine_args(model_path: str, config: VLLMConfig) -> tuple[dict[str, Any], li
     wanted.update(config.extra_engine_args)
     kwargs: dict[str, Any] = {"model": model_path, "disable_log_stats": True}
     ignored = []
+    asked = config.model_fields_set | set(config.extra_engine_args)
     for name, value in wanted.items():
         if name not in known:
-            ignored.append(name)
+            if name in asked:
+                ignored.append(name)
         elif value is not None:
             kwargs[name] = value
     if config.device_group is not None:
@@ -54,12 +60,22 @@ def engine_args(model_path: str, config: VLLMConfig) -> tuple[dict[str, Any], li
     return kwargs, ignored
 
 
+# What start() has vLLM do once before the first request, so that no request waits for it:
+# log probabilities (of the output and of the prompt). vLLM ranks each token among the vocabulary
+# with a torch.compile'd kernel (vllm.v1.sample.ops.logprobs.batched_count_greater_than) that it
+# compiles at the first request asking for them: that request took 7.7 s on a CPU, the next 0.1 s.
+# Its batch dimension is left symbolic, so one compilation serves every batch size.
+WARM_UP = GenerationRequest(request_id="sluice-warm-up", prompt="Sluice warms up", max_tokens=2, temperature=0,
+                            logprobs=1, prompt_logprobs=1)
+
+
 class VLLMEngine(Engine):
     def __init__(self, model_path: str, config: VLLMConfig):
         self.model_path = model_path
         self.config = config
         self._engine: Any = None
         self._tokenizer: Any = None
+        self.warmed_up: list[str] = []  # what start() had the engine load (WARM_UP)
 
     async def start(self) -> None:
         from vllm import AsyncEngineArgs, AsyncLLMEngine
@@ -71,6 +87,14 @@ class VLLMEngine(Engine):
         from transformers import AutoTokenizer  # for chat templates; loaded once, off the request path
 
         self._tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        await self._warm_up()
+
+    async def _warm_up(self) -> None:
+        async with aclosing(self.generate(WARM_UP)) as deltas:
+            async for _ in deltas:
+                pass
+        self.warmed_up = ["logprobs", "prompt_logprobs"]
+        log.info("engine warmed up: %s", ", ".join(self.warmed_up))
 
     def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> str:
         return self._tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
@@ -102,6 +126,7 @@ class VLLMEngine(Engine):
             if inspect.isawaitable(tokenizer):  # a coroutine in older vLLM releases
                 tokenizer = await tokenizer
             prompt = {"prompt_token_ids": tokenizer.encode(request.prompt) + list(request.resume_token_ids)}
+        prompt = self._rendered(prompt)
         first = True
         # vLLM refuses a priority unless it schedules by priority.
         priority = request.priority if self.config.scheduling_policy == "priority" else 0
@@ -118,6 +143,19 @@ class VLLMEngine(Engine):
                                  if first and request.prompt_logprobs is not None else None),
             )
             first = False
+
+    def _rendered(self, prompt: Any) -> Any:
+        """The prompt as vLLM's renderer makes it an engine input (tokenized): vLLM deprecates
+        raw prompts in generate() and warns at the first one. A vLLM without a renderer takes
+        the raw prompt."""
+        renderer = getattr(self._engine, "renderer", None)
+        if renderer is None or not hasattr(renderer, "render_cmpl"):
+            return prompt
+        from vllm.renderers.inputs.preprocess import parse_model_prompt
+
+        (rendered,) = renderer.render_cmpl([parse_model_prompt(self._engine.model_config, prompt)],
+                                           renderer.default_cmpl_tok_params)
+        return rendered
 
     def _prompt_logprobs(self, out: Any, top: int) -> list[TokenLogprob]:
         """The prompt's tokens with their log probabilities; the first has none (nothing before it)."""
