@@ -16,7 +16,7 @@ from sluice.api.errors import ApiError
 from sluice.api.state import ApiState, state
 from sluice.broker.webhook_deliveries import Deliveries
 from sluice.broker.webhook_endpoints import Endpoint, EndpointStore
-from sluice.protocol.webhooks import EVENT_TYPES, UnsafeUrl, check_literal, check_url, resolve, test_payload
+from sluice.protocol.webhooks import EVENT_TYPES, UnsafeUrl, check_literal, check_url, probe_payload, resolve
 
 router = APIRouter(prefix="/v1/webhooks", tags=["webhooks"], dependencies=[Depends(require_admin)])
 _DIGEST = re.compile(r"[0-9a-f]{64}")
@@ -124,7 +124,7 @@ async def test(endpoint_id: str, s: ApiState = Depends(state)) -> dict:
     """A `webhook.test` event for this endpoint alone, delivered by a sender like any other."""
     endpoint = await _found(EndpointStore(s.redis), endpoint_id)
     event = f"msg_{uuid.uuid4().hex}"
-    await Deliveries(s.redis).enqueue([(endpoint.id, event, test_payload(event))], lease_s=0)
+    await Deliveries(s.redis).enqueue([(endpoint.id, event, probe_payload(event))], lease_s=0)
     return {"id": event, "object": "event", "type": "webhook.test"}
 
 

@@ -130,13 +130,13 @@ def disable(endpoint_id: str = EndpointId,
 def test(endpoint_id: str = EndpointId, redis_url: str | None = RedisUrl) -> None:
     """Send a `webhook.test` event to one endpoint (through the running sender)."""
     from sluice.broker.webhook_deliveries import Deliveries
-    from sluice.protocol.webhooks import test_payload
+    from sluice.protocol.webhooks import probe_payload
 
     async def change(store, redis):
         if await store.get(endpoint_id) is None:
             return None
         event = f"msg_{uuid.uuid4().hex}"
-        await Deliveries(redis).enqueue([(endpoint_id, event, test_payload(event))], lease_s=0)
+        await Deliveries(redis).enqueue([(endpoint_id, event, probe_payload(event))], lease_s=0)
         return {"id": event, "type": "webhook.test", "queued": True}
 
     _one(endpoint_id, redis_url, change)

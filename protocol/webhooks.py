@@ -102,7 +102,7 @@ def check_literal(host: str, *, allow_private: bool) -> None:
                         "set SLUICE_WEBHOOKS_ALLOW_PRIVATE=1 to allow it")
 
 
-def test_payload(event_id: str) -> str:
+def probe_payload(event_id: str) -> str:
     """`sluice webhooks test`'s event: it names no request."""
     return json.dumps({"id": event_id, "type": "webhook.test", "created_at": int(time.time()), "data": {}},
                       separators=(",", ":"))

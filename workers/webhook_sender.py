@@ -29,6 +29,7 @@ from sluice.workers.webhook_post import post
 
 log = logging.getLogger(__name__)
 MAX_BACKOFF_S = 6 * 3600.0
+BREAKER_FAILURES, BREAKER_MAX_S = 5, 600.0  # an endpoint's circuit opens after 5 failures in a row
 BUSY_RETRY_S = 0.5  # an endpoint at its concurrency limit: the delivery is due again this soon
 
 
@@ -45,6 +46,7 @@ class WebhookSender:
         self._inflight: set[asyncio.Task] = set()
         self._limits: dict[str, asyncio.Semaphore] = {}  # per endpoint: webhooks_concurrency
         self._waiting: dict[str, int] = {}  # per endpoint: deliveries waiting for a slot
+        self._broken: dict[str, tuple[int, float]] = {}  # per endpoint: failures in a row, circuit open until
         self._known: tuple[float, dict[str, Endpoint]] = (float("-inf"), {})
         self._outboxes: tuple[float, list[str]] = (float("-inf"), [])
         self._grouped: set[str] = set()
@@ -194,6 +196,10 @@ class WebhookSender:
         if not endpoint.enabled:  # disabled: later, no attempt counted (its retry period still runs)
             await self.deliveries.settle(d, "later", next_at=time.time() + 60 * random.uniform(1, 2))
             return
+        shut = self._shut_until(endpoint.id)
+        if shut:  # its circuit is open: later, no attempt counted (a probe goes first)
+            await self.deliveries.settle(d, "later", next_at=shut + random.uniform(0, 1))
+            return
         if not await self._slot(endpoint.id):  # at its concurrency limit for long: later, no attempt counted
             await self.deliveries.settle(d, "later", next_at=time.time() + BUSY_RETRY_S * random.uniform(1, 2))
             return
@@ -205,6 +211,7 @@ class WebhookSender:
             delivered, what = False, str(err)
         finally:
             self._limits[endpoint.id].release()
+        self._circuit(endpoint.id, delivered)
         if delivered:
             await self.deliveries.settle(d, "ok")
             metrics.DELIVERIES.labels(endpoint.id, "delivered").inc()
@@ -217,6 +224,31 @@ class WebhookSender:
         else:
             await self.deliveries.settle(d, "retry", next_at=time.time() + delay, error=what)
             metrics.DELIVERIES.labels(endpoint.id, "retried").inc()
+
+    def _shut_until(self, endpoint_id: str) -> float:
+        """When an endpoint's open circuit lets a delivery try again (0: now). Past that time one
+        delivery goes first, as a probe: the others wait the probe's timeout."""
+        failures, until = self._broken.get(endpoint_id, (0, 0.0))
+        now = time.time()
+        if failures < BREAKER_FAILURES:
+            return 0.0
+        if now < until:
+            return until
+        self._broken[endpoint_id] = (failures, now + self.settings.webhooks_timeout_s + 1)
+        return 0.0
+
+    def _circuit(self, endpoint_id: str, delivered: bool) -> None:
+        """A circuit breaker per endpoint: after BREAKER_FAILURES failures in a row its deliveries
+        wait (longer at each further failure, at most BREAKER_MAX_S) instead of each trying on its
+        own schedule; a success closes it. Other endpoints are never held up."""
+        if delivered:
+            self._broken.pop(endpoint_id, None)
+            return
+        failures = self._broken.get(endpoint_id, (0, 0.0))[0] + 1
+        wait = min(self.settings.webhooks_retry_base_s * 2 ** min(failures - BREAKER_FAILURES, 20), BREAKER_MAX_S)
+        self._broken[endpoint_id] = (failures, time.time() + wait if failures >= BREAKER_FAILURES else 0.0)
+        if failures == BREAKER_FAILURES:
+            log.warning("webhook endpoint %s failed %d times in a row: its circuit is open", endpoint_id, failures)
 
     async def _slot(self, endpoint_id: str) -> bool:
         """One of the endpoint's `webhooks_concurrency` slots, waited for while the delivery's lease

@@ -15,12 +15,15 @@ import pytest
 from redis.asyncio import Redis
 from standardwebhooks.webhooks import WebhookVerificationError
 
+from sluice.broker import webhooks
+from sluice.broker.jobs import JobStore
 from sluice.broker.registry import ModelRegistry
 from sluice.broker.webhook_deliveries import Deliveries
 from sluice.broker.webhook_endpoints import EndpointStore
 from sluice.broker.webhooks import DUE
 from sluice.config.model import ModelConfig
 from sluice.config.settings import Settings
+from sluice.protocol.webhooks import probe_payload
 from sluice.workers.webhook_sender import WebhookSender
 from tests.broker.helpers import KEYS, MODEL, admission, done_result, message, ready_consumer
 from tests.workers.webhook_receiver import Receiver
@@ -179,3 +182,48 @@ async def test_an_endpoint_gets_at_most_its_concurrency_at_once(redis: Redis, ho
         rids = await finish(redis, s, 11)
         await until(lambda: len(rec.got) == len(rids))
     assert rec.max_in_flight == 2
+
+
+async def test_a_failing_endpoint_opens_its_circuit_and_holds_up_no_other(redis: Redis,
+                                                                        hook_settings: Settings) -> None:
+    s = hook_settings.model_copy(update={"webhooks_retry_base_s": 30.0})
+    failing = await Receiver(answer=lambda got, first: 503).start()
+    try:
+        async with sender_and_receiver(redis, s) as healthy:
+            bad = await EndpointStore(redis).create(failing.url, [], owner="")
+            await EndpointStore(redis).create(healthy.url, [], owner="")
+            rids = await finish(redis, s, 9)
+            await until(lambda: len(healthy.got) == len(rids) and len(failing.got) >= 5)
+        sender = WebhookSender(redis, s, "breaker")
+        for _ in range(4):
+            sender._circuit(bad.id, False)
+        assert sender._shut_until(bad.id) == 0  # 4 failures in a row: still closed
+        sender._circuit(bad.id, False)
+        assert sender._shut_until(bad.id) > time.time() + 20  # open: its deliveries wait
+        sender._broken[bad.id] = (5, time.time() - 1)
+        assert sender._shut_until(bad.id) == 0 and sender._shut_until(bad.id) > time.time()  # one probe, the rest wait
+        sender._circuit(bad.id, True)
+        assert sender._shut_until(bad.id) == 0  # a success closes it
+    finally:
+        await failing.stop()
+
+
+async def test_responses_batches_and_test_events_have_their_types(redis: Redis, hook_settings: Settings) -> None:
+    async with sender_and_receiver(redis, hook_settings) as rec:
+        endpoint = await EndpointStore(redis).create(rec.url, [], owner="")
+        adm = admission(redis, hook_settings)
+        response = message()
+        await adm.submit(response, max_queued=1000)
+        await redis.set(KEYS.response(response.id), "{}", ex=60)  # a /v1/responses request's record
+        assert await adm.cancel(KEYS.model, response.id) == "cancelled"
+        jobs = JobStore(redis)
+        batch = await jobs.create("file-x", "/v1/completions", "24h", None, owner="")
+        assert await jobs.move(batch["id"], "in_progress", ["validating"]) == "in_progress"
+        assert await jobs.move(batch["id"], "completed", ["in_progress"]) == "completed"
+        await Deliveries(redis).enqueue([(endpoint.id, "msg_test", probe_payload("msg_test"))], lease_s=0)
+        await until(lambda: len(rec.got) == 3)
+    events = {e["type"]: e for e in (got.verify(endpoint.secret) for got in rec.got)}
+    assert set(events) == {"response.cancelled", "batch.completed", "webhook.test"}
+    assert events["response.cancelled"]["data"]["id"] == response.id
+    assert events["batch.completed"]["data"]["id"] == batch["id"]
+    assert await redis.zcard(webhooks.BATCHES) == 0 and not await redis.exists(webhooks.batch_outbox(batch["id"]))
