@@ -31,7 +31,7 @@ class SseEvent:
 
 
 class SseParser:
-    """Feed it lines; `feed` returns the event a blank line completes. Comments (`: text`) are
+    """Feed it lines; `feed` returns the events its blank lines complete. Comments (`: text`) are
     kept in `comments`, the last `retry:` (milliseconds) in `retry_ms`."""
 
     def __init__(self) -> None:
@@ -44,19 +44,18 @@ class SseParser:
     def _reset(self) -> None:
         self._event, self._id, self._data = "message", None, []
 
-    def feed(self, line: str | bytes) -> SseEvent | None:
+    def feed(self, line: str | bytes) -> list[SseEvent]:
         """One line. (A line that still holds a line break, as from a source that splits on
         "\\n" alone reading a stream that uses "\\r", is taken as the lines it holds.)"""
         text = line.decode() if isinstance(line, bytes) else line
         if self._first:
             text, self._first = text.removeprefix("\ufeff"), False
-        pieces = _EOL.split(text)
-        if len(pieces) > 1 and pieces[-1] == "":
-            pieces.pop()  # the line's own terminator
-        done = None
-        for piece in pieces:
-            done = self._line(piece) or done
-        return done
+        if text.endswith("\n"):  # the line's own terminator
+            text = text[:-2] if text.endswith("\r\n") else text[:-1]
+        elif text.endswith("\r"):
+            text = text[:-1]
+        pieces = _EOL.split(text) if "\n" in text or "\r" in text else (text,)
+        return [event for piece in pieces if (event := self._line(piece)) is not None]
 
     def _line(self, line: str) -> SseEvent | None:
         if line == "":
@@ -83,15 +82,14 @@ def events(lines: Iterable[str | bytes], parser: SseParser | None = None) -> Ite
     """The events of a sync source of lines (httpx's `response.iter_lines()`)."""
     parser = parser or SseParser()
     for line in lines:
-        if (event := parser.feed(line)) is not None:
-            yield event
+        yield from parser.feed(line)
 
 
 async def aevents(lines: AsyncIterable[str | bytes], parser: SseParser | None = None) -> AsyncIterator[SseEvent]:
     """The events of an async source of lines (aiohttp's `response.content`, a StreamReader)."""
     parser = parser or SseParser()
     async for line in lines:
-        if (event := parser.feed(line)) is not None:
+        for event in parser.feed(line):
             yield event
 
 

@@ -44,7 +44,8 @@ def test_a_line_split_only_on_lf_keeps_no_cr_and_splits_at_a_lone_cr() -> None:
     # What aiohttp's response.content and a StreamReader yield: raw lines, their terminators kept.
     raw = [line + "\n" for line in STREAM.replace("\n", "\r\n").split("\n")[:-1]]
     assert list(events(raw)) == WANT
-    assert list(events([b"event: x\rdata: y\r\r"])) == [SseEvent("x", None, "y")]
+    assert SseParser().feed(b"event: x\rdata: y\r\rdata: z\r\r") == [SseEvent("x", None, "y"),
+                                                                  SseEvent("message", None, "z")]
 
 
 def test_data_split_across_lines_and_chunks_is_one_event() -> None:
