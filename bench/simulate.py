@@ -18,7 +18,7 @@ def simulate(
     seeds: int = typer.Option(20, "--seeds", help="Seeds to run (1..N)."),
     steps: int = typer.Option(300, "--steps", help="Steps drawn per seed (then every actor is drained)."),
     first: int = typer.Option(1, "--first", help="The first seed."),
-    faults: str = typer.Option("crash,freeze,lose,dup,failover,clock", "--faults",
+    faults: str = typer.Option("crash,freeze,lose,dup,failover,clock,poison,restart", "--faults",
                                help="Fault kinds to inject (comma-separated; empty: none)."),
     shrink: int = typer.Option(150, "--shrink", help="Replays at most spent shrinking a failing seed."),
 ) -> None:

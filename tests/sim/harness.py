@@ -36,15 +36,16 @@ async def run_seeds(seeds: list[int], steps: int, *, faults: tuple[str, ...] = A
     quiet = logging.getLogger("sluice")
     level, quiet.level = quiet.level, logging.CRITICAL  # the faults make the broker complain, as they should
     with tempfile.TemporaryDirectory() as tmp:
-        server = EmbeddedRedis(data_dir or Path(tmp), appendonly=False).start()
+        # its own server, with an AOF in the default durability (the restart fault)
+        server = EmbeddedRedis(data_dir or Path(tmp), appendonly=True).start()
         redis = connect(server.url, name="sluice-sim")
         try:
             for seed in seeds:
                 if budget_s is not None and report.seeds and time.monotonic() - began > budget_s:
                     break
                 try:
-                    out: Outcome = await asyncio.wait_for(play(redis, server.url, seed, steps=steps, faults=faults),
-                                                          SEED_TIMEOUT_S)
+                    out: Outcome = await asyncio.wait_for(
+                        play(redis, server.url, seed, steps=steps, faults=faults, server=server), SEED_TIMEOUT_S)
                 except TimeoutError:  # a broker call that never answers, or a drain that never ends
                     report.seeds += 1
                     report.failures.append(f"seed {seed}: no end after {SEED_TIMEOUT_S:g} s")
@@ -58,7 +59,7 @@ async def run_seeds(seeds: list[int], steps: int, *, faults: tuple[str, ...] = A
                 if any(sign in str(out.violation) for sign in known):
                     report.known.append(f"seed {seed}, step {report.first_failure_steps[-1]}: {out.violation}")
                     continue
-                small = await shrink(redis, server.url, seed, out, budget=shrink_budget, faults=faults)
+                small = await shrink(redis, server.url, seed, out, budget=shrink_budget, faults=faults, server=server)
                 text = replay_text(seed, small)
                 report.failures.append(text)
                 say(text)

@@ -14,14 +14,14 @@ from redis.asyncio import Redis
 from tests.sim.actors import settle
 from tests.sim.clock import installed
 from tests.sim.invariants import check_end, check_step
-from tests.sim.world import KEYS, Violation, World
+from tests.sim.world import KEYS, Server, Violation, World
 
 Step = tuple[Any, ...]
-ALL_FAULTS = ("crash", "freeze", "lose", "dup", "failover", "clock", "poison")
+ALL_FAULTS = ("crash", "freeze", "lose", "dup", "failover", "clock", "poison", "restart")
 # (weight, step kind); faults only where the run allows them
 WEIGHTS = {"admit": 8, "cancel": 1.5, "dlq": 1.5, "join": 7, "hangup": 2, "reconnect": 3, "fetch": 8, "start": 8,
            "resume": 5, "emit": 25, "flush": 9, "commit": 8, "lease": 2, "watch": 1.5, "crash": 1.5, "freeze": 3,
-           "lose": 2, "dup": 1, "snapshot": 2, "failover": 1.5, "clock": 1.5, "poison": 0.7}
+           "lose": 2, "dup": 1, "snapshot": 2, "failover": 1.5, "clock": 1.5, "poison": 1.5, "restart": 0.7}
 
 
 @dataclass
@@ -36,10 +36,21 @@ def choose(world: World, rng: random.Random, faults: tuple[str, ...]) -> Step:
     """One step the world can take now, drawn by weight among the enabled kinds."""
     idx = {r.message.id: r.idx for r in world.requests}
     runs = [(wi, rid, run) for wi, w in enumerate(world.workers) for rid, run in w.runs.items()]
+    going = [(wi, rid, run) for wi, rid, run in runs if run.task is not None and not run.task.done()]
+    # A failover that took back a read and a start (see fetch) leaves a run writing under them:
+    # another worker reads and starts the same attempt afresh, then both write in small steps
+    # (the fence must keep one of them out).
+    lost = {wi for wi, rid, _ in going if rid in world.lost_starts}
+    twins = [(wi, rid, run) for wi, rid, run in going if sum(1 for _, r, _ in going if r == rid) > 1]
+    others = [wi for wi in range(len(world.workers)) if wi not in lost] or list(range(len(world.workers)))
+
+    def fetch() -> Step:  # (a read of new entries is often where the replica a failover promotes was left behind)
+        return ("fetch", rng.choice(others) if lost else rng.randrange(len(world.workers)), rng.choice([1, 2, 4]),
+                "failover" in faults and world.unread > 0 and rng.random() < 0.3)
     enabled: dict[str, Callable[[], Step]] = {
         "admit": lambda: ("admit", rng.choice([1, 1, 1, 2]), rng.choice([1, 1, 2]), rng.random() < 0.5,
                           rng.random() < 0.25, rng.choice([0, 0, 1, 2, 3])),
-        "fetch": lambda: ("fetch", rng.randrange(len(world.workers)), rng.choice([1, 2, 4])),
+        "fetch": fetch,
         "flush": lambda: ("flush", rng.randrange(len(world.workers))),
         "lease": lambda: ("lease", rng.randrange(len(world.workers))),
         "watch": lambda: ("watch", rng.randrange(len(world.workers))),
@@ -68,24 +79,25 @@ def choose(world: World, rng: random.Random, faults: tuple[str, ...]) -> Step:
     waiting = [(wi, rid) for wi, rid, run in runs if run.task is None]
     if waiting:
         enabled["resume"] = lambda: (lambda wi, rid: ("resume", wi, idx[rid]))(*rng.choice(waiting))
-    going = [(wi, rid, run) for wi, rid, run in runs if run.task is not None and not run.task.done()]
     if going:
         def emit() -> Step:
-            wi, rid, run = rng.choice(going)
-            return ("emit", wi, idx[rid], rng.randrange(len(run.running.engine_ids)), rng.choice([1, 1, 2, 3, 5]))
+            wi, rid, run = rng.choice(twins if twins and rng.random() < 0.8 else going)
+            # a retried structured row regenerates from token 0: its engine deltas are often
+            # several tokens, one of them straddling the point the stream had reached
+            regenerated = run.d.attempt > 1 and run.d.message.sampling.structured is not None
+            return ("emit", wi, idx[rid], rng.randrange(len(run.running.engine_ids)),
+                    rng.choice([1, 1, 2] if twins else [2, 3, 5, 8] if regenerated else [1, 1, 2, 3, 5]))
         enabled["emit"] = emit
+    if twins:
+        enabled["flush"] = lambda: ("flush", rng.choice(twins)[0])
     done = [(wi, rid) for wi, rid, run in runs if run.task is not None and run.task.done()]
     if done:
         enabled["commit"] = lambda: (lambda wi, rid: ("commit", wi, idx[rid]))(*rng.choice(done))
     busy = [wi for wi, w in enumerate(world.workers) if w.runs or w.fetched] or list(range(len(world.workers)))
-    # A worker holding a retried request is hit more often: requests go on through quarantine to
-    # the dead-letter stream, so that `dlq retry` and `drop` have letters to work on.
-    retried = [wi for wi, w in enumerate(world.workers) for run in w.runs.values() if run.d.attempt > 1]
-    victim = lambda: rng.choice(retried if retried and rng.random() < 0.8 else busy)  # noqa: E731
     if "crash" in faults:
-        enabled["crash"] = lambda: ("crash", victim())
+        enabled["crash"] = lambda: ("crash", rng.choice(busy))
     if "freeze" in faults:
-        enabled["freeze"] = lambda: ("freeze", victim())
+        enabled["freeze"] = lambda: ("freeze", rng.choice(busy))
     if "lose" in faults:
         enabled["lose"] = lambda: ("lose", rng.randrange(-1, len(world.workers)))
     for kind in ("dup", "poison"):
@@ -95,18 +107,26 @@ def choose(world: World, rng: random.Random, faults: tuple[str, ...]) -> Step:
         enabled["snapshot"] = lambda: ("snapshot",)
         if world.snapshot is not None:
             enabled["failover"] = lambda: ("failover",)
+    if "restart" in faults and world.server is not None:
+        enabled["restart"] = lambda: ("restart",)
     if "clock" in faults:  # with a dead letter, mostly past its failed result's retention (then a dlq retry)
         enabled["clock"] = lambda: ("clock", rng.choice([700, 700, 200] if world.dead else [5, 30, 70, 200, 700, 700]))
     # Few requests at a time, each taken through more of its life (takeovers, retries, expiry).
     unfinished = len(set(world.ledger.accepted) - set(world.ledger.finals) - world.ledger.expired)
     weights = dict(WEIGHTS, admit=WEIGHTS["admit"] if unfinished < 3 else 0.5,
                    dlq=WEIGHTS["dlq"] * (2 if world.dead else 0.3), clock=WEIGHTS["clock"] * (2 if world.dead else 1))
-    # A failover is likeliest where it takes back a start (and the read before it) that a run is
-    # still writing under: another worker may then read and start the same attempt afresh.
-    if retried:
-        weights.update(crash=WEIGHTS["crash"] * 3, freeze=WEIGHTS["freeze"] * 3)
-    if world.started_since_snapshot and going:
-        weights["failover"] = 8
+    # A failover is likeliest where it takes back a read and a start (see fetch) that a run still
+    # writes under: another worker may then read and start the same attempt afresh. (A plain
+    # run's: a structured row's tokens are the same whoever generates them.)
+    if world.started_since_snapshot & {rid for _, rid, run in going if run.d.message.sampling.structured is None}:
+        weights.update(failover=8, snapshot=0.2)
+    if lost or twins:  # the rest of the faults wait while it plays out
+        weights.update({k: 0.2 for k in ("crash", "freeze", "lose", "dup", "snapshot", "failover", "clock", "poison",
+                                         "restart", "lease", "watch")})
+    if lost and not twins:
+        weights.update(fetch=WEIGHTS["fetch"] * 3, start=WEIGHTS["start"] * 2)
+    if twins:
+        weights.update(emit=50, flush=20, fetch=2, join=2, start=2, admit=0.5)
     weights["hangup"] = 8  # (enabled only while a reader is mid-stream)
     kinds = sorted(enabled)
     kind = rng.choices(kinds, [weights[k] for k in kinds])[0]
@@ -143,11 +163,12 @@ async def drain(world: World, do: Callable[[Step], Any]) -> None:
 
 
 async def play(redis: Redis, url: str, seed: int, *, steps: int | None = None, replay: list[Step] | None = None,
-               faults: tuple[str, ...] = ALL_FAULTS, check_every: bool = True) -> Outcome:
+               faults: tuple[str, ...] = ALL_FAULTS, check_every: bool = True,
+               server: Server | None = None) -> Outcome:
     """Run a seed's `steps` (drawn) or a given `replay`, checking after every step, then drain
-    and check the end."""
+    and check the end. `server`: the redis-server behind `url`, for restarts (none without it)."""
     rng = random.Random(seed)
-    world = World(redis, url, seed)
+    world = World(redis, url, seed, server)
     out = Outcome(steps=[])
     with installed(world.clock):
         await world.open()
@@ -156,7 +177,7 @@ async def play(redis: Redis, url: str, seed: int, *, steps: int | None = None, r
                 if drawn:
                     out.steps.append(step)
                 out.log.append(f"{step} -> {await world.step(step)}")
-                world.dead = [f.get("id", "") for _, f in await redis.xrange(KEYS.dead_letters)]
+                await world.observe()
                 await world.catch_up()
                 if check_every:
                     await check_step(world)
@@ -176,7 +197,7 @@ async def play(redis: Redis, url: str, seed: int, *, steps: int | None = None, r
 
 
 async def shrink(redis: Redis, url: str, seed: int, failing: Outcome, *, budget: int = 150,
-                 faults: tuple[str, ...] = ALL_FAULTS) -> Outcome:
+                 faults: tuple[str, ...] = ALL_FAULTS, server: Server | None = None) -> Outcome:
     """Delta debugging over the step list: drop chunks (halves, quarters ... single steps) while
     the same invariant still breaks; at most `budget` replays. Admissions are kept in a first
     pass (steps name requests by their admission order, which dropping one would shift)."""
@@ -199,7 +220,7 @@ async def shrink(redis: Redis, url: str, seed: int, failing: Outcome, *, budget:
                 drop = set(movable[start:start + size])
                 candidate = [s for i, s in enumerate(steps) if i not in drop]
                 tries += 1
-                got = await play(redis, url, seed, replay=candidate, faults=faults)
+                got = await play(redis, url, seed, replay=candidate, faults=faults, server=server)
                 if got.violation is not None and got.violation.invariant == want:
                     steps, best, cut = candidate, got, True
                     n = max(n - 1, 2)

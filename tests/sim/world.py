@@ -10,7 +10,7 @@ import hashlib
 import inspect
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from redis.asyncio import Redis
 
@@ -34,6 +34,13 @@ from tests.sim.actors import (
 from tests.sim.clock import SimClock
 
 KEYS = ModelKeys(MODEL)
+
+
+class Server(Protocol):
+    """The redis-server the simulation started (an EmbeddedRedis): stopped and started again."""
+
+    def stop(self, kill: bool = False) -> None: ...
+    def start(self) -> Any: ...
 MAX_QUEUED = 12
 WORKERS = 3
 OWNER = "owner-digest"
@@ -67,9 +74,10 @@ class Violation(AssertionError):
 
 
 class World(Lossy):
-    def __init__(self, redis: Redis, url: str, seed: int) -> None:
+    def __init__(self, redis: Redis, url: str, seed: int, server: Server | None = None) -> None:
         super().__init__()
         self.redis, self.url, self.seed = redis, url, seed
+        self.server = server  # the simulation's own redis-server (with its AOF): restarts take it down
         self.clock = SimClock()
         self.admission = Admission(redis, status_ttl_s=STATUS_TTL_S, reply_ttl_s=REPLY_TTL_S,
                                    cancel_ttl_s=CANCEL_TTL_S, result_ttl_s=RESULT_TTL_S)
@@ -83,10 +91,12 @@ class World(Lossy):
         self.readers: list[Reader] = []
         self.ledger = Ledger()
         self.snapshot: tuple[list[tuple[str, int, bytes]], Ledger] | None = None
-        self.started_since_snapshot = 0  # runs started after the snapshot (a failover takes their start back)
+        self.started_since_snapshot: set[str] = set()  # requests started after the snapshot
+        self.lost_starts: set[str] = set()  # requests a failover took the start of back, still running
         self.poison: set[str] = set()  # requests that crash the worker generating them (until a dlq retry)
         self.log: list[str] = []  # what each step did (printed with a failing replay)
         self.dead: list[str] = []  # the request ids in the dead-letter stream after the last step
+        self.unread = 0  # entries on the streams no worker has read yet, after the last step
 
     async def open(self) -> None:
         await self.redis.flushall()
@@ -184,7 +194,10 @@ class World(Lossy):
         if added > listed:
             raise Violation("one dead letter, one entry", f"dlq retry of {rid} (listed {listed} time(s)) "
                                                           f"put {added} entries on the stream")
-        if done or added:  # (a retry whose answer was lost may say "gone" for a letter it did requeue)
+        if added and not done:  # (a call re-sent after its answer was lost is told its entry: 'requeued')
+            raise Violation("dlq retry says what it did", f"dlq retry of {rid} put {added} entries on the stream "
+                                                          "and reported the letter gone")
+        if done:
             self.poison.discard(rid)  # (the operator retries once its cause is fixed)
             self.ledger.revived.add(rid)
             self.ledger.finals.pop(rid, None)
@@ -227,6 +240,17 @@ class World(Lossy):
                 return
             await asyncio.sleep(0.002)
 
+    async def observe(self) -> None:
+        """What the scheduler weighs its next step by: the dead letters, the entries not read yet."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.xrange(KEYS.dead_letters)
+            for stream in (KEYS.requests, KEYS.bulk):
+                pipe.xlen(stream)
+                pipe.xpending(stream, GROUP)
+            letters, *lanes = await pipe.execute()
+        self.dead = [f.get("id", "") for _, f in letters]
+        self.unread = sum(n - pending["pending"] for n, pending in zip(lanes[::2], lanes[1::2]))
+
     # -- faults
     async def crash(self, w: int) -> None:
         old = self.workers[w]
@@ -241,6 +265,18 @@ class World(Lossy):
         stream = KEYS.bulk if r.message.lane == "bulk" else KEYS.requests
         return f"entry {await self.redis.xadd(stream, r.message.to_fields())} repeats {r.idx}"
 
+    async def restart(self) -> str:
+        """Redis stopped and started again from its AOF (the default durability, appendfsync
+        everysec): every acknowledged write comes back. (A kill -9 may lose the last second's
+        writes under a slow disk: that loss is the failover fault's, which the checks follow.)
+        The actors' connections drop; they reconnect (redis-py's retries), the scripts are
+        loaded again, the reply router's blocked read is sent again."""
+        if self.server is None:
+            return "no server of its own"
+        await asyncio.to_thread(self.server.stop)
+        await asyncio.to_thread(self.server.start)
+        return "restarted from its AOF"
+
     async def take_snapshot(self) -> None:
         dumped = []
         async for key in self.redis.scan_iter("*"):
@@ -248,7 +284,7 @@ class World(Lossy):
             if data is not None:
                 dumped.append((key, max(await self.redis.pttl(key), 0), data))
         self.snapshot = (dumped, copy.deepcopy(self.ledger))
-        self.started_since_snapshot = 0
+        self.started_since_snapshot = set()
 
     async def failover(self) -> str:
         """A replica that missed the writes since the snapshot takes over (asynchronous
@@ -261,7 +297,7 @@ class World(Lossy):
         for key, ttl, data in dumped:
             await raw("RESTORE", key, ttl, data, "REPLACE")
         self.ledger = copy.deepcopy(ledger)
-        self.started_since_snapshot = 0
+        self.lost_starts, self.started_since_snapshot = self.started_since_snapshot, set()
         ends = await self._stream_ends()
         for r in self.readers:  # it read from the primary (no replica reads here): what it showed may be gone
             shown_lost = r.last_id != "0" and (not ends[r.rid] or _order(ends[r.rid]) < _order(r.last_id))
@@ -334,10 +370,14 @@ class World(Lossy):
                 return f"reader {reader.idx} resumes after {reader.last_id}"
             return "nothing"
         if name == "fetch":
+            if len(args) > 2 and args[2]:  # the replica a failover may promote has not seen this read
+                await self.take_snapshot()
             return f"fetched {[d.message.id[-6:] + '@' + str(d.attempt) for d in await w.fetch(args[1])]}"
         if name == "start":
+            before = set(w.runs)
             started = await w.start(args[1])
-            self.started_since_snapshot += started == "run" and self.snapshot is not None
+            if self.snapshot is not None:
+                self.started_since_snapshot |= set(w.runs) - before
             return str(started)
         if name == "resume":
             return str(await w.resume(self.rid(args[1])))
@@ -378,6 +418,8 @@ class World(Lossy):
             return await self.failover()
         if name == "clock":
             return await self.advance(*args)
+        if name == "restart":
+            return await self.restart()
         raise ValueError(f"unknown step {action!r}")
 
     def wall(self) -> float:
