@@ -29,9 +29,9 @@ from rich.console import Console
 from sluice.bench.chaos_audit import audit, broken, table
 from sluice.bench.chaos_load import Load
 from sluice.broker.keys import ModelKeys
-from sluice.cli.processes import free_port, wait_ready
-from sluice.cli.stack import LocalStack
-from sluice.cli.topologies import LocalCluster
+from sluice.supervisor.processes import free_port, wait_ready
+from sluice.supervisor.stack import LocalStack
+from sluice.supervisor.topologies import LocalCluster
 
 MODELS = """models:
   - name: chaos-cont

@@ -23,8 +23,8 @@ import redis as redis_sync
 import typer
 
 from sluice.broker.keys import ModelKeys
-from sluice.cli.processes import EmbeddedRedis
-from sluice.cli.stack import LocalStack
+from sluice.supervisor.processes import EmbeddedRedis
+from sluice.supervisor.stack import LocalStack
 
 MODEL = "echo"
 MODELS = f"models:\n  - name: {MODEL}\n    max_queued: 10000000\n"

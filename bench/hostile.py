@@ -28,7 +28,7 @@ import typer
 
 from sluice.bench.hostile_batch import big_batch
 from sluice.bench.hostile_probe import Target, Watch, rss_mib
-from sluice.cli.stack import LocalStack
+from sluice.supervisor.stack import LocalStack
 
 MODELS = ("models:\n  - name: echo\n    continuous_batching_config: {max_concurrent_batch_size: 256}\n"
           "  - name: idle\n    continuous_batching_config: {max_concurrent_batch_size: 4}\n")  # idle: no worker

@@ -23,7 +23,7 @@ import typer
 
 from sluice.bench.commands import per_request
 from sluice.bench.loadgen import p50_p99
-from sluice.cli.stack import LocalStack
+from sluice.supervisor.stack import LocalStack
 
 MODELS = "models:\n  - name: echo\n    continuous_batching_config: {max_concurrent_batch_size: 256}\n"
 

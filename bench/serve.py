@@ -50,7 +50,7 @@ def _vllm_levels(settings: Settings, model: str | None, name: str, *args) -> lis
     import tempfile
 
     from sluice.bench.vllm_server import vllm_serve
-    from sluice.cli.processes import free_port
+    from sluice.supervisor.processes import free_port
     from sluice.workers.engines.vllm import engine_args
     from sluice.workers.model_prep import resolve_model_path
 

@@ -22,7 +22,7 @@ import psutil
 import redis as redis_sync
 import typer
 
-from sluice.cli.stack import LocalStack
+from sluice.supervisor.stack import LocalStack
 
 MODELS = """models:
   - name: soak-cont

@@ -26,10 +26,10 @@ import typer
 
 from sluice.bench.loadgen import p50_p99
 from sluice.bench.sse import events
-from sluice.cli.processes import free_port, stop_processes, wait_ready
-from sluice.cli.stack import LocalStack
 from sluice.config.model import load_models
 from sluice.config.settings import Settings
+from sluice.supervisor.processes import free_port, stop_processes, wait_ready
+from sluice.supervisor.stack import LocalStack
 
 PROMPTS = [f"Write a short note about topic number {i}:" for i in range(256)]
 

@@ -24,7 +24,7 @@ import redis
 import typer
 
 from sluice.bench.sse import sse_events
-from sluice.cli.stack import LocalStack
+from sluice.supervisor.stack import LocalStack
 
 MODELS = "models:\n  - name: echo\n    continuous_batching_config: {max_concurrent_batch_size: 256}\n"
 

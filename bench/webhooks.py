@@ -21,7 +21,7 @@ import httpx
 import typer
 from aiohttp import web
 
-from sluice.cli.stack import LocalStack
+from sluice.supervisor.stack import LocalStack
 
 MODEL = "echo"
 MODELS = f"models:\n  - name: {MODEL}\n    max_queued: 1000000\n"

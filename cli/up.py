@@ -18,12 +18,12 @@ from pathlib import Path
 import httpx
 
 from sluice.api.auth import anonymous_listen_error
-from sluice.cli.processes import free_port
 from sluice.cli.replicas import DeploymentError, Replica, plan_replicas
 from sluice.cli.running import DataDirBusy, UpLock
-from sluice.cli.stack import LocalStack
 from sluice.config.model import DEFAULT_MODEL_PATH, ModelConfig, load_models
 from sluice.config.settings import Settings
+from sluice.supervisor.processes import free_port
+from sluice.supervisor.stack import LocalStack
 
 log = logging.getLogger("sluice.up")
 

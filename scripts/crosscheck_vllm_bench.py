@@ -18,9 +18,9 @@ from pathlib import Path
 
 from sluice.bench.throughput import local_stack
 from sluice.bench.vllm_server import vllm_serve
-from sluice.cli.processes import free_port
 from sluice.config.model import load_models
 from sluice.config.settings import Settings
+from sluice.supervisor.processes import free_port
 from sluice.workers.engines.vllm import engine_args
 from sluice.workers.model_prep import resolve_model_path
 

@@ -12,9 +12,9 @@ import pytest
 from redis.asyncio import Redis
 
 from sluice.broker.connection import connect
-from sluice.cli.processes import EmbeddedRedis
-from sluice.cli.topologies import LocalCluster
 from sluice.config.settings import Settings
+from sluice.supervisor.processes import EmbeddedRedis
+from sluice.supervisor.topologies import LocalCluster
 
 # One cache for every run on this machine: the default model is prepared once.
 os.environ.setdefault("SLUICE_CACHE_DIR", str(Path.home() / ".cache" / "sluice"))

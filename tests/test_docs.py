@@ -149,7 +149,7 @@ def test_the_quick_start_answers_as_the_readme_shows(tmp_path: Path) -> None:
     import subprocess
 
     from sluice.bench.sse import parse
-    from sluice.cli.stack import LocalStack
+    from sluice.supervisor.stack import LocalStack
 
     steps = quick_start_tour()
     assert [c.split()[0] for c, _ in steps] == ["submit", "or", "poll,", "stream", "cancel"], steps

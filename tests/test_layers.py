@@ -18,7 +18,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 TOP = "sluice"
-ALL = frozenset({"config", "protocol", "broker", "batching", "workers", "api", "bench", "cli"})
+ALL = frozenset({"config", "protocol", "broker", "batching", "workers", "api", "supervisor", "bench", "cli"})
 
 # package -> the packages of ours it may import (itself always allowed)
 MAY_IMPORT: dict[str, frozenset[str]] = {
@@ -28,13 +28,9 @@ MAY_IMPORT: dict[str, frozenset[str]] = {
     "batching": frozenset({"config"}),
     "workers": frozenset({"config", "protocol", "broker", "batching"}),
     "api": frozenset({"config", "protocol", "broker"}),
+    "supervisor": frozenset(),
     "bench": ALL - {"cli"},
     "cli": ALL,
-}
-# Modules a package may import beyond its table row: the benchmarks start a local stack of
-# real processes with the same helpers as `sluice up`, and those live in cli (DESIGN: one LocalStack).
-EXTRA_MODULES: dict[str, frozenset[str]] = {
-    "bench": frozenset({"sluice.cli.stack", "sluice.cli.processes", "sluice.cli.topologies"}),
 }
 # DESIGN calls ~400 lines a sign of two jobs in one module; the renovation aims lower.
 MAX_LINES = 300
@@ -56,7 +52,7 @@ class Module:
 class Import:
     module: Module
     line: int
-    target: str  # the dotted name imported, e.g. sluice.cli.stack
+    target: str  # the dotted name imported, e.g. sluice.supervisor.stack
 
     @property
     def package(self) -> str | None:
@@ -107,8 +103,7 @@ def imports_of(module: Module) -> list[Import]:
         elif isinstance(node, ast.ImportFrom):
             base = _resolve(module, node.level, node.module) if node.level else (node.module or "")
             for alias in node.names:
-                # `from sluice.cli import stack` imports the module sluice.cli.stack: name it so,
-                # or the per-module exceptions could not tell it from the rest of sluice.cli.
+                # `from sluice.cli import up` imports the module sluice.cli.up: name it so.
                 sub = f"{base}.{alias.name}"
                 found.append(Import(module, node.lineno, sub if sub in KNOWN else base))
         elif isinstance(node, ast.Call) and _is_dynamic_import(node.func):
@@ -128,10 +123,7 @@ def _is_dynamic_import(func: ast.expr) -> bool:
 def allowed(imp: Import) -> bool:
     own, target = imp.module.package, imp.package
     assert target is not None
-    if target == own or target in MAY_IMPORT[own]:
-        return True
-    extras = EXTRA_MODULES.get(own, frozenset())
-    return any(imp.target == m or imp.target.startswith(m + ".") for m in extras)
+    return target == own or target in MAY_IMPORT[own]
 
 
 def report(title: str, offenders: list[str]) -> str:
@@ -151,7 +143,7 @@ def test_the_checker_sees_every_kind_of_import(tmp_path: Path) -> None:
     path = tmp_path / "mod.py"
     path.write_text(
         "import sluice.broker.keys\n"
-        "from sluice.cli import stack\n"
+        "from sluice.cli import up\n"
         "from ..workers import worker\n"
         "def f():\n"
         "    from sluice.api.app import create_app\n"
@@ -160,7 +152,7 @@ def test_the_checker_sees_every_kind_of_import(tmp_path: Path) -> None:
     )
     fake = Module("sluice.protocol.mod", path, is_package=False)
     targets = [i.target for i in imports_of(fake)]
-    assert targets == ["sluice.broker.keys", "sluice.cli.stack", "sluice.workers.worker", "sluice.api.app",
+    assert targets == ["sluice.broker.keys", "sluice.cli.up", "sluice.workers.worker", "sluice.api.app",
                        "sluice.bench.loadgen"], targets
     assert [allowed(i) for i in imports_of(fake)] == [False] * 5  # protocol may import config only
 

@@ -15,9 +15,9 @@ from sluice.api.auth import anonymous_listen_error, digest, key_digests, parse_k
 from sluice.broker.registry import WorkerInfo, WorkerRegistry
 from sluice.cli import up
 from sluice.cli.main import app as cli
-from sluice.cli.processes import free_port
 from sluice.config.model import ConfigError
 from sluice.config.settings import Settings
+from sluice.supervisor.processes import free_port
 from tests.api.keyed_app import ADMIN, ALICE, BOB, client, keyed_app
 from tests.broker.helpers import MODEL
 

@@ -15,8 +15,8 @@ from redis.exceptions import RedisError
 from sluice.broker.connection import connect, is_cluster
 from sluice.broker.readers import Readers
 from sluice.broker.reply_router import ReplyRouter, resume_index
-from sluice.cli.processes import EmbeddedRedis as Node
 from sluice.protocol.messages import DeltaEvent, FinalResult, RowOutput, State
+from sluice.supervisor.processes import EmbeddedRedis as Node
 from tests.broker.helpers import KEYS, MODEL
 from tests.fakes import eventually
 

@@ -20,9 +20,9 @@ from sluice.broker.connection import connect
 from sluice.broker.readers import Readers
 from sluice.broker.reply_router import ReplyRouter
 from sluice.broker.urls import celery_broker, parse_url
-from sluice.cli.topologies import LocalSentinel
 from sluice.config.settings import Settings
 from sluice.protocol.messages import FinalResult, State
+from sluice.supervisor.topologies import LocalSentinel
 from tests.broker.helpers import KEYS, MODEL, admission, message
 
 pytestmark = pytest.mark.skipif(not shutil.which("redis-sentinel"), reason="redis-sentinel is not installed")

@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from sluice.cli.processes import free_port
+from sluice.supervisor.processes import free_port
 
 
 @dataclass

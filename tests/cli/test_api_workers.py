@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 
 from sluice.bench.sse import sse_events
-from sluice.cli.stack import LocalStack
+from sluice.supervisor.stack import LocalStack
 
 MODEL = "echo"
 MODELS_YAML = f"models:\n  - name: {MODEL}\n    continuous_batching_config: {{max_concurrent_batch_size: 32}}\n"

@@ -14,9 +14,9 @@ from typer.testing import CliRunner
 
 from sluice.broker.registry import ModelRegistry
 from sluice.cli.main import app
-from sluice.cli.processes import free_port
 from sluice.cli.running import DataDirBusy, UpLock, running_redis_url
 from sluice.config.model import ModelConfig
+from sluice.supervisor.processes import free_port
 
 
 @pytest.fixture

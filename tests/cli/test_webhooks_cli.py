@@ -12,7 +12,7 @@ from pathlib import Path
 from typer.testing import CliRunner
 
 from sluice.cli.main import app
-from sluice.cli.stack import LocalStack
+from sluice.supervisor.stack import LocalStack
 
 
 def sluice(redis_url: str, *args: str, **env: str):

@@ -31,7 +31,7 @@ import httpx
 import pytest
 
 from sluice.broker.keys import ModelKeys
-from sluice.cli.processes import free_port
+from sluice.supervisor.processes import free_port
 from tests.deploy.dockerd import Dockerd, DockerdUnavailable
 
 pytestmark = [pytest.mark.xdist_group("compose-stack"), pytest.mark.timeout(3600)]

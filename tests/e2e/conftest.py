@@ -21,9 +21,9 @@ import httpx
 import pytest
 import redis as redis_sync
 
-from sluice.cli.processes import EmbeddedRedis
-from sluice.cli.stack import LocalStack
 from sluice.config.settings import Settings
+from sluice.supervisor.processes import EmbeddedRedis
+from sluice.supervisor.stack import LocalStack
 from sluice.workers.model_prep import prepare_default_model
 
 # Shorter than the long generations of the tests: leases must hold them (tests/e2e/test_long_batches.py).

@@ -8,7 +8,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from sluice.cli.processes import free_port
+from sluice.supervisor.processes import free_port
 from tests.e2e.conftest import null_stack, wait_done
 
 MODELS = "models:\n  - name: met\n    continuous_batching_config: {max_concurrent_batch_size: 8}\n"

@@ -15,7 +15,7 @@ import httpx
 import psutil
 import pytest
 
-from sluice.cli.processes import free_port, wait_ready
+from sluice.supervisor.processes import free_port, wait_ready
 from tests.cli.registry import running_registry
 from tests.e2e.conftest import ENGINE
 

@@ -21,10 +21,10 @@ import redis as redis_sync
 
 from sluice.broker.keys import ModelKeys
 from sluice.broker.urls import sync_connect
-from sluice.cli.processes import EmbeddedRedis, free_port
-from sluice.cli.stack import LocalStack
-from sluice.cli.topologies import LocalCluster
 from sluice.protocol.states import FINAL_STATES
+from sluice.supervisor.processes import EmbeddedRedis, free_port
+from sluice.supervisor.stack import LocalStack
+from sluice.supervisor.topologies import LocalCluster
 from tests.conftest import TOPOLOGY
 
 MODEL = "echo"

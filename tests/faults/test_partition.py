@@ -29,7 +29,7 @@ import httpx
 import pytest
 import redis as redis_sync
 
-from sluice.cli.processes import stop_processes
+from sluice.supervisor.processes import stop_processes
 from tests.e2e.conftest import settled_log
 from tests.faults.conftest import FINALS as FINAL_STATES
 from tests.faults.conftest import KEYS, MODEL, MODELS_YAML, audit, record

@@ -16,11 +16,11 @@ import pytest
 import redis
 
 from sluice.bench.sse import events
-from sluice.cli.processes import free_port
-from sluice.cli.stack import LocalStack
-from sluice.cli.topologies import LocalCluster
 from sluice.protocol.ids import request_shard
 from sluice.protocol.states import FINAL_STATES
+from sluice.supervisor.processes import free_port
+from sluice.supervisor.stack import LocalStack
+from sluice.supervisor.topologies import LocalCluster
 from tests.faults.conftest import KEYS, MODEL, MODELS_YAML, audit_on, record
 
 pytestmark = pytest.mark.xdist_group("redis-cluster")

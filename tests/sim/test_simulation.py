@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from sluice.broker.connection import connect
-from sluice.cli.processes import EmbeddedRedis
+from sluice.supervisor.processes import EmbeddedRedis
 from tests.sim.harness import run_seeds
 from tests.sim.run import play, replay_text
 

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from sluice.cli.processes import EmbeddedRedis, free_port, stop_processes, wait_ready
+from sluice.supervisor.processes import EmbeddedRedis, free_port, stop_processes, wait_ready
 
 CLI = [sys.executable, "-m", "sluice.cli"]
 
