@@ -8,9 +8,9 @@ from pathlib import Path
 import typer
 
 from sluice.bench.app import bench_app
+from sluice.cli.api_keys import keys_app
 from sluice.cli.batch import batch_app
 from sluice.cli.dead_letters import dlq_app
-from sluice.cli.keys import keys_app
 from sluice.cli.models import models_app
 from sluice.cli.shared import AllowAnonymous, ModelsFile, RedisUrl, settings_with, setup_logging
 from sluice.cli.webhooks import webhooks_app
