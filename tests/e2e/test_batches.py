@@ -128,10 +128,8 @@ def test_interactive_requests_overtake_bulk_rows_queued_before_them(stack: NullS
     r = redis_sync.Redis.from_url(stack.redis.url, decode_responses=True)
     wait_until(lambda: r.xlen(keys.requests) + r.xlen(keys.bulk) == 0, "earlier tests' entries drained")
     worker = stack.procs["worker"]
-    worker.send_signal(signal.SIGSTOP)
+    pause_in_blocking_read(worker, r)
     try:
-        # 300 tokens at 10 ms: the first wave holds all 16 slots for 3 s, far longer than the
-        # look below takes, so the ones left waiting are still waiting when it looks.
         f = sdk.files.create(file=("in.jsonl", io.BytesIO(batch_file(8, max_tokens=300))), purpose="batch")
         batch = sdk.batches.create(input_file_id=f.id, endpoint="/v1/completions", completion_window="24h")
         rids_key = f"{{sluice:batch:{batch.id}}}:rids"
@@ -149,18 +147,45 @@ def test_interactive_requests_overtake_bulk_rows_queued_before_them(stack: NullS
     finally:
         worker.send_signal(signal.SIGCONT)
 
-    def states(rids: list[str]) -> list[str]:
+    def status(rids: list[str], field: str) -> list[str]:
         with r.pipeline(transaction=False) as pipe:
             for rid in rids:
-                pipe.hget(keys.status(rid), "state")
+                pipe.hget(keys.status(rid), field)
             return pipe.execute()
 
-    wait_until(lambda: set(states(interactive)) <= {"running", "done"}, "every interactive request started")
-    waiting = [rid for rid, state in zip(bulk, states(bulk)) if state == "queued"]
-    assert len(waiting) >= 18 - 16, f"bulk rows queued before the interactive requests took their slots: {waiting}"
     done = wait_batch(sdk, batch.id, {"completed", "failed"})
     assert done.status == "completed" and done.request_counts.completed == 8
-    assert states(interactive) == ["done"] * 10
+    wait_until(lambda: None not in status(interactive, "finished_at"), "every interactive request final")
+    assert status(interactive, "state") == ["done"] * 10
+    # Read from the worker's own start times once all is over, not by looking while it runs: a
+    # test process starved past the first wave (3 s) would find the waiting rows started by then.
+    last_interactive = max(float(t) for t in status(interactive, "started_at"))
+    waiting = [rid for rid, t in zip(bulk, status(bulk, "started_at")) if float(t) > last_interactive]
+    assert len(waiting) >= 18 - 16, f"bulk rows started after the interactive requests took their slots: {waiting}"
+
+
+def pause_in_blocking_read(worker: subprocess.Popen, r: redis_sync.Redis) -> None:
+    """SIGSTOP the worker while it waits in its blocking read of the interactive lane, the one
+    place where an idle worker has no decision pending. Stopped anywhere else it may have read
+    the interactive lane (empty) and not yet the bulk one: resumed, it would read the bulk lane
+    first, the job's rows being there by then (so it did in a CI run on a loaded machine). The
+    worker is stopped again, after it ran a little, until Redis shows it blocked in XREADGROUP."""
+    deadline = time.monotonic() + 60
+    while True:
+        worker.send_signal(signal.SIGSTOP)
+        wait_until(lambda: stopped(worker.pid), "the worker stopped")
+        if any(c["name"] == "sluice-worker" and c["cmd"] == "xreadgroup" and "b" in c["flags"]
+               for c in r.client_list()):
+            return
+        worker.send_signal(signal.SIGCONT)
+        assert time.monotonic() < deadline, "the worker was never found waiting in its blocking read"
+        time.sleep(0.05)
+
+
+def stopped(pid: int) -> bool:
+    """Every thread of the process is in the stopped state (a SIGSTOP is delivered asynchronously)."""
+    tasks = Path(f"/proc/{pid}/task").iterdir()
+    return all((t / "stat").read_text().rsplit(")", 1)[1].split()[0] == "T" for t in tasks)
 
 
 def wait_until(check: Callable[[], bool], what: str, timeout_s: float = 60) -> None:
