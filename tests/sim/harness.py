@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from sluice.broker.connection import connect
-from sluice.cli.processes import EmbeddedRedis
+from sluice.supervisor.processes import EmbeddedRedis
 from tests.sim.run import ALL_FAULTS, Outcome, play, replay_text, shrink
 
 SEED_TIMEOUT_S = 300.0  # a seed takes seconds; this is a hang
