@@ -52,7 +52,7 @@ async def serve(settings: Settings, model_name: str, name: str | None, engine: E
 
 async def _wait_for_redis(redis: Redis, timeout_s: float = 60.0) -> None:
     """A worker started while Redis restarts waits for it (as a Celery worker waits for its
-    broker) instead of exiting for its supervisor to try again."""
+    broker) instead of exiting for its process manager to try again."""
     await until_redis_answers(redis.ping, timeout_s)
 
 

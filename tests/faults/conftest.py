@@ -154,7 +154,7 @@ def wait_final(c: Cluster, rids: list[str], timeout_s: float = 90) -> None:
 
 
 def crash_until_final(c: Cluster, rid: str, worker: str = "a", timeout_s: float = 120, **env: str) -> int:
-    """Restart `worker` each time it dies (as a supervisor would) until `rid` is final;
+    """Restart `worker` each time it dies (as a process manager would) until `rid` is final;
     returns how many times it crashed."""
     r = c.sync()
     started, crashes = time.monotonic(), 0

@@ -191,7 +191,7 @@ def test_poison_request_ends_in_the_dead_letter_stream(cluster: Cluster) -> None
     good, _ = submit(cluster, 3, max_tokens=3)
     r = cluster.sync()
     started = time.monotonic()
-    crashes = crash_until_final(cluster, rid, **crash)  # a supervisor restarts crashed workers
+    crashes = crash_until_final(cluster, rid, **crash)  # a process manager restarts crashed workers
     status = r.hgetall(KEYS.status(rid))
     error = json.loads(status["result"])["error"]
     # fresh, retried together with the three good ones, about log2(4) halvings, then its
