@@ -8,6 +8,7 @@ due again when their lease ends); the price is a duplicate, which carries the sa
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import random
 import time
@@ -18,11 +19,12 @@ from redis.exceptions import ResponseError
 
 from sluice.broker import webhooks
 from sluice.broker.connection import is_cluster
-from sluice.broker.keys import ModelKeys
+from sluice.broker.keys import PREFIX, ModelKeys
 from sluice.broker.registry import ModelRegistry
 from sluice.broker.webhook_deliveries import Deliveries, Delivery, event_id
 from sluice.broker.webhook_endpoints import Endpoint, EndpointStore
 from sluice.config.settings import Settings
+from sluice.protocol.responses import RESPONSE_PREFIX
 from sluice.protocol.webhooks import UnsafeUrl, event_type, payload
 from sluice.workers import webhook_metrics as metrics
 from sluice.workers.webhook_post import post
@@ -149,18 +151,32 @@ class WebhookSender:
 
     async def fan_out(self, stream: str, entry_id: str, fields: dict[str, str], family: str | None = None) -> None:
         rid, state, owner, model = fields["id"], fields["state"], fields.get("owner", ""), fields.get("model", "")
-        if family is None:
-            family = "response" if await self.redis.exists(ModelKeys(model).response(rid)) else "request"
+        family = family or ("response" if rid.startswith(RESPONSE_PREFIX) else "request")
         kind = event_type(family, state)
         wanted = [e for e in (await self.known()).values() if e.owner == owner and e.wants(kind)]
+        if not wanted:
+            return
         ev = event_id(stream, entry_id)
-        body = payload(ev, family, state, rid, float(fields.get("at", time.time())),
-                       {"model": model} if model else None)
+        extra = {"model": model} if model else {}
+        metadata = await self._metadata(family, model, rid)
+        if metadata:  # the client's own metadata, echoed (OpenAI's at most 16 short pairs)
+            extra["metadata"] = metadata
+        body = payload(ev, family, state, rid, float(fields.get("at", time.time())), extra)
         created = await self.deliveries.enqueue([(e.id, ev, body) for e in wanted], self.lease_s)
         now = time.time()
         for d in created:
             endpoint = d.split(":delivery:", 1)[1].split(":", 1)[0]
             self._spawn(Delivery(d, endpoint, ev, body, 0, now))
+
+    async def _metadata(self, family: str, model: str, rid: str) -> dict | None:
+        """A response's or a batch's `metadata` (requests have none), read while it is kept."""
+        if family == "response":
+            raw = await self.redis.get(ModelKeys(model).response(rid))
+            return (json.loads(raw) or {}).get("metadata") if raw else None
+        if family == "batch":
+            raw = await self.redis.hget(f"{PREFIX}:batch:{rid}", "metadata")
+            return json.loads(raw) if raw else None
+        return None
 
     # -- deliveries -----------------------------------------------------------------------------
     async def known(self) -> dict[str, Endpoint]:

@@ -7,7 +7,9 @@ unless allowed."""
 from __future__ import annotations
 
 import asyncio
+import json
 import time
+import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
@@ -212,12 +214,12 @@ async def test_responses_batches_and_test_events_have_their_types(redis: Redis, 
     async with sender_and_receiver(redis, hook_settings) as rec:
         endpoint = await EndpointStore(redis).create(rec.url, [], owner="")
         adm = admission(redis, hook_settings)
-        response = message()
+        response = message().model_copy(update={"id": f"resp_{int(time.time() * 1000)}-{uuid.uuid4().hex}"})
+        await redis.set(KEYS.response(response.id), json.dumps({"metadata": {"order": "42"}}), ex=60)
         await adm.submit(response, max_queued=1000)
-        await redis.set(KEYS.response(response.id), "{}", ex=60)  # a /v1/responses request's record
         assert await adm.cancel(KEYS.model, response.id) == "cancelled"
         jobs = JobStore(redis)
-        batch = await jobs.create("file-x", "/v1/completions", "24h", None, owner="")
+        batch = await jobs.create("file-x", "/v1/completions", "24h", {"team": "a"}, owner="")
         assert await jobs.move(batch["id"], "in_progress", ["validating"]) == "in_progress"
         assert await jobs.move(batch["id"], "completed", ["in_progress"]) == "completed"
         await Deliveries(redis).enqueue([(endpoint.id, "msg_test", probe_payload("msg_test"))], lease_s=0)
@@ -225,5 +227,7 @@ async def test_responses_batches_and_test_events_have_their_types(redis: Redis, 
     events = {e["type"]: e for e in (got.verify(endpoint.secret) for got in rec.got)}
     assert set(events) == {"response.cancelled", "batch.completed", "webhook.test"}
     assert events["response.cancelled"]["data"]["id"] == response.id
+    assert events["response.cancelled"]["data"]["metadata"] == {"order": "42"}  # the client's, echoed
     assert events["batch.completed"]["data"]["id"] == batch["id"]
+    assert events["batch.completed"]["data"]["metadata"] == {"team": "a"}
     assert await redis.zcard(webhooks.BATCHES) == 0 and not await redis.exists(webhooks.batch_outbox(batch["id"]))
