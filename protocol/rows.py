@@ -81,3 +81,26 @@ def row_problem(model: ModelConfig, row: Mapping[str, Any], index: int = 0, rows
         return RowProblem(422, f"{where('max_tokens', index, rows)}: must be below the model's context "
                                f"length ({limit})", "max_tokens", "max_tokens")
     return None
+
+
+INT32_MAX = 2**31 - 1  # the engine's sampling fields are 32-bit
+
+
+def sampling_problem(model: ModelConfig, sampling: Mapping[str, Any], max_tokens: int,
+                     vocab: int | None) -> RowProblem | None:
+    """Why the engine would refuse these sampling values, or None: a top_k past its 32-bit field,
+    stop_token_ids outside the model's vocabulary (`vocab`, where its tokenizer can be read),
+    min_tokens over max_tokens. The api's routes answer the same 400s (api/intake.py)."""
+    top_k = sampling.get("top_k") or 0
+    if top_k > INT32_MAX:
+        return RowProblem(400, f"top_k: at most {INT32_MAX} (-1 or 0: every token)", "top_k", "top_k")
+    bound = vocab if vocab is not None else INT32_MAX + 1
+    bad = next((t for t in sampling.get("stop_token_ids") or () if not 0 <= t < bound), None)
+    if bad is not None:
+        return RowProblem(400, f"stop_token_ids: {bad} is not a token id of model {model.name!r} (0 to {bound - 1})",
+                          "stop_token_ids", "stop_token_ids")
+    min_tokens = sampling.get("min_tokens") or 0
+    if min_tokens > max_tokens:
+        return RowProblem(400, f"min_tokens: {min_tokens} is more than max_tokens ({max_tokens})", "min_tokens",
+                          "min_tokens")
+    return None

@@ -21,7 +21,7 @@ from sluice.protocol.messages import FinalResult, SamplingSpec
 from sluice.protocol.openai import ChatCompletionRequest, CompletionRequest
 from sluice.protocol.openai_objects import Shape, chat_object, completion_object
 from sluice.protocol.responses import ResponseRequest, response_object
-from sluice.protocol.rows import prompt_text, row_problem, unicode_problem
+from sluice.protocol.rows import prompt_text, row_problem, sampling_problem, unicode_problem
 from sluice.protocol.states import State
 from sluice.protocol.tokens import PromptLimits
 
@@ -163,12 +163,12 @@ def parse_line(index: int, text: str, endpoint: str, default_max_tokens: int = 2
         row: dict[str, Any] = {"prompt": body.prompt[0], "max_tokens": max_tokens}
     else:
         row = {**body.rows(), "max_tokens": max_tokens}
-    refused = _refused(rules, model, custom_id, where, row)
+    fields = body.sampling_fields()
+    refused = _refused(rules, model, custom_id, where, row, fields)
     if refused:
         return refused
     # The line's index seeds it when the client gave no seed: a re-run samples the same text.
-    sampling = SamplingSpec(max_tokens=max_tokens, seed=body.seed if body.seed is not None else index,
-                            **body.sampling_fields())
+    sampling = SamplingSpec(max_tokens=max_tokens, seed=body.seed if body.seed is not None else index, **fields)
     return Line(index, custom_id, body.model, row, sampling, body.shape())
 
 
@@ -193,11 +193,14 @@ def _deployment(rules: Rules | None, custom_id: str, name: str) -> ModelConfig |
 
 
 def _refused(rules: Rules | None, model: ModelConfig | None, custom_id: str, where: str,
-             row: dict[str, Any]) -> Record | None:
+             row: dict[str, Any], sampling: dict[str, Any]) -> Record | None:
     """The error record of a row its route would refuse (protocol/rows.py), or None."""
     if rules is None or model is None:
         return None
-    problem = row_problem(model, row, max_prompt_chars=rules.max_prompt_chars)
+    loaded = rules.prompt_limits.loaded(model) if rules.prompt_limits else None
+    vocab = loaded[0].get_vocab_size() if loaded else None  # type: ignore[attr-defined]
+    problem = (row_problem(model, row, max_prompt_chars=rules.max_prompt_chars)
+               or sampling_problem(model, sampling, row["max_tokens"], vocab))
     if problem:
         return error_record(custom_id, problem.reason, f"{where}: {problem.message}")
     too_long = rules.prompt_limits.problem(model, prompt_text(row), row["max_tokens"]) if rules.prompt_limits else None
@@ -221,7 +224,7 @@ def _response_line(index: int, custom_id: str, raw: Any, where: str, default_max
         return model
     max_tokens = body.max_output_tokens or (model.default_max_tokens if model else default_max_tokens)
     row = {"messages": body.messages(), "max_tokens": max_tokens}
-    refused = _refused(rules, model, custom_id, where, row)
+    refused = _refused(rules, model, custom_id, where, row, body.extras())
     if refused:
         return refused
     sampling = SamplingSpec(max_tokens=max_tokens, seed=body.seed if body.seed is not None else index,

@@ -2,7 +2,8 @@
 /v1/completions or /v1/chat/completions refuses, sent as a batch line, ends in the batch's error
 file with the route's message, and never reaches a queue. The model has a tokenizer that the
 api and the jobs worker can both read (100 words, a 4096-token context), so the token count
-against the context is checked as well as the prompt's length in characters."""
+against the context is checked as well as the prompt's length in characters, and so are the
+sampling values the engine would refuse (finding 13's, at the routes)."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from sluice.broker.keys import ModelKeys
 from sluice.workers.job_runner import JobRunner
 from tests.api.conftest import StartApi, http_client
 from tests.api.test_batches import Jobs
-from tests.api.test_model_bounds import tiny_model
+from tests.api.test_model_bounds import REFUSED, tiny_model
 
 HUGE = "w1 " * 500_000  # 1.5 M characters, 500,000 tokens
 
@@ -88,5 +89,27 @@ async def test_a_line_the_route_refuses_ends_in_the_error_file_with_the_routes_e
             (error,) = map(json.loads, path.read_text().splitlines())
             assert error["error"] == {"code": code, "message": f"line 1: {message}"}, error
             # Nothing reached a queue: neither the route's request nor the batch's line.
+            keys = ModelKeys("tiny")
+            assert await redis.xlen(keys.requests) == 0 and await redis.xlen(keys.bulk) == 0
+
+
+@pytest.mark.parametrize("app", [None], indirect=True)
+async def test_sampling_values_the_route_refuses_end_in_the_error_file_with_its_error(
+        app: FastAPI, redis: Redis) -> None:
+    settings = app.state.sluice.settings
+    async with http_client(app) as api:
+        for url, body in (("/v1/completions", completion), ("/v1/chat/completions", chat)):
+            bodies = [{**body("w1 w2", 16), **extra} for extra, _ in REFUSED]
+            expected = {}
+            for i, (b, (_, field)) in enumerate(zip(bodies, REFUSED)):
+                refused = await api.post(url, json=b)
+                assert refused.status_code == 400 and refused.json()["error"]["param"] == field, refused.text
+                expected[f"row-{i}"] = {"code": field, "message": f"line {i + 1}: {refused.json()['error']['message']}"}
+            batch = await run_batch(app, api, redis, url, bodies)
+            assert batch["status"] == "completed", batch
+            assert batch["request_counts"] == {"total": len(REFUSED), "completed": 0, "failed": len(REFUSED)}, batch
+            path = FileStore(redis, settings.files_path, settings.max_file_bytes).path(batch["error_file_id"])
+            errors = {e["custom_id"]: e["error"] for e in map(json.loads, path.read_text().splitlines())}
+            assert errors == expected
             keys = ModelKeys("tiny")
             assert await redis.xlen(keys.requests) == 0 and await redis.xlen(keys.bulk) == 0
