@@ -5,10 +5,13 @@ writes the final; a request of an owner without one appends nothing and costs no
 from __future__ import annotations
 
 import time
+from collections import Counter
 
+import pytest
 from redis.asyncio import Redis
 
 from sluice.broker import webhooks
+from sluice.broker.connection import is_cluster
 from sluice.broker.jobs import JobStore
 from sluice.broker.webhooks import OWNERS, batch_outbox, outbox
 from sluice.config.settings import Settings
@@ -110,3 +113,29 @@ async def test_a_batch_final_appends_its_event_to_its_own_outbox(redis: Redis, s
         assert ev["id"] == job["id"] and ev["state"] == state and ev["owner"] == OWNER
     assert await redis.xlen(batch_outbox(plain["id"])) == 0
     assert set(await redis.zrange(webhooks.BATCHES, 0, -1)) == {done["id"], cancelled["id"]}
+
+
+async def test_the_hook_costs_three_commands_and_nothing_without_an_endpoint(redis: Redis, settings: Settings) -> None:
+    """One request run from admission to its final, counted in INFO commandstats (commands run
+    by scripts included): an owner without an endpoint costs exactly what it cost before the
+    outbox existed; one with an endpoint three more: the mark (HSET), its owner and model
+    read at the final (HMGET), the event (XADD)."""
+    if is_cluster(redis):
+        pytest.skip("counts one server's commands")
+    adm = await subscribed(redis, settings)
+    adm.webhook_owners.refresh_s = 3600
+    assert await adm.webhook_owners.has(OWNER)  # the cache read once, before counting
+    c = await ready_consumer(redis, settings)
+
+    async def one(owner: str) -> Counter[str]:
+        await redis.config_resetstat()
+        await submit(adm, owner=owner)
+        d = await fetch_one(c)
+        assert await c.start(d) == "run" and await c.commit(d, done_result()) is True
+        stats = await redis.info("commandstats")
+        return Counter({k.removeprefix("cmdstat_"): v["calls"] for k, v in stats.items()
+                        if not k.startswith(("cmdstat_info", "cmdstat_config"))})
+
+    plain, hooked = await one("cd" * 32), await one(OWNER)
+    assert hooked - plain == Counter({"hset": 1, "hmget": 1, "xadd": 1}) and not plain - hooked
+    assert await redis.xlen(outbox(KEYS)) == 1
