@@ -31,10 +31,10 @@ class RequestLookup:
             if fresh and self.done.live(model, rid):
                 await self.done.wait(done, wait_s)
             while True:
-                if done.done() and done.result() and not self.admission.wait_replicas:
+                if done.done() and done.result() and not self.admission.limits.wait_replicas:
                     return announced(rid, model, done.result())  # the final as written, no read
                 status, held = await self.admission.status(model, rid), False
-                if status and status.final and self.admission.wait_replicas:  # shown once a failover keeps it
+                if status and status.final and self.admission.limits.wait_replicas:  # shown once a failover keeps it
                     status, held = await self.admission.status_copied(model, rid)
                 if not status:
                     raise ApiError(404, f"request {rid!r} not found", code="not_found")

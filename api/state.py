@@ -27,6 +27,7 @@ from sluice.broker.admission import Admission
 from sluice.broker.connection import connect
 from sluice.broker.files import FileStore
 from sluice.broker.jobs import JobStore
+from sluice.broker.limits import AdmissionLimits
 from sluice.broker.notifications import DoneListener
 from sluice.broker.readers import Readers
 from sluice.broker.registry import ModelRegistry, WorkerRegistry
@@ -99,10 +100,7 @@ def celery_client(settings: Settings) -> Celery:
 def build_state(settings: Settings, models: list[ModelConfig]) -> ApiState:
     readers = max(1, min(8, settings.api_redis_connections // 8))
     redis = connect(settings.redis_url, name="sluice-api", max_connections=settings.api_redis_connections - readers - 1)
-    admission = Admission(redis, status_ttl_s=settings.status_ttl_s, reply_ttl_s=settings.reply_ttl_s,
-                          cancel_ttl_s=settings.cancel_ttl_s, result_ttl_s=settings.result_ttl_s,
-                          bulk_queue_share=settings.bulk_queue_share, strict=settings.durability == "strict",
-                          wait_replicas=settings.redis_wait_replicas)
+    admission = Admission(redis, AdmissionLimits.of(settings))
     workers = WorkerRegistry(redis)  # the live workers: /v1/workers, readiness and the SLO bound
     deployments = Deployments(ModelRegistry(redis), default_model=models[0].name if models else None,
                               configured=frozenset(m.name for m in models))

@@ -13,6 +13,7 @@ from redis.asyncio import Redis
 from sluice.broker import keys
 from sluice.broker.connection import has_replicas, read_copied, wait_for_copies
 from sluice.broker.keys import GROUP, ModelKeys
+from sluice.broker.limits import AdmissionLimits
 from sluice.broker.scripts import Scripts
 from sluice.broker.status import RequestStatus
 from sluice.broker.webhooks import SubscribedOwners
@@ -39,19 +40,10 @@ class NotDurable(Exception):
 
 
 class Admission:
-    def __init__(self, redis: Redis, *, status_ttl_s: int, reply_ttl_s: int, cancel_ttl_s: int,
-                 result_ttl_s: int = 3600, bulk_queue_share: float = 0.5,
-                 strict: bool = False, fsync_timeout_ms: int = 1000, wait_replicas: int = 0):
+    def __init__(self, redis: Redis, limits: AdmissionLimits):
         self.redis = redis
         self.scripts = Scripts.register(redis, pipelined=True)
-        self.status_ttl_s = status_ttl_s  # while unfinished
-        self.result_ttl_s = result_ttl_s  # once final, unless admitted with its model's own
-        self.reply_ttl_s = reply_ttl_s
-        self.bulk_queue_share = bulk_queue_share
-        self.cancel_ttl_s = cancel_ttl_s
-        self.strict = strict
-        self.fsync_timeout_ms = fsync_timeout_ms
-        self.wait_replicas = wait_replicas  # replicas an admission must be on before it is accepted
+        self.limits = limits
         self._waitaof: bool | None = None  # whether the server has WAITAOF (Redis 7.2+), once known
         self.webhook_owners = SubscribedOwners(redis)  # an owner with an endpoint: its finals append events
 
@@ -75,7 +67,7 @@ class Admission:
         dropped connection enqueues nothing twice. Strict durability: the admission is on
         disk before this returns (WAITAOF where the server has it; a server without it must
         run with appendfsync always, as the embedded one does in strict mode)."""
-        first = messages[0]
+        first, limits = messages[0], self.limits
         keys = ModelKeys(first.model).for_request(first.id)  # one call's requests share a shard
         stream, other, lane_max, slo_max = self._bounds(keys, first.lane, max_queued, slo_max, shards)
         bound = lane_max if slo_max is None else min(lane_max, slo_max)
@@ -84,8 +76,8 @@ class Admission:
         hook = first.lane != "bulk" and await self.webhook_owners.has(first.owner)
         entries = await self.scripts.admit(
             keys=[stream, other, *(keys.status(m.id) for m in messages), *marks],
-            args=[max_queued, bound, self.status_ttl_s, first.enqueued_at, first.model, first.lane,
-                  first.owner or "", result_ttl_s or self.result_ttl_s, self.status_ttl_s if keyed else 0,
+            args=[max_queued, bound, limits.status_ttl_s, first.enqueued_at, first.model, first.lane,
+                  first.owner or "", result_ttl_s or limits.result_ttl_s, limits.status_ttl_s if keyed else 0,
                   "1" if hook else "",
                   *(x for m in messages for x in (m.id, m.model_dump_json()))],
         )
@@ -96,22 +88,22 @@ class Admission:
                 if here + len(messages) <= lane_max and here + there + len(messages) <= max_queued:
                     raise SloRefused(first.model, here, slo_max)
             raise QueueFull(first.model)
-        aof = self.strict and await self._has_waitaof()
-        if aof or self.wait_replicas:
-            local, copies = await wait_for_copies(self.redis, stream, replicas=self.wait_replicas, aof=aof,
-                                                  timeout_ms=self.fsync_timeout_ms)
+        aof = limits.strict and await self._has_waitaof()
+        if aof or limits.wait_replicas:
+            local, copies = await wait_for_copies(self.redis, stream, replicas=limits.wait_replicas, aof=aof,
+                                                  timeout_ms=limits.fsync_timeout_ms)
             if aof and local < 1:
-                raise NotDurable(f"request {first.id} was not on disk within {self.fsync_timeout_ms} ms")
-            if copies < self.wait_replicas:
-                raise NotDurable(f"request {first.id} was on {copies} of {self.wait_replicas} replicas "
-                                 f"(redis_wait_replicas) after {self.fsync_timeout_ms} ms")
+                raise NotDurable(f"request {first.id} was not on disk within {limits.fsync_timeout_ms} ms")
+            if copies < limits.wait_replicas:
+                raise NotDurable(f"request {first.id} was on {copies} of {limits.wait_replicas} replicas "
+                                 f"(redis_wait_replicas) after {limits.fsync_timeout_ms} ms")
         return list(entries)
 
     def _bounds(self, keys: ModelKeys, lane: str, max_queued: int, slo_max: int | None,
                 shards: int) -> tuple[str, str, int, int | None]:
         """The lane's stream, the other lane's, the lane's bound and its SLO bound on this shard."""
         stream, other = (keys.bulk, keys.requests) if lane == "bulk" else (keys.requests, keys.bulk)
-        lane_max = max(int(max_queued * self.bulk_queue_share), 1) if lane == "bulk" else max_queued
+        lane_max = max(int(max_queued * self.limits.bulk_queue_share), 1) if lane == "bulk" else max_queued
         if shards > 1 and lane != "bulk":  # each shard holds its part of the bounds (one slot each)
             lane_max = -(-max_queued // shards)
             slo_max = None if slo_max is None else -(-slo_max // shards)
@@ -137,7 +129,7 @@ class Admission:
         """Bind an idempotency key to a new request; returns the (model, id) it is already bound
         to, if it is. SET NX decides which of concurrent repeats enqueues."""
         claim = keys.idempotency(key)
-        if await self.redis.set(claim, json.dumps({"id": rid, "model": model}), nx=True, ex=self.status_ttl_s):
+        if await self.redis.set(claim, json.dumps({"id": rid, "model": model}), nx=True, ex=self.limits.status_ttl_s):
             return None
         first = json.loads(await self.redis.get(claim) or "null")
         return (first["model"], first["id"]) if first else None
@@ -158,7 +150,8 @@ class Admission:
         shard = keys.for_request(rid)  # its entry is on the shard's interactive stream, or on bulk
         return await self.scripts.cancel(
             keys=[keys.status(rid), keys.cancel(rid), keys.reply(rid), shard.requests, shard.bulk],
-            args=[time.time(), self.cancel_ttl_s, self.result_ttl_s, self.reply_ttl_s, shard.done, rid, GROUP],
+            args=[time.time(), self.limits.cancel_ttl_s, self.limits.result_ttl_s, self.limits.reply_ttl_s, shard.done,
+                  rid, GROUP],
         )
 
     async def status(self, model: str, rid: str) -> RequestStatus | None:
@@ -171,12 +164,12 @@ class Admission:
         commit's own WAIT) and the request run again: it is shown once a replica has it, or at
         once when the node has no replica (none could take over from it)."""
         key = ModelKeys(model).status(rid)
-        raw, on_replicas = await read_copied(self.redis, key, self.wait_replicas, self.fsync_timeout_ms)
+        raw, on_replicas = await read_copied(self.redis, key, self.limits.wait_replicas, self.limits.fsync_timeout_ms)
         status = RequestStatus.from_hash(rid, model, raw)
         if on_replicas or status is None or not status.final or not await has_replicas(self.redis, key):
             return status, False
         log.warning("the final of request %s is on its primary alone after %d ms: not shown yet", rid,
-                    self.fsync_timeout_ms)
+                    self.limits.fsync_timeout_ms)
         return dataclasses.replace(status, state=State.RUNNING, result=None), True
 
     async def inference_log(self, model: str, limit: int) -> list[dict[str, Any]]:

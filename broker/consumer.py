@@ -16,6 +16,7 @@ from sluice.broker.connection import copied
 from sluice.broker.dead_letters import unreadable
 from sluice.broker.housekeeping import append_log, cancel_flags, prune_consumers
 from sluice.broker.keys import GROUP, ModelKeys
+from sluice.broker.limits import ConsumerLimits
 from sluice.broker.quarantine import SUSPECT_ATTEMPT, Quarantine, group_cap, history
 from sluice.broker.replies import Sent
 from sluice.broker.scripts import Scripts
@@ -55,20 +56,12 @@ class Delivery:
 
 
 class StreamConsumer:
-    def __init__(self, redis: Redis, model: str, consumer: str, *, status_ttl_s: int, reply_ttl_s: int,
-                 log_max_len: int, lease_timeout_s: float = 30.0, max_deliveries: int = 3, dlq_max_len: int = 10_000,
-                 result_ttl_s: int = 3600, log_max_record_bytes: int = 4096, wait_replicas: int = 0,
-                 shards: int = 1):
+    def __init__(self, redis: Redis, model: str, consumer: str, limits: ConsumerLimits):
         self.redis = redis
-        self.wait_replicas = wait_replicas  # replicas a commit waits for (WAIT) before it returns
-        self.shards = shards  # interactive streams read (a sharded model's; more while old ones drain)
+        self.limits = limits
+        self.shards = limits.shards  # interactive streams read (a sharded model's; more while old ones drain)
         self._blocked = 0  # the interactive stream the next blocking read waits on (they take turns)
         self.keys, self.consumer, self.scripts = ModelKeys(model), consumer, Scripts.register(redis, pipelined=True)
-        self.status_ttl_s = status_ttl_s  # while unfinished
-        self.result_ttl_s = result_ttl_s  # once final (a request admitted with its own keeps that)
-        self.reply_ttl_s = reply_ttl_s  # the reply stream, after the final
-        self.log_max_len, self.log_max_record_bytes = log_max_len, log_max_record_bytes
-        self.lease_timeout_s, self.max_deliveries, self.dlq_max_len = lease_timeout_s, max_deliveries, dlq_max_len
         self._token = uuid.uuid4().hex
         self.held: dict[tuple[str, str], Delivery] = {}
         self.quarantine = Quarantine()  # suspects held until the engine is empty
@@ -77,7 +70,7 @@ class StreamConsumer:
         # Own pending entries are re-read once after a (re)start, following a cursor.
         self._pending_cursor: dict[str, str] = {s: "0" for s in self.streams}
         # Entries idle past the lease: looked for at every read while some are found, else this often.
-        self.reclaim_scan_s = min(lease_timeout_s / 4, 1.0)
+        self.reclaim_scan_s = min(limits.lease_timeout_s / 4, 1.0)
         self._quiet_until: dict[str, float] = {}
 
     async def claim_name(self, ttl_s: float) -> str:
@@ -169,7 +162,7 @@ class StreamConsumer:
             self._pending_cursor[stream] = entries[-1][0]  # idle since before the restart: leased afresh
             await self.redis.xclaim(stream, GROUP, self.consumer, 0, [e for e, _ in entries], justid=True)
             out.extend(await self._deliveries(stream, entries, redelivered=True))
-        min_idle = int(self.lease_timeout_s * 1000)
+        min_idle = int(self.limits.lease_timeout_s * 1000)
         now = time.monotonic()
         for stream in self.streams:
             # An empty scan rests reclaim_scan_s (a lease lapses in seconds, not between reads); one
@@ -199,8 +192,8 @@ class StreamConsumer:
         about = [message.model, message.lane, message.owner or "", message.enqueued_at] if message else [""] * 4
         written = await self.scripts.dead_letter(
             keys=[stream, self.keys.for_request(rid).dead_letters, self.keys.status(rid), self.keys.reply(rid)],
-            args=[GROUP, self.consumer, entry_id, rid, data, error, attempts, time.time(), self.result_ttl_s,
-                  self.reply_ttl_s, self.keys.for_request(rid).done, self.dlq_max_len, *about],
+            args=[GROUP, self.consumer, entry_id, rid, data, error, attempts, time.time(), self.limits.result_ttl_s,
+                  self.limits.reply_ttl_s, self.keys.for_request(rid).done, self.limits.dlq_max_len, *about],
         )
         if written == 1:
             self.dead_lettered += 1
@@ -224,7 +217,7 @@ class StreamConsumer:
             if redelivered:
                 status = self.keys.status(message.id)
                 attempt, charges, last = await history(self.redis, stream, GROUP, entry_id, status)
-            if redelivered and charges >= self.max_deliveries - 1:
+            if redelivered and charges >= self.limits.max_deliveries - 1:
                 error = (f"no result after {attempt} deliveries: the worker running it stopped or crashed "
                          f"each time, {charges + 1} of them in a quarantine group of one")
                 await self.dead_letter(stream, entry_id, message.id, message.model_dump_json(), error, attempt,
@@ -240,8 +233,8 @@ class StreamConsumer:
         decision = await self.scripts.start(
             keys=[d.stream, self.keys.status(rid), self.keys.cancel(rid), self.keys.reply(rid)],
             args=[GROUP, self.consumer, d.entry_id, time.time(), d.message.deadline, d.attempt,
-                  self.status_ttl_s, self.reply_ttl_s, self.keys.for_request(rid).done, rid,
-                  int(d.isolated and d.group == 1), self.result_ttl_s, uuid.uuid4().hex[:16]],
+                  self.limits.status_ttl_s, self.limits.reply_ttl_s, self.keys.for_request(rid).done, rid,
+                  int(d.isolated and d.group == 1), self.limits.result_ttl_s, uuid.uuid4().hex[:16]],
         )  # (charged only alone: a crash then is its own)
         if isinstance(decision, list):  # ['run', fencing token]
             decision, d.fence = decision
@@ -272,14 +265,14 @@ class StreamConsumer:
         written = await self.scripts.commit(
             keys=[d.stream, self.keys.status(rid), self.keys.reply(rid)],
             args=[GROUP, self.consumer, d.entry_id, result.status.value, result.model_dump_json(exclude_none=True),
-                  time.time(), self.result_ttl_s, self.reply_ttl_s, self.keys.for_request(rid).done, rid, d.rows,
-                  len(streamed or ()), *(streamed or ()), d.fence, *deltas],
+                  time.time(), self.limits.result_ttl_s, self.limits.reply_ttl_s, self.keys.for_request(rid).done, rid,
+                  d.rows, len(streamed or ()), *(streamed or ()), d.fence, *deltas],
         )
         if isinstance(written, list):
             return written
         self.release(d)
-        if written and self.wait_replicas:  # before the worker counts it done: on the replicas too
-            await copied(self.redis, d.stream, self.wait_replicas, f"the final of request {rid}")
+        if written and self.limits.wait_replicas:  # before the worker counts it done: on the replicas too
+            await copied(self.redis, d.stream, self.limits.wait_replicas, f"the final of request {rid}")
         if not written:
             log.warning("request %s: entry %s was reclaimed by another worker; result dropped", rid, d.entry_id)
         elif written == 2:
@@ -288,7 +281,7 @@ class StreamConsumer:
 
     async def append_log(self, records: list[dict]) -> None:
         """The inference log, in batched order; capped in records (approximate MAXLEN) and bytes each."""
-        await append_log(self.redis, self.keys.log, records, self.log_max_len, self.log_max_record_bytes)
+        await append_log(self.redis, self.keys.log, records, self.limits.log_max_len, self.limits.log_max_record_bytes)
 
     async def prune_consumers(self) -> list[str]:  # dead workers' consumers holding nothing
         shards = self.keys.shards(self.shards)

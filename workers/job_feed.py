@@ -12,12 +12,14 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 from sluice.broker.admission import Admission, QueueFull
 from sluice.broker.jobs import JobStore
 from sluice.broker.notifications import DoneListener, Inbox
 from sluice.broker.status import RequestStatus
+from sluice.config.settings import Settings
 from sluice.protocol.ids import new_request_id
 from sluice.protocol.messages import RequestMessage
 from sluice.protocol.states import BatchState, State
@@ -28,10 +30,20 @@ log = logging.getLogger(__name__)
 Recorder = Callable[..., Awaitable[None]]  # (index, record, **counts): one line's result, fenced
 
 
+@dataclass(frozen=True)
+class FeedLimits:
+    outstanding: int  # a job's rows on the bulk stream at once
+    max_queued: int  # the queue bound its submissions count against
+
+    @classmethod
+    def of(cls, settings: Settings) -> FeedLimits:
+        return cls(outstanding=settings.bulk_outstanding, max_queued=settings.max_queued)
+
+
 class LineFeed:
     def __init__(self, *, store: JobStore, admission: Admission, done: DoneListener, job_id: str,
-                 batch: dict[str, Any], token: str, record: Recorder, check_lock: Callable[[], None], outstanding: int,
-                 max_queued: int):
+                 batch: dict[str, Any], token: str, record: Recorder, check_lock: Callable[[], None],
+                 limits: FeedLimits):
         self.store = store
         self.admission = admission
         self.done = done
@@ -40,8 +52,7 @@ class LineFeed:
         self.token = token
         self.record = record
         self.check_lock = check_lock
-        self.bound_outstanding = outstanding
-        self.max_queued = max_queued
+        self.limits = limits
         self.outstanding: dict[int, tuple[Line, str]] = {}  # line index -> (line, request id)
         self.cancelling = False
 
@@ -78,7 +89,7 @@ class LineFeed:
         while self.outstanding or (line and not self.cancelling):
             self.check_lock()
             await self._notice_cancel()
-            while line and not self.cancelling and len(self.outstanding) < self.bound_outstanding:
+            while line and not self.cancelling and len(self.outstanding) < self.limits.outstanding:
                 self.check_lock()
                 # A line keeps its first id, so a submission lost with its runner is not run twice.
                 rid = bound.setdefault(line.index, new_request_id())
@@ -115,7 +126,7 @@ class LineFeed:
         message = RequestMessage(id=rid, model=line.model, rows=[line.row], sampling=line.sampling,
                                  enqueued_at=time.time(), deadline=float(self.batch["expires_at"]), lane="bulk",
                                  owner=self.batch.get("owner"))
-        await self.admission.submit(message, max_queued=self.max_queued)
+        await self.admission.submit(message, max_queued=self.limits.max_queued)
 
     async def _collect(self, inbox: Inbox, only: set[str] | None) -> None:
         """Record the lines whose request is final: those announced (`only`), or all of them."""

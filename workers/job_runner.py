@@ -23,12 +23,13 @@ from redis.asyncio import Redis
 from sluice.broker.admission import Admission
 from sluice.broker.files import FileStore, read_lines
 from sluice.broker.jobs import JobStore, LockLost
+from sluice.broker.limits import AdmissionLimits
 from sluice.broker.notifications import DoneListener
 from sluice.broker.registry import ModelRegistry
 from sluice.config.settings import Settings
 from sluice.protocol.states import ACTIVE_BATCH_STATES, FINAL_BATCH_STATES, BatchState
 from sluice.protocol.tokens import PromptLimits
-from sluice.workers.job_feed import LineFeed
+from sluice.workers.job_feed import FeedLimits, LineFeed
 from sluice.workers.job_lines import Line, LineCheck, Record, Rules, jsonl
 from sluice.workers.job_lock import JobLock
 
@@ -59,9 +60,9 @@ class JobRunner:
         self.job_id = job_id
         self.store = JobStore(redis, settings.batch_ttl_s, settings.result_ttl_s)
         self.files = FileStore(redis, settings.files_path, settings.max_file_bytes, settings.file_ttl_s)
-        self.admission = Admission(redis, status_ttl_s=settings.status_ttl_s, reply_ttl_s=settings.reply_ttl_s,
-                                   cancel_ttl_s=settings.cancel_ttl_s, result_ttl_s=settings.result_ttl_s,
-                                   bulk_queue_share=settings.bulk_queue_share)
+        # A line's admission waits for neither the disk nor replicas (SLUICE_DURABILITY and
+        # SLUICE_REDIS_WAIT_REPLICAS are the api's).
+        self.admission = Admission(redis, AdmissionLimits.of(settings, strict=False, wait_replicas=0))
         self.models = ModelRegistry(redis)
         self.done = DoneListener(redis, recheck_s=poll_s)
         self.lock = JobLock(self.store, job_id, settings.job_lock_ttl_s)
@@ -117,7 +118,7 @@ class JobRunner:
                 return
             feed = LineFeed(store=self.store, admission=self.admission, done=self.done, job_id=self.job_id,
                             batch=batch, token=self.token, record=self._record, check_lock=self.lock.check,
-                            outstanding=self.settings.bulk_outstanding, max_queued=self.settings.max_queued)
+                            limits=FeedLimits.of(self.settings))
             async with contextlib.aclosing(self._lines(source, batch["endpoint"], rules)) as lines:
                 await feed.run(lines)
         await self._finish(batch)

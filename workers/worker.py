@@ -22,6 +22,7 @@ from sluice.batching.registry import make_policy
 from sluice.broker.connection import until_redis_answers
 from sluice.broker.consumer import Delivery, StreamConsumer
 from sluice.broker.housekeeping import LogBuffer, shards_in_use
+from sluice.broker.limits import ConsumerLimits
 from sluice.broker.registry import ModelRegistry, WorkerInfo, WorkerRegistry
 from sluice.broker.replies import ReplyWriter, delivered
 from sluice.config.model import ModelConfig
@@ -45,15 +46,7 @@ class Worker:
         self.engine = engine
         self.redis = redis
         self.name = name
-        self.consumer = StreamConsumer(
-            redis, model.name, name,
-            status_ttl_s=settings.status_ttl_s, reply_ttl_s=settings.reply_ttl_s,
-            log_max_len=settings.log_max_len, lease_timeout_s=settings.lease_timeout_s,
-            max_deliveries=model.max_deliveries or settings.max_deliveries, dlq_max_len=settings.dlq_max_len,
-            result_ttl_s=model.result_ttl_s or settings.result_ttl_s,
-            log_max_record_bytes=settings.log_max_record_bytes, wait_replicas=settings.redis_wait_replicas,
-            shards=model.shards,
-        )
+        self.consumer = StreamConsumer(redis, model.name, name, ConsumerLimits.of(settings, model))
         # An unfinished request's reply stream lives as long as its status: a retry resumes
         # from it. The final shortens it to reply_ttl_s.
         self.replies = ReplyWriter(redis, model.name, reply_ttl_s=settings.status_ttl_s)

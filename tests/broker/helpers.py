@@ -18,6 +18,7 @@ from sluice.broker.admission import Admission
 from sluice.broker.connection import is_cluster
 from sluice.broker.consumer import Delivery, StreamConsumer
 from sluice.broker.keys import GROUP, ModelKeys
+from sluice.broker.limits import AdmissionLimits, ConsumerLimits
 from sluice.broker.readers import Readers
 from sluice.broker.replies import ReplyEvent
 from sluice.broker.reply_router import ReplyRouter
@@ -70,13 +71,11 @@ def message(*, deadline_in: float = 60.0, lane: str = "interactive", rows: int =
 
 
 def admission(redis: Redis, settings: Settings) -> Admission:
-    return Admission(redis, status_ttl_s=settings.status_ttl_s, reply_ttl_s=settings.reply_ttl_s,
-                     cancel_ttl_s=settings.cancel_ttl_s)
+    return Admission(redis, AdmissionLimits.of(settings))
 
 
 def consumer(redis: Redis, settings: Settings, name: str = "w1") -> StreamConsumer:
-    return StreamConsumer(redis, MODEL, name, status_ttl_s=settings.status_ttl_s,
-                          reply_ttl_s=settings.reply_ttl_s, log_max_len=settings.log_max_len)
+    return StreamConsumer(redis, MODEL, name, ConsumerLimits.of(settings, lease_timeout_s=30.0))
 
 
 async def ready_consumer(redis: Redis, settings: Settings, name: str = "w1") -> StreamConsumer:

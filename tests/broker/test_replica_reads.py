@@ -22,6 +22,7 @@ import pytest
 
 from sluice.broker.connection import connect, until_redis_answers
 from sluice.broker.keys import ModelKeys
+from sluice.broker.limits import AdmissionLimits
 from sluice.broker.readers import Readers
 from sluice.broker.reply_router import ReplyRouter
 from sluice.protocol.messages import DeltaEvent, FinalResult, State
@@ -123,8 +124,7 @@ async def test_a_poll_is_shown_a_final_only_once_a_replica_has_it(tmp_path: Path
     with staged_cluster(tmp_path) as cluster:
         client = connect(cluster.url, name="sluice-test")
         settings = Settings(redis_url=cluster.url, data_dir=tmp_path / "data", lease_timeout_s=120.0)
-        adm = Admission(client, status_ttl_s=settings.status_ttl_s, reply_ttl_s=settings.reply_ttl_s,
-                        cancel_ttl_s=settings.cancel_ttl_s, wait_replicas=1)
+        adm = Admission(client, AdmissionLimits.of(settings, wait_replicas=1))
         lookup = RequestLookup(adm, DoneListener(client), None, 3600)  # type: ignore[arg-type]
         try:
             _, m, c, d = await running_request(client, settings)

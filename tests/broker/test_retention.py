@@ -10,6 +10,7 @@ from redis.asyncio import Redis
 
 from sluice.broker.admission import Admission, QueueFull
 from sluice.broker.dead_letters import DeadLetters
+from sluice.broker.limits import AdmissionLimits
 from sluice.broker.replies import ReplyWriter
 from sluice.config.settings import Settings
 from sluice.protocol.messages import DeltaEvent, FinalResult, RequestMessage, RowOutput, SamplingSpec, Usage
@@ -28,8 +29,7 @@ TOKENS = 64
 
 
 def admission(redis: Redis, settings: Settings, **kw) -> Admission:
-    return Admission(redis, status_ttl_s=settings.status_ttl_s, reply_ttl_s=settings.reply_ttl_s,
-                     cancel_ttl_s=settings.cancel_ttl_s, result_ttl_s=settings.result_ttl_s, **kw)
+    return Admission(redis, AdmissionLimits.of(settings, **kw))
 
 
 def prompt_message() -> RequestMessage:

@@ -14,6 +14,7 @@ from sluice.broker.admission import QueueFull
 from sluice.broker.consumer import StreamConsumer
 from sluice.broker.dead_letters import DeadLetters
 from sluice.broker.housekeeping import shards_in_use
+from sluice.broker.limits import ConsumerLimits
 from sluice.broker.notifications import DoneListener
 from sluice.broker.queues import queue_figures
 from sluice.config.settings import Settings
@@ -28,8 +29,8 @@ def on_shard(shard: int, **kw: object):
 
 
 def sharded_consumer(redis: Redis, settings: Settings, shards: int = K, name: str = "w1") -> StreamConsumer:
-    return StreamConsumer(redis, MODEL, name, status_ttl_s=settings.status_ttl_s, reply_ttl_s=settings.reply_ttl_s,
-                          log_max_len=settings.log_max_len, max_deliveries=2, shards=shards)
+    return StreamConsumer(redis, MODEL, name,
+                          ConsumerLimits.of(settings, lease_timeout_s=30.0, max_deliveries=2, shards=shards))
 
 
 def test_a_request_id_names_its_shard() -> None:
@@ -140,8 +141,7 @@ async def test_a_lease_lapsed_on_a_shard_is_taken_over_and_the_first_worker_fenc
     late commit writes nothing. One final, in the shard's slot."""
     adm = admission(redis, settings)
     w1 = sharded_consumer(redis, settings, name="w1")
-    w2 = StreamConsumer(redis, MODEL, "w2", status_ttl_s=settings.status_ttl_s, reply_ttl_s=settings.reply_ttl_s,
-                        log_max_len=settings.log_max_len, lease_timeout_s=0.2, shards=K)
+    w2 = StreamConsumer(redis, MODEL, "w2", ConsumerLimits.of(settings, lease_timeout_s=0.2, shards=K))
     await w1.ensure_groups()
     m = on_shard(2)
     await adm.submit(m, max_queued=100, shards=K)

@@ -14,6 +14,7 @@ from redis.exceptions import ResponseError
 from sluice.broker.admission import Admission
 from sluice.broker.consumer import StreamConsumer
 from sluice.broker.keys import ModelKeys
+from sluice.broker.limits import ConsumerLimits
 from sluice.config.settings import Settings
 from tests.broker.helpers import admission, done_result
 from tests.broker.helpers import message as make_message
@@ -64,8 +65,7 @@ async def test_triggers_count_waiting_and_held_requests(path: Path, redis: Redis
     assert await keda_reads(redis, found["interactive-lag"]) == 5
     assert await keda_reads(redis, found["bulk-lag"]) == 0  # no such stream yet
 
-    worker = StreamConsumer(redis, model, "w1", status_ttl_s=settings.status_ttl_s,
-                            reply_ttl_s=settings.reply_ttl_s, log_max_len=settings.log_max_len)
+    worker = StreamConsumer(redis, model, "w1", ConsumerLimits.of(settings, lease_timeout_s=30.0))
     await worker.ensure_groups()
     await submit(adm, model, 5)
     await submit(adm, model, 3, lane="bulk")

@@ -14,6 +14,7 @@ import redis.asyncio as aioredis
 from sluice.bench.sse import sse_events
 from sluice.broker.consumer import Delivery, StreamConsumer
 from sluice.broker.keys import GROUP, ModelKeys
+from sluice.broker.limits import ConsumerLimits
 from sluice.protocol.messages import RequestMessage
 from tests.e2e.conftest import CUSTOM, DYNAMIC, LEASE_TIMEOUT_S, MODEL, Stack, configure, submit, wait_done
 from tests.e2e.test_batching_modes import log_records
@@ -91,7 +92,7 @@ async def test_a_request_taken_over_mid_generation_resumes_after_its_streamed_to
     # yet reclaimable (ghost's claim is fresh).
     ((_, fields),) = r.xclaim(keys.requests, GROUP, "ghost", 0, [entry])
     async with aioredis.Redis.from_url(stack.redis_url, decode_responses=True) as ar:
-        ghost = StreamConsumer(ar, model, "ghost", status_ttl_s=3600, reply_ttl_s=600, log_max_len=100)
+        ghost = StreamConsumer(ar, model, "ghost", ConsumerLimits(status_ttl_s=3600, reply_ttl_s=600, log_max_len=100))
         taken = Delivery(keys.requests, entry, RequestMessage.from_fields(fields), "ghost", 2)
         assert await ghost.start(taken) == "run"
     result = await wait_done(client, rid, timeout_s=300)

@@ -12,6 +12,7 @@ from redis.asyncio import Redis
 
 from sluice.broker.consumer import Delivery, StreamConsumer
 from sluice.broker.keys import GROUP
+from sluice.broker.limits import ConsumerLimits
 from sluice.broker.replies import ReplyWriter, delivered
 from sluice.broker.reply_router import ReplyRouter, resume_index
 from sluice.protocol.messages import FinalResult
@@ -64,9 +65,9 @@ class Worker(Lossy):
     def __init__(self, redis: Redis, name: str, restarts: int) -> None:
         super().__init__()
         self.redis, self.name, self.restarts = redis, name, restarts
-        self.consumer = StreamConsumer(redis, MODEL, name, status_ttl_s=STATUS_TTL_S, reply_ttl_s=REPLY_TTL_S,
-                                       log_max_len=1000, lease_timeout_s=LEASE_S, max_deliveries=MAX_DELIVERIES,
-                                       result_ttl_s=RESULT_TTL_S)
+        self.consumer = StreamConsumer(redis, MODEL, name, ConsumerLimits(
+            status_ttl_s=STATUS_TTL_S, reply_ttl_s=REPLY_TTL_S, log_max_len=1000, lease_timeout_s=LEASE_S,
+            max_deliveries=MAX_DELIVERIES, result_ttl_s=RESULT_TTL_S))
         self.consumer.scripts = self.wrap(self.consumer.scripts)
         # as workers/worker.py: an unfinished request's stream lives as long as its status
         self.replies = ReplyWriter(redis, MODEL, reply_ttl_s=STATUS_TTL_S)

@@ -17,6 +17,7 @@ from redis.asyncio import Redis
 from sluice.broker.admission import Admission, QueueFull
 from sluice.broker.dead_letters import DeadLetters
 from sluice.broker.keys import GROUP, ModelKeys
+from sluice.broker.limits import AdmissionLimits
 from sluice.broker.readers import Readers
 from sluice.broker.reply_router import ReplyRouter
 from sluice.protocol.messages import RequestMessage, SamplingSpec, StructuredSpec
@@ -79,8 +80,8 @@ class World(Lossy):
         self.redis, self.url, self.seed = redis, url, seed
         self.server = server  # the simulation's own redis-server (with its AOF): restarts take it down
         self.clock = SimClock()
-        self.admission = Admission(redis, status_ttl_s=STATUS_TTL_S, reply_ttl_s=REPLY_TTL_S,
-                                   cancel_ttl_s=CANCEL_TTL_S, result_ttl_s=RESULT_TTL_S)
+        self.admission = Admission(redis, AdmissionLimits(status_ttl_s=STATUS_TTL_S, reply_ttl_s=REPLY_TTL_S,
+                                                          cancel_ttl_s=CANCEL_TTL_S, result_ttl_s=RESULT_TTL_S))
         self.admission.scripts = self.wrap(self.admission.scripts)
         self.letters = DeadLetters(redis, MODEL, status_ttl_s=STATUS_TTL_S)
         self.letters.scripts = self.wrap(self.letters.scripts)

@@ -11,6 +11,7 @@ from redis.asyncio import Redis
 
 from sluice.broker.admission import Admission
 from sluice.broker.keys import GROUP
+from sluice.broker.limits import AdmissionLimits
 from sluice.config.model import ModelConfig
 from sluice.config.settings import Settings
 from sluice.workers.engines.null import NullEngine
@@ -29,8 +30,7 @@ async def workers() -> AsyncIterator[list]:
 
 async def test_a_lost_consumer_group_is_recreated_and_serving_goes_on(
         redis: Redis, settings: Settings, workers: list) -> None:
-    admission = Admission(redis, status_ttl_s=settings.status_ttl_s, reply_ttl_s=settings.reply_ttl_s,
-                          cancel_ttl_s=settings.cancel_ttl_s)
+    admission = Admission(redis, AdmissionLimits.of(settings))
     worker = await start(redis, settings, workers, NullEngine(token_delay_s=0.001), ModelConfig(name=MODEL))
     (first,) = await submit(admission, 1, max_tokens=2)
     await eventually(lambda: is_final(redis, first.id), what="the first request final")

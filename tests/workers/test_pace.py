@@ -10,12 +10,15 @@ import asyncio
 from redis.asyncio import Redis
 
 from sluice.broker.admission import Admission
+from sluice.broker.limits import AdmissionLimits
 from sluice.broker.registry import WorkerRegistry
 from sluice.config.model import parse_model
 from sluice.config.settings import Settings
 from sluice.workers.engines.null import NullEngine
 from sluice.workers.worker import Worker
 from tests.workers.test_worker_null import CountingEngine, _all_done, eventually, states, submit
+
+LIMITS = AdmissionLimits(status_ttl_s=600, reply_ttl_s=60, cancel_ttl_s=60)
 
 
 async def run_worker(redis: Redis, settings: Settings, slo: dict | None, engine: NullEngine) -> Worker:
@@ -25,7 +28,7 @@ async def run_worker(redis: Redis, settings: Settings, slo: dict | None, engine:
 
 
 async def test_a_tpot_target_holds_the_engine_concurrency_down(redis: Redis, settings: Settings) -> None:
-    admission = Admission(redis, status_ttl_s=600, reply_ttl_s=60, cancel_ttl_s=60)
+    admission = Admission(redis, LIMITS)
     engine = CountingEngine(token_delay_s=0.02)  # 20 ms a token, over a 10 ms target at any concurrency
     worker = await run_worker(redis, settings, {"tpot_ms": 10}, engine)
     task = asyncio.create_task(worker.run())
@@ -51,7 +54,7 @@ async def test_the_limit_drops_before_the_burst_that_filled_the_engine_finishes(
     # A burst fills the engine at once; its requests are long (100 tokens, 2 s each). The limit
     # must come down while they still run, from the gaps between their tokens: waiting for
     # finished requests (as it once did) acts only after the whole burst is in.
-    admission = Admission(redis, status_ttl_s=600, reply_ttl_s=60, cancel_ttl_s=60)
+    admission = Admission(redis, LIMITS)
     engine = CountingEngine(token_delay_s=0.02)
     worker = await run_worker(redis, settings, {"tpot_ms": 10}, engine)
     task = asyncio.create_task(worker.run())
@@ -69,7 +72,7 @@ async def test_the_limit_drops_before_the_burst_that_filled_the_engine_finishes(
 
 async def test_without_a_target_a_worker_admits_its_capacity_and_reports_its_rate(
         redis: Redis, settings: Settings) -> None:
-    admission = Admission(redis, status_ttl_s=600, reply_ttl_s=60, cancel_ttl_s=60)
+    admission = Admission(redis, LIMITS)
     worker = await run_worker(redis, settings, None, NullEngine(token_delay_s=0.01))
     task = asyncio.create_task(worker.run())
     try:

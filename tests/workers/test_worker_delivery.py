@@ -13,6 +13,7 @@ from redis.asyncio import Redis
 from sluice.broker.admission import Admission
 from sluice.broker.consumer import StreamConsumer
 from sluice.broker.keys import GROUP
+from sluice.broker.limits import AdmissionLimits, ConsumerLimits
 from sluice.broker.registry import ModelRegistry
 from sluice.broker.replies import ReplyWriter
 from sluice.config.batching import ContinuousBatchingConfig, DynamicBatchingConfig
@@ -48,8 +49,7 @@ def settings(settings: Settings) -> Settings:
 
 @pytest.fixture
 def admission(redis: Redis, settings: Settings) -> Admission:
-    return Admission(redis, status_ttl_s=settings.status_ttl_s, reply_ttl_s=settings.reply_ttl_s,
-                     cancel_ttl_s=settings.cancel_ttl_s)
+    return Admission(redis, AdmissionLimits.of(settings))
 
 
 @pytest.fixture
@@ -85,8 +85,7 @@ async def streamed(redis: Redis, rid: str) -> str:
 
 async def died_after_streaming(redis: Redis, settings: Settings, *deltas: DeltaEvent) -> None:
     """A worker that fetched the queued request, streamed `deltas`, and died (lease long gone)."""
-    dead = StreamConsumer(redis, MODEL, "dead", status_ttl_s=settings.status_ttl_s,
-                          reply_ttl_s=settings.reply_ttl_s, log_max_len=settings.log_max_len)
+    dead = StreamConsumer(redis, MODEL, "dead", ConsumerLimits.of(settings, lease_timeout_s=30.0))
     await dead.ensure_groups()
     (d,) = await dead.fetch(1, 100)
     assert await dead.start(d) == "run"

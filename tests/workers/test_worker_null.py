@@ -14,6 +14,7 @@ from redis.asyncio import Redis
 from sluice.broker.admission import Admission
 from sluice.broker.consumer import StreamConsumer
 from sluice.broker.keys import GROUP, WORKERS, ModelKeys
+from sluice.broker.limits import AdmissionLimits, ConsumerLimits
 from sluice.broker.registry import WorkerRegistry
 from sluice.config.batching import ContinuousBatchingConfig
 from sluice.config.model import ModelConfig
@@ -74,8 +75,7 @@ def settings(settings: Settings) -> Settings:
 
 @pytest.fixture
 def admission(redis: Redis, settings: Settings) -> Admission:
-    return Admission(redis, status_ttl_s=settings.status_ttl_s, reply_ttl_s=settings.reply_ttl_s,
-                     cancel_ttl_s=settings.cancel_ttl_s)
+    return Admission(redis, AdmissionLimits.of(settings))
 
 
 async def submit(admission: Admission, n: int = 1, **kw) -> list[RequestMessage]:
@@ -264,8 +264,7 @@ async def test_a_restarted_worker_finishes_what_it_held(
         redis: Redis, admission: Admission, settings: Settings, start_worker: WorkerFactory) -> None:
     (m,) = await submit(admission, 1, max_tokens=3)
     # the same worker's previous life fetched and started it, then died
-    crashed = StreamConsumer(redis, MODEL, "phoenix", status_ttl_s=settings.status_ttl_s,
-                             reply_ttl_s=settings.reply_ttl_s, log_max_len=settings.log_max_len)
+    crashed = StreamConsumer(redis, MODEL, "phoenix", ConsumerLimits.of(settings, lease_timeout_s=30.0))
     await crashed.ensure_groups()
     (d,) = await crashed.fetch(1, 100)
     assert await crashed.start(d) == "run"
