@@ -38,7 +38,10 @@ async def check_endpoint_url(url: str, allow_private: bool) -> None:
     resolves now (a sender checks again at every delivery)."""
     _, host, port = check_url(url)
     check_literal(host, allow_private=allow_private)
-    await asyncio.to_thread(resolve, host, port, allow_private=allow_private)
+    try:  # a name whose DNS never answers is refused, not waited for
+        await asyncio.wait_for(asyncio.to_thread(resolve, host, port, allow_private=allow_private), 5.0)
+    except TimeoutError:
+        raise UnsafeUrl(f"webhook host {host!r} did not resolve within 5 s") from None
 
 
 def _bad(err: Exception, param: str) -> ApiError:
