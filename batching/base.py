@@ -15,8 +15,8 @@ log = logging.getLogger(__name__)
 class Item(Protocol):
     """Something to run: a request of one or more rows (never split).
 
-    An `isolated` item (a suspect: a request whose retry crashed too) runs in quarantine:
-    isolated items come from the source as one group, and a policy runs one group at a time,
+    A `quarantined` item (a suspect: a request whose retry crashed too) runs in quarantine:
+    quarantined items come from the source as one group, and a policy runs one group at a time,
     never two groups together (dynamic and single: a batch of its own, alone in the engine;
     continuous: beside fresh requests). The source halves a group at each crash and charges a
     request only for a crash in a group of one."""
@@ -25,17 +25,17 @@ class Item(Protocol):
     def rows(self) -> int: ...
 
     @property
-    def isolated(self) -> bool: ...
+    def quarantined(self) -> bool: ...
 
 
 T = TypeVar("T", bound=Item)
 
 
 class Source(Protocol[T]):
-    async def fetch(self, count: int, timeout_s: float, isolated: int) -> list[T]:
+    async def fetch(self, count: int, timeout_s: float, quarantine_room: int) -> list[T]:
         """Up to `count` items, waiting at most `timeout_s` for the first one: either ordinary
-        ones, or (`isolated` > 0: the caller runs no quarantine group now) a quarantine group of
-        at most `isolated` isolated ones."""
+        ones, or (`quarantine_room` > 0: the caller runs no quarantine group now) a quarantine group
+        of at most `quarantine_room` quarantined ones."""
         ...
 
 

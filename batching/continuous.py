@@ -10,7 +10,7 @@ from sluice.config.batching import ContinuousBatchingConfig
 
 class ContinuousAdmission(BatchingPolicy[T]):
     """Up to `max_concurrent_batch_size` single-row requests in the engine at once, beside them
-    at most one quarantine group of isolated requests (the next is asked for once the last of
+    at most one quarantine group of quarantined requests (the next is asked for once the last of
     it is done): the engine is never drained for a suspect."""
 
     def __init__(self, config: ContinuousBatchingConfig, *, poll_s: float = 0.5):
@@ -38,6 +38,6 @@ class ContinuousAdmission(BatchingPolicy[T]):
                 continue
             for item in await source.fetch(free, self.poll_s, 0 if self._quarantine else free):
                 task = self._launch(handle, [item])
-                if item.isolated:
+                if item.quarantined:
                     self._quarantine.add(task)
                     task.add_done_callback(self._quarantine.discard)

@@ -6,7 +6,7 @@
   split: if it does not fit, it waits for the next batch (FIFO is kept, nothing overtakes);
 - the next batch is released only when the current one is done; meanwhile only what the
   next batch can take is fetched;
-- isolated requests (a quarantine group: suspects of a crash) are a batch of their own,
+- quarantined requests (a quarantine group: suspects of a crash) are a batch of their own,
   released as soon as they reach the head of the queue; one group waits at a time.
 """
 
@@ -37,25 +37,25 @@ class DynamicBatcher(BatchingPolicy[T]):
         return sum(item.rows for _, item in self.pending)
 
     @property
-    def isolated_pending(self) -> bool:
-        return any(item.isolated for _, item in self.pending)
+    def quarantine_pending(self) -> bool:
+        return any(item.quarantined for _, item in self.pending)
 
     def ready(self, now: float) -> bool:
         if not self.pending:
             return False
-        if self.pending_rows >= self.config.batch_size_target or self.isolated_pending:
+        if self.pending_rows >= self.config.batch_size_target or self.quarantine_pending:
             return True  # a quarantine group ends the batch before it (or is one): nothing to wait for
         return now - self.pending[0][0] >= self.config.max_batch_delay_ms / 1000
 
     def take(self) -> list[T]:
         """The longest FIFO prefix that fits the limit (the first item always goes), up to the
-        first isolated item; isolated items at the head go together, and nothing else with them."""
+        first quarantined item; quarantined items at the head go together, and nothing else with them."""
         limit = self.config.batch_size_limit
         batch: list[T] = []
         rows = 0
         while self.pending:
             item = self.pending[0][1]
-            if batch and item.isolated != batch[0].isolated:
+            if batch and item.quarantined != batch[0].quarantined:
                 break
             if batch and limit is not None and rows + item.rows > limit:
                 break
@@ -75,8 +75,8 @@ class DynamicBatcher(BatchingPolicy[T]):
                     continue
                 room = self.capacity - self.pending_rows
                 if fetching is None and room > 0:
-                    isolated = 0 if self.isolated_pending else room
-                    fetching = asyncio.ensure_future(source.fetch(room, self.poll_s, isolated))
+                    quarantine_room = 0 if self.quarantine_pending else room
+                    fetching = asyncio.ensure_future(source.fetch(room, self.poll_s, quarantine_room))
                 waits: set[asyncio.Future] = {stop_wait, *self._running}
                 if fetching is not None:
                     waits.add(fetching)

@@ -45,7 +45,7 @@ class Delivery:
         return len(self.message.rows)
 
     @property
-    def isolated(self) -> bool:
+    def quarantined(self) -> bool:
         """Redelivered again after a retry that ran together crashed too: a suspect, run in a
         quarantine group (broker/quarantine.py)."""
         return self.attempt >= SUSPECT_ATTEMPT
@@ -99,13 +99,13 @@ class StreamConsumer:
                 if "BUSYGROUP" not in str(err):  # the group exists already: fine
                     raise
 
-    async def fetch(self, count: int, block_ms: int, *, isolated: int = 1) -> list[Delivery]:
+    async def fetch(self, count: int, block_ms: int, *, quarantine_room: int = 1) -> list[Delivery]:
         """At most `count` entries: own pending ones (after a restart), then those whose lease
-        lapsed elsewhere (suspects wait for a quarantine group of at most `isolated`: see
+        lapsed elsewhere (suspects wait for a quarantine group of at most `quarantine_room`: see
         Quarantine.sort), then new ones, held (and leased by lease_held()) until released. A lost
         consumer group (Redis lost its data, or was flushed) is created again; the read answers nothing."""
         try:
-            return await self._fetch(count, block_ms, isolated)
+            return await self._fetch(count, block_ms, quarantine_room)
         except ResponseError as err:
             if "NOGROUP" not in str(err):
                 raise
@@ -113,10 +113,10 @@ class StreamConsumer:
             await self.ensure_groups()
             return []
 
-    async def _fetch(self, count: int, block_ms: int, isolated: int) -> list[Delivery]:
+    async def _fetch(self, count: int, block_ms: int, quarantine_room: int) -> list[Delivery]:
         room = count - len(self.quarantine.parked)
         out = self._hold(await self._redelivered(room) if room > 0 else [])
-        handed = self.quarantine.sort(out, count, isolated)
+        handed = self.quarantine.sort(out, count, quarantine_room)
         if handed is not None:
             return handed
         # Interactive first, then bulk, without blocking; then block on the interactive lane
@@ -234,11 +234,11 @@ class StreamConsumer:
             keys=[d.stream, self.keys.status(rid), self.keys.cancel(rid), self.keys.reply(rid)],
             args=[GROUP, self.consumer, d.entry_id, time.time(), d.message.deadline, d.attempt,
                   self.limits.status_ttl_s, self.limits.reply_ttl_s, self.keys.for_request(rid).done, rid,
-                  int(d.isolated and d.group == 1), self.limits.result_ttl_s, uuid.uuid4().hex[:16]],
-        )  # (charged only alone: a crash then is its own)
+                  int(d.quarantined and d.group == 1), self.limits.result_ttl_s, uuid.uuid4().hex[:16]],
+        )  # (charged only in a group of one: a crash then is its own)
         if isinstance(decision, list):  # ['run', fencing token]
             decision, d.fence = decision
-        if decision == "run" and d.isolated:  # the group its members' next crash halves
+        if decision == "run" and d.quarantined:  # the group its members' next crash halves
             await self.redis.hset(self.keys.status(rid), "group", d.group)
         return decision
 

@@ -30,7 +30,7 @@ class Held(Protocol):
     group: int  # while parked: the largest group it may run in (0: not known); handed out: its group's size
 
     @property
-    def isolated(self) -> bool: ...
+    def quarantined(self) -> bool: ...
 
 
 def group_cap(last_group: int | None) -> int:
@@ -39,7 +39,7 @@ def group_cap(last_group: int | None) -> int:
 
 
 async def history(redis: Redis, stream: str, group: str, entry_id: str, status: str) -> tuple[int, int, int]:
-    """A redelivered entry's delivery count, how many of its runs alone crashed (its charges), and
+    """A redelivered entry's delivery count, how many of its runs in a group of one crashed (its charges), and
     the size of the last quarantine group it ran in (0: none yet)."""
     async with redis.pipeline(transaction=False) as pipe:
         pipe.xpending_range(stream, group, entry_id, entry_id, 1)
@@ -55,15 +55,15 @@ class Quarantine:
     def __init__(self) -> None:
         self.parked: list[Held] = []
 
-    def sort(self, redelivered: list, count: int, isolated: int) -> list | None:
+    def sort(self, redelivered: list, count: int, quarantine_room: int) -> list | None:
         """What a fetch of `count` hands out of what it reclaimed (held): the suspects are parked,
         the rest goes at once (never held back: whatever is not parked is handed out now), and
-        a quarantine group (at most `isolated`, within what is left of `count`) goes with it when
+        a quarantine group (at most `quarantine_room`, within what is left of `count`) goes with it when
         the caller may run one. None: nothing from here, read new entries."""
-        self.parked.extend(d for d in redelivered if d.isolated)
-        fresh = [d for d in redelivered if not d.isolated]
-        if self.parked and isolated > 0:
-            return fresh + self.next_group(min(count - len(fresh), isolated))
+        self.parked.extend(d for d in redelivered if d.quarantined)
+        fresh = [d for d in redelivered if not d.quarantined]
+        if self.parked and quarantine_room > 0:
+            return fresh + self.next_group(min(count - len(fresh), quarantine_room))
         return fresh if fresh or count <= 0 else None
 
     def drop(self, held: Held) -> None:

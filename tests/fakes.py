@@ -75,18 +75,18 @@ async def eventually(check: Callable[[], object | Awaitable[object]], timeout_s:
 class Req:
     n: int
     rows: int = 1
-    isolated: bool = False
+    quarantined: bool = False
 
 
-def take_items(items: list[Req], count: int, isolated: int) -> tuple[list[Req], list[Req]]:
+def take_items(items: list[Req], count: int, quarantine_room: int) -> tuple[list[Req], list[Req]]:
     """The FIFO prefix a source may hand out, as the broker's consumer does: at most `count`
-    ordinary items up to the first isolated one, or (the first is isolated) a quarantine group of
-    at most `isolated` isolated items, never both; an isolated item that may not go yet stops the
+    ordinary items up to the first quarantined one, or (the first is quarantined) a quarantine group
+    of at most `quarantine_room` quarantined items, never both; a quarantined item that may not go yet stops the
     prefix: nothing overtakes it."""
     got: list[Req] = []
-    group = bool(items) and items[0].isolated
-    for item in items[:min(count, isolated) if group else count]:
-        if item.isolated != group:
+    group = bool(items) and items[0].quarantined
+    for item in items[:min(count, quarantine_room) if group else count]:
+        if item.quarantined != group:
             break
         got.append(item)
     return got, items[len(got):]
@@ -98,7 +98,7 @@ class Fetch:
 
     count: int
     timeout_s: float
-    isolated: int
+    quarantine_room: int
     free: int | None  # the policy's free slots at that moment (None: no policy given)
 
 
@@ -134,16 +134,16 @@ class FakeSource:
         """End a waiting fetch early, empty-handed unless something may be handed out."""
         self._pushed.set()
 
-    async def fetch(self, count: int, timeout_s: float, isolated: int = 1) -> list[Req]:
+    async def fetch(self, count: int, timeout_s: float, quarantine_room: int = 1) -> list[Req]:
         free = self.policy.capacity - self.policy.in_flight if self.policy is not None else None
-        self.calls.append(Fetch(count, timeout_s, isolated, free))
-        if not take_items(self.items, count, isolated)[0]:  # nothing it may hand out: wait, as Redis would
+        self.calls.append(Fetch(count, timeout_s, quarantine_room, free))
+        if not take_items(self.items, count, quarantine_room)[0]:  # nothing it may hand out: wait, as Redis would
             self._pushed.clear()
             waits = [asyncio.ensure_future(self._pushed.wait()), asyncio.ensure_future(self.clock.sleep(timeout_s))]
             await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
             for w in waits:
                 w.cancel()
-        got, self.items = take_items(self.items, count, isolated)
+        got, self.items = take_items(self.items, count, quarantine_room)
         return got
 
 

@@ -77,9 +77,9 @@ class Worker:
         return policy
 
     # -- the Source the batching policy pulls from
-    async def fetch(self, count: int, timeout_s: float, isolated: int = 1) -> list[Delivery]:
+    async def fetch(self, count: int, timeout_s: float, quarantine_room: int = 1) -> list[Delivery]:
         try:
-            return await self.consumer.fetch(count, int(timeout_s * 1000), isolated=isolated)
+            return await self.consumer.fetch(count, int(timeout_s * 1000), quarantine_room=quarantine_room)
         except Exception as err:
             # Redis away: say so, wait, and try again (a lost consumer group the consumer
             # re-creates itself)

@@ -6,7 +6,7 @@
 -- this attempt under another consumer, started already; a redelivered entry (attempt > 1)
 -- must also still be pending here (a takeover raced it). A fresh entry was just read by this
 -- consumer: no XPENDING.
--- A quarantined start (a redelivered entry running alone) is charged to the request: past N
+-- A quarantined start (a redelivered entry in a quarantine group of one) is charged to the request: past N
 -- charges it becomes a dead letter.
 -- KEYS: stream, status, cancel (unused: the status says it), reply
 -- ARGV: group, consumer, entry_id, now, deadline, attempt, status_ttl, reply_ttl, done_channel, rid,

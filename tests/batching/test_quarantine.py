@@ -17,13 +17,13 @@ def clock() -> FakeClock:
     return FakeClock()
 
 
-async def test_an_isolated_request_is_a_dynamic_batch_of_its_own(clock: FakeClock) -> None:
+async def test_a_quarantined_request_is_a_dynamic_batch_of_its_own(clock: FakeClock) -> None:
     source, handler = FakeSource(clock), RecordingHandler()
     policy = dynamic_batcher(clock, delay_ms=100, target=4, limit=8)
     stopping, task = await start(policy, source, handler)
-    source.push(Req(0), Req(1), Req(2, isolated=True), Req(3))
+    source.push(Req(0), Req(1), Req(2, quarantined=True), Req(3))
     await settle()
-    # the prefix before the isolated request goes at once: nothing can join it
+    # the prefix before the quarantined request goes at once: nothing can join it
     assert handler.sizes == [[0, 1]]
     await handler.release_all()
     assert handler.sizes == [[0, 1], [2]]  # alone, at once
@@ -38,7 +38,7 @@ async def test_a_quarantine_group_is_a_dynamic_batch_of_its_own(clock: FakeClock
     source, handler = FakeSource(clock), RecordingHandler()
     policy = dynamic_batcher(clock, delay_ms=10_000, target=2, limit=8)
     stopping, task = await start(policy, source, handler)
-    source.push(Req(0, isolated=True), Req(1, isolated=True), Req(2), Req(3))
+    source.push(Req(0, quarantined=True), Req(1, quarantined=True), Req(2), Req(3))
     await settle()
     assert handler.sizes == [[0, 1]]  # the group together, at once, nothing else with it
     await handler.release_all()
@@ -56,13 +56,13 @@ async def test_continuous_admission_runs_one_quarantine_group_at_a_time_beside_f
     task = asyncio.create_task(policy.run(source, handler, stopping))
     source.push(Req(0))
     await settle()
-    source.push(Req(1, isolated=True), Req(2, isolated=True), Req(3), Req(4, isolated=True))
+    source.push(Req(1, quarantined=True), Req(2, quarantined=True), Req(3), Req(4, quarantined=True))
     await settle()
     assert [b[0].n for b in handler.batches] == [0, 1, 2, 3]  # the group beside 0, then 3
     asked = len(source.calls)
     await clock.advance(10.0)  # while the group runs, 4 (another group) may not go
     assert [b[0].n for b in handler.batches] == [0, 1, 2, 3]
-    assert all(c.isolated == 0 for c in source.calls[asked:])
+    assert all(c.quarantine_room == 0 for c in source.calls[asked:])
     handler.release(1)
     await clock.advance(10.0)
     assert [b[0].n for b in handler.batches] == [0, 1, 2, 3]  # 2 of the group still runs

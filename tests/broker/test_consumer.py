@@ -112,10 +112,10 @@ async def test_a_restarted_consumer_rereads_its_pending_entries_once(
     later = await submit_n(adm, 1)
 
     after = await ready_consumer(redis, settings, "w1")  # the same worker, restarted
-    again = await after.fetch(2, 100, isolated=2)
-    again += await after.fetch(2, 100, isolated=2)
+    again = await after.fetch(2, 100, quarantine_room=2)
+    again += await after.fetch(2, 100, quarantine_room=2)
     assert [d.message.id for d in again] == sent
-    assert all(d.attempt == 2 and not d.isolated for d in again)  # a first retry: ordinary work
+    assert all(d.attempt == 2 and not d.quarantined for d in again)  # a first retry: ordinary work
     # then new entries, and never the old ones a second time
     rest = await after.fetch(10, 100)
     assert [d.message.id for d in rest] == [later[0].id]

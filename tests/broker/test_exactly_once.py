@@ -122,7 +122,7 @@ async def test_a_running_request_reclaimed_after_its_worker_died_runs_again(
     live = await ready_consumer(redis, settings, "live")
     (again,) = await live.fetch(5, 100)
     # the first retry of a crashed run goes as ordinary work (a crash beside it was not its own)
-    assert (again.message.id, again.attempt, again.isolated) == (m.id, 2, False)
+    assert (again.message.id, again.attempt, again.quarantined) == (m.id, 2, False)
     assert await live.start(again) == "run"
     assert await redis.hget(KEYS.status(m.id), "worker") == "live"
     assert not await dead.commit(d, FinalResult(status=State.DONE))  # fenced
@@ -139,8 +139,8 @@ async def test_a_crashed_batch_is_retried_together_first(redis: Redis, settings:
         await expire_lease(redis, d, "dead")
     fresh = await submit_n(adm, 2)
     live = await ready_consumer(redis, settings, "live")
-    again = await live.fetch(10, 100, isolated=0)  # an engine busy with other work takes them too
-    assert [(d.message.id, d.attempt, d.isolated) for d in again] == [(m.id, 2, False) for m in sent]
+    again = await live.fetch(10, 100, quarantine_room=0)  # an engine busy with other work takes them too
+    assert [(d.message.id, d.attempt, d.quarantined) for d in again] == [(m.id, 2, False) for m in sent]
     for d in again:
         assert await live.start(d) == "run"
         assert await live.commit(d, done_result())
@@ -160,12 +160,12 @@ async def crash_until_settled(redis: Redis, settings: Settings, poison: str, bat
     while True:
         k += 1
         c = await ready_consumer(redis, settings, f"w{k}")
-        got = await c.fetch(64, 10, isolated=64)  # an empty engine: a quarantine group may go
+        got = await c.fetch(64, 10, quarantine_room=64)  # an empty engine: a quarantine group may go
         if not got:
-            got = await c.fetch(64, 10, isolated=64)  # what the first fetch parked
+            got = await c.fetch(64, 10, quarantine_room=64)  # what the first fetch parked
         if not got:
             return crashes, healthy_runs
-        assert len({d.isolated for d in got}) == 1  # a group never runs beside ordinary work
+        assert len({d.quarantined for d in got}) == 1  # a group never runs beside ordinary work
         runs = [d for d in got if await c.start(d) == "run"]
         crashed = any(d.message.id == poison for d in runs)
         for d in runs if not crashed else []:
@@ -177,12 +177,12 @@ async def crash_until_settled(redis: Redis, settings: Settings, poison: str, bat
 
 
 @pytest.mark.parametrize("healthy", [1, 4, 8, 16])
-async def test_a_poison_request_is_isolated_by_bisection_and_only_it_is_charged(
+async def test_a_poison_request_is_found_by_bisection_and_only_it_is_charged(
         redis: Redis, settings: Settings, healthy: int) -> None:
     """A poison request crashes its worker with `healthy` requests beside it. Retried together,
-    it crashes again; the suspects are then split in halves, each run alone, so the poison runs
-    alone after about log2(n) more crashes and is dead-lettered after its charges (crashes it
-    had alone); every neighbour finishes, never charged."""
+    it crashes again; the suspects are then split in halves, so the poison runs in a group of one
+    after about log2(n) more crashes and is dead-lettered after its charges (crashes it
+    had in a group of one); every neighbour finishes, never charged."""
     adm = admission(redis, settings)
     sent = await submit_n(adm, healthy + 1)
     poison = sent[healthy // 2].id
@@ -192,7 +192,7 @@ async def test_a_poison_request_is_isolated_by_bisection_and_only_it_is_charged(
         assert await redis.hget(KEYS.status(m.id), "state") == ("failed" if m.id == poison else "done")
     (letter,) = await DeadLetters(redis, KEYS.model).list()
     assert letter.request_id == poison
-    # 1 crash fresh, 1 retried together, about log2(n) halvings, then max_deliveries - 1 alone
+    # 1 crash fresh, 1 retried together, about log2(n) halvings, then max_deliveries - 1 in a group of one
     bound = 2 + math.ceil(math.log2(healthy + 1)) + settings.max_deliveries - 1
     assert crashes <= bound, (crashes, bound)
     assert healthy_runs == healthy  # each neighbour ran to its end once

@@ -18,7 +18,7 @@ from tests.broker.test_exactly_once import expire_lease
 class Suspect:
     n: int
     group: int = 0
-    isolated: bool = True
+    quarantined: bool = True
 
 
 def test_each_crash_halves_the_group() -> None:
@@ -31,7 +31,7 @@ def test_the_first_group_is_half_the_suspects_then_the_smallest_cap_goes_first()
     q.parked.extend(unknown)
     first = q.next_group(64)
     assert [s.n for s in first] == [0, 1, 2] and all(s.group == 3 for s in first)  # ceil(5 / 2)
-    q.parked.append(Suspect(9, group=1))  # crashed in a group of two: runs alone next
+    q.parked.append(Suspect(9, group=1))  # crashed in a group of two: runs in a group of one next
     assert [s.n for s in q.next_group(64)] == [9]
     assert [s.n for s in q.next_group(1)] == [3]  # never more than the room
     assert [s.n for s in q.next_group(64)] == [4]
@@ -40,7 +40,7 @@ def test_the_first_group_is_half_the_suspects_then_the_smallest_cap_goes_first()
 
 def test_sort_parks_a_suspect_until_a_group_may_run() -> None:
     q = Quarantine()
-    retried = Suspect(1, isolated=False)  # a first retry: ordinary work
+    retried = Suspect(1, quarantined=False)  # a first retry: ordinary work
     suspect = Suspect(2)
     assert q.sort([retried, suspect], 8, 0) == [retried]  # a group runs already: the suspect waits
     assert q.parked == [suspect]
@@ -60,16 +60,16 @@ def test_sort_never_holds_back_ordinary_work_nor_hands_out_a_suspect_twice(seed:
     out: list[Suspect] = []
     made = 0
     for _ in range(12):
-        count, isolated = rng.randint(0, 6), rng.choice([0, 0, 1, 2, 8])
+        count, quarantine_room = rng.randint(0, 6), rng.choice([0, 0, 1, 2, 8])
         room = count - len(q.parked)
         got = []
         for _ in range(rng.randint(0, max(room, 0))):
             made += 1
-            got.append(Suspect(made, isolated=rng.random() < 0.5))
-        handed = q.sort(got, count, isolated) or []
-        assert [d for d in got if not d.isolated] == [d for d in handed if not d.isolated]
+            got.append(Suspect(made, quarantined=rng.random() < 0.5))
+        handed = q.sort(got, count, quarantine_room) or []
+        assert [d for d in got if not d.quarantined] == [d for d in handed if not d.quarantined]
         assert len(handed) <= max(count, 0)
-        assert sum(d.isolated for d in handed) <= isolated
+        assert sum(d.quarantined for d in handed) <= quarantine_room
         out += handed
     assert sorted(d.n for d in out + q.parked) == list(range(1, made + 1))  # each exactly once
 
@@ -90,8 +90,8 @@ async def test_a_fetch_reclaiming_a_suspect_and_a_first_retry_hands_out_both(
     assert await w1.start(retried) == "run"
     await expire_lease(redis, retried, "w1")
     w2 = await ready_consumer(redis, settings, "w2")
-    got = await w2.fetch(4, 100, isolated=4)
-    assert sorted((d.attempt, d.isolated) for d in got) == [(2, False), (3, True)]
+    got = await w2.fetch(4, 100, quarantine_room=4)
+    assert sorted((d.attempt, d.quarantined) for d in got) == [(2, False), (3, True)]
     assert {d.message.id for d in got} == {m.id for m in sent}
     assert set(w2.held) == {d.key for d in got}  # everything it holds is in its hands
     for d in got:

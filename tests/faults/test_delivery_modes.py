@@ -75,8 +75,8 @@ def test_sigkill_mid_generation_in_every_mode(tmp_path: Path, mode: str) -> None
 
 def test_a_poison_request_takes_no_neighbour_with_it(tmp_path: Path) -> None:
     """The poison request crashes its worker with 8 healthy requests beside it; they are
-    redelivered with it and retried together (a second crash), then split in halves run alone
-    until the poison runs alone; they finish, and only it is charged."""
+    redelivered with it and retried together (a second crash), then split in halves
+    until the poison runs in a group of one; they finish, and only it is charged."""
     crash = {"SLUICE_NULL_CRASH_ON": "POISON", "SLUICE_MAX_DELIVERIES": "3"}
     with make_cluster(tmp_path, models_yaml("continuous"), **crash) as c:
         c.start_worker("a")
@@ -99,7 +99,7 @@ def test_a_poison_request_takes_no_neighbour_with_it(tmp_path: Path) -> None:
         record("poison beside 8 healthy requests", 9, 9, figures, time.monotonic() - started)
         assert figures == {"completed": 8, "duplicated": 0, "lost": 0}
         finals_agree_with_streams(c, good, streamed)
-        # fresh, retried together, about log2(9) halvings, then max_deliveries - 1 runs alone
+        # fresh, retried together, about log2(9) halvings, then max_deliveries - 1 runs in a group of one
         assert 4 <= crashes <= 2 + math.ceil(math.log2(9)) + 2, crashes
         (letter,) = r.xrange(KEYS.dead_letters)
         assert letter[1]["id"] == poison

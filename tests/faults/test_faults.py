@@ -195,7 +195,7 @@ def test_poison_request_ends_in_the_dead_letter_stream(cluster: Cluster) -> None
     status = r.hgetall(KEYS.status(rid))
     error = json.loads(status["result"])["error"]
     # fresh, retried together with the three good ones, about log2(4) halvings, then its
-    # max_deliveries - 1 runs alone crash and the next delivery (alone too) is dead-lettered
+    # max_deliveries - 1 runs in a group of one crash and the next delivery (one too) is dead-lettered
     assert status["state"] == "failed" and "3 of them in a quarantine group of one" in error, error
     assert 4 <= crashes <= 2 + math.ceil(math.log2(4)) + 2, crashes
     (entry,) = r.xrange(KEYS.dead_letters)

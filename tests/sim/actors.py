@@ -90,7 +90,7 @@ class Worker(Lossy):
                 run.task.cancel()
 
     async def fetch(self, count: int) -> list[Delivery]:
-        got = await self.consumer.fetch(count, 1, isolated=count)
+        got = await self.consumer.fetch(count, 1, quarantine_room=count)
         self.fetched += got
         return got
 
