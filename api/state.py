@@ -32,7 +32,7 @@ from sluice.broker.notifications import DoneListener
 from sluice.broker.readers import Readers
 from sluice.broker.registry import ModelRegistry, WorkerRegistry
 from sluice.broker.reply_router import ReplyRouter
-from sluice.broker.responses import ResponseRecords
+from sluice.broker.response_records import ResponseRecords
 from sluice.broker.urls import celery_broker
 from sluice.config.model import ModelConfig
 from sluice.config.settings import Settings
