@@ -22,8 +22,6 @@ from sluice.broker.limits import AdmissionLimits, ConsumerLimits
 from sluice.broker.readers import Readers
 from sluice.broker.replies import ReplyEvent
 from sluice.broker.reply_router import ReplyRouter
-from sluice.cli.processes import EmbeddedRedis as Node
-from sluice.cli.topologies import LocalCluster
 from sluice.config.settings import Settings
 from sluice.protocol.messages import (
     FinalResult,
@@ -33,6 +31,8 @@ from sluice.protocol.messages import (
     State,
     Usage,
 )
+from sluice.supervisor.processes import EmbeddedRedis as Node
+from sluice.supervisor.topologies import LocalCluster
 
 MODEL = "t"
 KEYS = ModelKeys(MODEL)
