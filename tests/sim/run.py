@@ -69,10 +69,17 @@ def choose(world: World, rng: random.Random, faults: tuple[str, ...]) -> Step:
                        join=join, dup=lambda: ("dup", pick()), poison=lambda: ("poison", pick()))
     reading = [r.idx for r in world.readers if r.live and r.last_id != "0"]  # mid-stream
     gone = [r.idx for r in world.readers if not r.live and r.final is None]
+    # (a reader mid-way through a multi-row stream hangs up after another row's event most often,
+    # where that row is at another index than row 0)
+    running_rids = {rid for _, rid, _ in going}
+    past_row0 = [r.idx for r in world.readers if r.live and r.rid in running_rids and r.history
+                 and (row := int(r.history[-1].rsplit(":", 1)[-1].split("/")[0])) != 0
+                 and r.next.get(row) != r.next.get(0, 0)]
     if reading:
-        enabled["hangup"] = lambda: ("hangup", rng.choice(reading))
-    if gone:
-        enabled["reconnect"] = lambda: ("reconnect", rng.choice(gone))
+        enabled["hangup"] = lambda: ("hangup", rng.choice(past_row0 if past_row0 and rng.random() < 0.7 else reading))
+    back = [r.idx for r in world.readers if not r.live and r.final is None and r.rid in running_rids]
+    if gone:  # (mostly a reader of a request still under way: it resumes mid-stream)
+        enabled["reconnect"] = lambda: ("reconnect", rng.choice(back if back and rng.random() < 0.8 else gone))
     fetched = [wi for wi, w in enumerate(world.workers) if w.fetched]
     if fetched:
         enabled["start"] = lambda: ("start", rng.choice(fetched), rng.randrange(4))
@@ -85,8 +92,9 @@ def choose(world: World, rng: random.Random, faults: tuple[str, ...]) -> Step:
             # a retried structured row regenerates from token 0: its engine deltas are often
             # several tokens, one of them straddling the point the stream had reached
             regenerated = run.d.attempt > 1 and run.d.message.sampling.structured is not None
-            return ("emit", wi, idx[rid], rng.randrange(len(run.running.engine_ids)),
-                    rng.choice([1, 1, 2] if twins else [2, 3, 5, 8] if regenerated else [1, 1, 2, 3, 5]))
+            rows = len(run.running.engine_ids)  # (a multi-row stream in small entries: rows at other indices)
+            return ("emit", wi, idx[rid], rng.randrange(rows),
+                    rng.choice([1, 1, 2] if twins or rows > 1 else [2, 3, 5, 8] if regenerated else [1, 1, 2, 3, 5]))
         enabled["emit"] = emit
     if twins:
         enabled["flush"] = lambda: ("flush", rng.choice(twins)[0])
@@ -94,10 +102,13 @@ def choose(world: World, rng: random.Random, faults: tuple[str, ...]) -> Step:
     if done:
         enabled["commit"] = lambda: (lambda wi, rid: ("commit", wi, idx[rid]))(*rng.choice(done))
     busy = [wi for wi, w in enumerate(world.workers) if w.runs or w.fetched] or list(range(len(world.workers)))
+    # (often the worker of a structured row under way: its retry regenerates from token 0)
+    shaped = [wi for wi, _, run in going if run.d.message.sampling.structured is not None and run.d.attempt == 1]
+    victim = lambda: rng.choice(shaped if shaped and rng.random() < 0.5 else busy)  # noqa: E731
     if "crash" in faults:
-        enabled["crash"] = lambda: ("crash", rng.choice(busy))
+        enabled["crash"] = lambda: ("crash", victim())
     if "freeze" in faults:
-        enabled["freeze"] = lambda: ("freeze", rng.choice(busy))
+        enabled["freeze"] = lambda: ("freeze", victim())
     if "lose" in faults:
         enabled["lose"] = lambda: ("lose", rng.randrange(-1, len(world.workers)))
     for kind in ("dup", "poison"):
@@ -128,6 +139,10 @@ def choose(world: World, rng: random.Random, faults: tuple[str, ...]) -> Step:
     if twins:
         weights.update(emit=50, flush=20, fetch=2, join=2, start=2, admit=0.5)
     weights["hangup"] = 8  # (enabled only while a reader is mid-stream)
+    if back:
+        weights["reconnect"] = 6
+    if any(len(run.running.engine_ids) > 1 for _, _, run in going):
+        weights["flush"] = 18
     kinds = sorted(enabled)
     kind = rng.choices(kinds, [weights[k] for k in kinds])[0]
     return enabled[kind]()
