@@ -1,9 +1,8 @@
 """The webhook sender (`sluice webhooks send`): reads the outboxes through the consumer group
-`senders` (N replicas share them), turns each event into one delivery per endpoint that wants it,
-posts each at once, and retries the failed ones with exponential backoff and jitter until the
-retry period ends (then the dead-letter list). Everything it holds is leased: a sender killed at
-any point loses nothing (its outbox entries are reclaimed with XAUTOCLAIM, its deliveries come
-due again when their lease ends); the price is a duplicate, which carries the same webhook-id."""
+`senders` (N replicas share them), makes each event one delivery per endpoint that wants it, posts
+each at once, retries failures with backoff and jitter until the retry period ends (then the
+dead-letter list). All it holds is leased: a sender killed at any point loses nothing (its outbox
+entries are reclaimed with XAUTOCLAIM, its deliveries come due again when their lease ends)."""
 
 from __future__ import annotations
 
@@ -48,7 +47,7 @@ class WebhookSender:
         self._inflight: set[asyncio.Task] = set()
         self._limits: dict[str, asyncio.Semaphore] = {}  # per endpoint: webhooks_concurrency
         self._waiting: dict[str, int] = {}  # per endpoint: deliveries waiting for a slot
-        self._broken: dict[str, tuple[int, float]] = {}  # per endpoint: failures in a row, circuit open until
+        self._broken: dict[str, tuple[int, float, bool]] = {}  # per endpoint: failures in a row, open until, probing
         self._known: tuple[float, dict[str, Endpoint]] = (float("-inf"), {})
         self._outboxes: tuple[float, list[str]] = (float("-inf"), [])
         self._grouped: set[str] = set()
@@ -244,13 +243,13 @@ class WebhookSender:
     def _shut_until(self, endpoint_id: str) -> float:
         """When an endpoint's open circuit lets a delivery try again (0: now). Past that time one
         delivery goes first, as a probe: the others wait the probe's timeout."""
-        failures, until = self._broken.get(endpoint_id, (0, 0.0))
+        failures, until, _ = self._broken.get(endpoint_id, (0, 0.0, False))
         now = time.time()
         if failures < BREAKER_FAILURES:
             return 0.0
         if now < until:
             return until
-        self._broken[endpoint_id] = (failures, now + self.settings.webhooks_timeout_s + 1)
+        self._broken[endpoint_id] = (failures, now + self.settings.webhooks_timeout_s + 1, True)
         return 0.0
 
     def _circuit(self, endpoint_id: str, delivered: bool) -> None:
@@ -260,9 +259,12 @@ class WebhookSender:
         if delivered:
             self._broken.pop(endpoint_id, None)
             return
-        failures = self._broken.get(endpoint_id, (0, 0.0))[0] + 1
+        failures, until, probing = self._broken.get(endpoint_id, (0, 0.0, False))
+        if failures >= BREAKER_FAILURES and not probing:
+            return  # open already: attempts that began before it opened do not stretch it, only a probe's
+        failures += 1
         wait = min(self.settings.webhooks_retry_base_s * 2 ** min(failures - BREAKER_FAILURES, 20), BREAKER_MAX_S)
-        self._broken[endpoint_id] = (failures, time.time() + wait if failures >= BREAKER_FAILURES else 0.0)
+        self._broken[endpoint_id] = (failures, time.time() + wait if failures >= BREAKER_FAILURES else 0.0, False)
         if failures == BREAKER_FAILURES:
             log.warning("webhook endpoint %s failed %d times in a row: its circuit is open", endpoint_id, failures)
 

@@ -201,9 +201,14 @@ async def test_a_failing_endpoint_opens_its_circuit_and_holds_up_no_other(redis:
             sender._circuit(bad.id, False)
         assert sender._shut_until(bad.id) == 0  # 4 failures in a row: still closed
         sender._circuit(bad.id, False)
-        assert sender._shut_until(bad.id) > time.time() + 20  # open: its deliveries wait
-        sender._broken[bad.id] = (5, time.time() - 1)
+        opened = sender._shut_until(bad.id)
+        assert opened > time.time() + 20  # open: its deliveries wait
+        sender._circuit(bad.id, False)  # an attempt begun before it opened fails: the wait is not stretched
+        assert sender._shut_until(bad.id) == opened
+        sender._broken[bad.id] = (5, time.time() - 1, False)
         assert sender._shut_until(bad.id) == 0 and sender._shut_until(bad.id) > time.time()  # one probe, the rest wait
+        sender._circuit(bad.id, False)  # the probe failed: open twice as long
+        assert sender._shut_until(bad.id) > time.time() + 50
         sender._circuit(bad.id, True)
         assert sender._shut_until(bad.id) == 0  # a success closes it
     finally:
