@@ -16,6 +16,7 @@ import contextlib
 import logging
 import tempfile
 from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 from typing import Any, BinaryIO
 
 from redis.asyncio import Redis
@@ -38,6 +39,8 @@ log = logging.getLogger(__name__)
 # The lines checked at once, off the event loop: at most this many, or the first past this size.
 _CHUNK_LINES = 256
 _CHUNK_BYTES = 4 * 1024 * 1024
+# The models' tokenizers, read once a process (for each cache folder), not once a job.
+_PROMPT_LIMITS: dict[Path, PromptLimits] = {}
 
 
 def _checked_chunk(lines: Iterator[tuple[int, bytes | None]], check: LineCheck) -> list[tuple[int, Line | Record]]:
@@ -78,11 +81,12 @@ class JobRunner:
         it), and stops as soon as the lock is lost: whoever holds it then owns the job, and
         this run writes nothing more (every write is fenced by the lock in Redis as well).
         """
+        rules = await self._rules()
         if not await self.lock.acquire():
             return
         self.done.start()
         try:
-            await self._run_locked()
+            await self._run_locked(rules)
         except LockLost:
             log.warning("batch %s: lost its lock, stopped; another runner has the job", self.job_id)
         except Exception as err:
@@ -97,14 +101,21 @@ class JobRunner:
     async def _record(self, index: int, record: Record, **counts: int) -> None:
         await self.store.record(self.job_id, self.token, index, record, counts)
 
-    async def _run_locked(self) -> None:
+    async def _rules(self) -> Rules:
+        """What every line is checked against, read before the job's lock is taken: reading a
+        model's tokenizer holds the GIL (1.2 s for the default model's on a loaded machine),
+        which would stall the keeper of a lock already held (a 2 s lock was lost to it)."""
+        models = {m.name: m for m in await self.models.all()}
+        limits = _PROMPT_LIMITS.setdefault(self.settings.cache_dir, PromptLimits(self.settings.cache_dir))
+        await asyncio.to_thread(lambda: [limits.loaded(m) for m in models.values()])
+        return Rules(models, self.settings.max_prompt_chars, limits)
+
+    async def _run_locked(self, rules: Rules) -> None:
         batch = await self.store.get(self.job_id)
         if batch is None or batch["status"] in FINAL_BATCH_STATES:
             return
         # Its rows and output files belong to whoever made the batch (the object does not show it).
         batch["owner"] = await self.store.owner(self.job_id)
-        rules = Rules({m.name: m for m in await self.models.all()}, self.settings.max_prompt_chars,
-                      PromptLimits(self.settings.cache_dir))
         with await self.files.open(batch["input_file_id"]) as source:
             total = await self._validate(source, batch["endpoint"], rules)
             if total is None:
