@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import random
 import re
 import subprocess
@@ -204,7 +205,13 @@ def _pair(text: str) -> tuple[int, int]:
 
 
 def chaos(
-    seconds: float = typer.Option(60, help="Seconds of load and kills."),
+    seconds: float = typer.Option(60, help="Seconds of load and kills (more until the minimums below are met)."),
+    min_accepted: int = typer.Option(0, help="Keep the load and the kills going past --seconds until this many "
+                                     "requests are accepted: a loaded machine runs longer, not less."),
+    min_kills: str = typer.Option("0,0,0", help="The same for kills: at least this many worker, api and Redis kills "
+                                  "(workers,apis,redis)."),
+    max_seconds: float = typer.Option(600, help="The longest the load and kills run, whatever --min-accepted and "
+                                      "--min-kills ask."),
     clients: int = typer.Option(12, help="Concurrent clients (each: submit, follow to the end, again)."),
     kill_every: float = typer.Option(3.0, help="Mean seconds between worker kills."),
     api_kill_every: float = typer.Option(15.0, help="Mean seconds between api kills."),
@@ -240,13 +247,25 @@ def chaos(
             stack.start()
             t0 = time.monotonic()
             # The kills stop with the load; clients then follow their last requests to the end.
-            chaos_thread = Chaos(stack, rng, t0 + seconds, kill_every, api_kill_every,
+            chaos_thread = Chaos(stack, rng, math.inf, kill_every, api_kill_every,
                                  redis_kill_every if kill_redis else None)
             load = Load(stack.urls, MODEL_NAMES, clients=clients, seed=seed, max_tokens=_pair(max_tokens),
                         hangups=hangups, late_readers=late_readers, structured=structured, multi_row=multi_row,
                         redis_url=None if redis_cluster else stack.redis_url, rows_model="chaos-dyn")
             chaos_thread.start()
-            loaded = asyncio.run(load.run(seconds, t0 + seconds + drain_timeout))
+            wanted = dict(zip(("workers", "apis", "redis"), (int(k) for k in min_kills.split(",")), strict=True))
+
+            def enough() -> bool:
+                now = time.monotonic() - t0
+                done = len(load.figures.tracked) >= min_accepted and all(
+                    chaos_thread.kills[k] >= n for k, n in wanted.items())
+                if now >= max(seconds, max_seconds) or (now >= seconds and done):
+                    chaos_thread.calm_at = time.monotonic()
+                    return True
+                return False
+
+            loaded = asyncio.run(load.run(enough, drain_timeout))
+            seconds = chaos_thread.calm_at - t0  # how long the load and kills ran
             chaos_thread.done.set()
             chaos_thread.join()
             result = audit(stack.redis_url, loaded.tracked)

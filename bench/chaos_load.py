@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import random
 import time
 import uuid
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 import httpx
@@ -55,15 +56,23 @@ class Load:
         self.rows_model = rows_model or models[-1]
         self.redis = redis_async.Redis.from_url(redis_url, decode_responses=True) if redis_url else None
         self.rng, self.max_tokens, self.figures = random.Random(seed), max_tokens, LoadFigures()
+        self.loading, self.follow_until = True, math.inf  # until then (monotonic), clients follow requests
 
-    async def run(self, seconds: float, follow_until: float) -> LoadFigures:
-        """Keep `clients` requests in flight for `seconds`; every client then follows its last
-        request until it is final or until the monotonic time `follow_until`."""
+    async def run(self, enough: Callable[[], bool], drain_s: float) -> LoadFigures:
+        """Keep `clients` requests in flight until `enough()` (asked every 0.1 s); every client then
+        follows its last request until it is final or `drain_s` passed."""
         timeout = httpx.Timeout(30, connect=3)
         limits = httpx.Limits(max_connections=8 * self.clients, max_keepalive_connections=2 * self.clients)
         async with httpx.AsyncClient(timeout=timeout, limits=limits) as http:
-            stop = time.monotonic() + seconds
-            await asyncio.gather(*(self._client(http, c, stop, follow_until) for c in range(self.clients)))
+            clients = [asyncio.create_task(self._client(http, c)) for c in range(self.clients)]
+            while not enough():
+                await asyncio.sleep(0.1)
+            self.loading, self.follow_until = False, time.monotonic() + drain_s
+            # A stream the api keeps open with pings would outlast the drain: the drain ends it.
+            _, late = await asyncio.wait(clients, timeout=drain_s)
+            for task in late:  # not followed to its final: the audit says whether it has one
+                task.cancel()
+            await asyncio.gather(*late, return_exceptions=True)
         return self.figures
 
     def _kind(self) -> str:
@@ -74,9 +83,9 @@ class Load:
             return "rows"
         return "stream" if self.rng.random() < 0.6 else "poll"
 
-    async def _client(self, http: httpx.AsyncClient, c: int, stop: float, follow_until: float) -> None:
+    async def _client(self, http: httpx.AsyncClient, c: int) -> None:
         n = 0
-        while time.monotonic() < stop:
+        while self.loading:
             n += 1
             # A client's first request is of a kind fixed by the client, with both readers and a
             # hang-up: every kind and reader shows up even in a short run on a loaded machine.
@@ -86,18 +95,14 @@ class Load:
             model = self.rows_model if kind == "rows" else self.rng.choice(self.models)
             prompt = f"chaos client {c} request {n}"
             try:
-                # A stream the api keeps open with pings would outlast the drain: the drain ends it.
-                async with asyncio.timeout_at(follow_until):
-                    await self._one(http, api, model, kind, prompt, follow_until, every_reader=n == 1)
-            except TimeoutError:
-                pass  # not followed to its final: the audit says whether it has one
+                await self._one(http, api, model, kind, prompt, every_reader=n == 1)
             except Exception as err:  # a bench bug must not stop the load; it is reported
                 self.figures.client_errors.append(f"{kind} {prompt}: {type(err).__name__}: {err}")
 
     async def _one(self, http: httpx.AsyncClient, api: int, model: str, kind: str, prompt: str,
-                   follow_until: float, every_reader: bool) -> None:
+                   every_reader: bool) -> None:
         if kind == "rows":
-            return await self._rows(http, api, model, prompt, follow_until, every_reader)
+            return await self._rows(http, api, model, prompt, every_reader)
         tracked = await (self._structured(http, api, model, prompt) if kind == "structured"
                          else self._submit(http, api, model, prompt, kind))
         if tracked is None:
@@ -105,8 +110,8 @@ class Load:
         tracked.every_reader = every_reader
         self.figures.tracked.append(tracked)
         if kind == "poll":
-            return await self._poll(http, tracked, api, follow_until)
-        await self._readers(http, tracked, api, follow_until)
+            return await self._poll(http, tracked, api)
+        await self._readers(http, tracked, api)
 
     async def _post(self, http: httpx.AsyncClient, api: int, path: str, body: dict | list,
                     headers: dict | None = None, timeout: float = 10) -> tuple[httpx.Response | None, int]:
@@ -151,8 +156,7 @@ class Load:
         r, tries = await self._post(http, api, "/v1/responses", body, timeout=30)  # compiles its schema
         return Tracked(request_id(r.json()["id"]) or "", model, "structured", None, tries) if r is not None else None
 
-    async def _rows(self, http: httpx.AsyncClient, api: int, model: str, prompt: str, follow_until: float,
-                    every_reader: bool) -> None:
+    async def _rows(self, http: httpx.AsyncClient, api: int, model: str, prompt: str, every_reader: bool) -> None:
         """A multi-row call: its id is looked up in the model's stream while the call waits;
         readers follow it, also when the call breaks off (its api died)."""
         marker = f"{prompt} {uuid.uuid4().hex[:8]}"
@@ -165,7 +169,7 @@ class Load:
             t = Tracked(rid or "", model, "rows", None, 1, rows=len(rows), every_reader=every_reader)
             if rid:
                 self.figures.tracked.append(t)
-                readers = asyncio.create_task(self._readers(http, t, api, follow_until))
+                readers = asyncio.create_task(self._readers(http, t, api))
             r, t.submit_tries = await call
             if r is not None and r.status_code == 200 and not rid:
                 t.rid = r.headers["X-Request-Id"]  # answered before its entry was seen
@@ -179,7 +183,7 @@ class Load:
             if not t.rid:
                 self.figures.rows_unknown += 1
                 return
-            await (readers or self._readers(http, t, api, follow_until))
+            await (readers or self._readers(http, t, api))
         finally:
             call.cancel()
             _ = readers and readers.cancel()
@@ -215,20 +219,20 @@ class Load:
             await asyncio.sleep(0.05)
         return None
 
-    async def _readers(self, http: httpx.AsyncClient, t: Tracked, api: int, follow_until: float) -> None:
+    async def _readers(self, http: httpx.AsyncClient, t: Tracked, api: int) -> None:
         """The reader from the start and, for a share of requests, one joining mid-stream."""
         first = Reader("first")
         t.readers.append(first)
-        tasks = [self._stream(http, t, first, api, follow_until, hang_up=t.every_reader)]
+        tasks = [self._stream(http, t, first, api, hang_up=t.every_reader)]
         if t.every_reader or self.rng.random() < self.late_readers:
             # A structured request's second reader is a Responses stream of its background response.
             late = Reader("responses" if t.kind == "structured" else "late")
             t.readers.append(late)
-            tasks.append(self._stream(http, t, late, api + 1, follow_until, join_after=self.rng.uniform(0.05, 1.5)))
+            tasks.append(self._stream(http, t, late, api + 1, join_after=self.rng.uniform(0.05, 1.5)))
         await asyncio.gather(*tasks)
 
-    async def _stream(self, http: httpx.AsyncClient, t: Tracked, rd: Reader, api: int, follow_until: float,
-                      join_after: float = 0.0, hang_up: bool = False) -> None:
+    async def _stream(self, http: httpx.AsyncClient, t: Tracked, rd: Reader, api: int, join_after: float = 0.0,
+                      hang_up: bool = False) -> None:
         """Follow the SSE stream to its final; a share of the readers also hang up once after a
         few deltas (as a browser or a phone changing networks does) and resume: /events with
         Last-Event-ID, a Responses stream (reader "responses") with starting_after."""
@@ -236,7 +240,7 @@ class Load:
         last: str | None = None  # the last event's id (sequence number for a Responses stream)
         text = ""  # a Responses stream's whole text (response.output_text.done)
         drop_after = self.rng.randint(1, 6) if hang_up or self.rng.random() < self.hangups else None
-        while time.monotonic() < follow_until:
+        while time.monotonic() < self.follow_until:
             url = self.urls[(api + rd.reconnects) % len(self.urls)]
             if rd.name == "responses":
                 path, headers = f"/v1/responses/{response_id(t.rid)}", {}
@@ -267,9 +271,9 @@ class Load:
             rd.reconnects += 1  # the stream broke or ended without a final: resume from the last event
             await asyncio.sleep(0.2)
 
-    async def _poll(self, http: httpx.AsyncClient, t: Tracked, api: int, follow_until: float) -> None:
+    async def _poll(self, http: httpx.AsyncClient, t: Tracked, api: int) -> None:
         reconnects = 0
-        while time.monotonic() < follow_until:
+        while time.monotonic() < self.follow_until:
             url = self.urls[(api + reconnects) % len(self.urls)]
             try:
                 r = await http.get(f"{url}/v1/requests/{t.rid}", params={"wait": 5}, timeout=15)
