@@ -109,7 +109,7 @@ def runner(redis: Redis, settings: Settings, batch_id: str) -> JobRunner:
 async def running_job(redis: Redis, settings: Settings, batch_id: str, until_recorded: int) -> asyncio.Task[None]:
     """A runner started on the batch, once it has recorded that many rows."""
     task = asyncio.create_task(runner(redis, settings, batch_id).run())
-    await until(lambda: _at_least(recorded(redis, batch_id), until_recorded))
+    await until(lambda: _at_least(recorded(redis, batch_id), until_recorded), timeout_s=60)  # a hang guard
     return task
 
 
@@ -126,7 +126,7 @@ async def test_a_runner_whose_lock_is_stolen_stops_and_writes_nothing(redis: Red
         at_steal = await recorded(redis, batch_id)
         await asyncio.wait_for(running, timeout=3 * job_settings.job_lock_ttl_s)  # it stopped
         # What it had submitted finishes meanwhile (a condition, not a pause a slow machine could outlast).
-        await until(lambda: _drained(redis))
+        await until(lambda: _drained(redis), timeout_s=60)  # a hang guard
         assert await recorded(redis, batch_id) == at_steal  # no record after the steal
         assert (await JobStore(redis).get(batch_id))["status"] == "in_progress"
         assert len(files_in(job_settings)) == 1  # the input file only
@@ -147,20 +147,20 @@ async def test_two_runners_across_an_expired_lock_submit_each_row_once(redis: Re
 
 async def test_a_second_run_leaves_the_job_to_its_live_runner(redis: Redis, steady_settings: Settings) -> None:
     job_settings = steady_settings  # its lock cannot lapse: the runner is live whatever the load
-    batch_id = await new_batch(redis, job_settings, 200)
+    batch_id = await new_batch(redis, job_settings, 20)
     working = asyncio.Event()
     working.set()
     async with null_worker(redis, delay_s=0.02, running=working) as seen:
         running = await running_job(redis, job_settings, batch_id, 2)
-        working.clear()  # the job cannot end while the second run looks: no race with its 198 rows
+        working.clear()  # the job cannot end while the second run looks: no race with its 18 rows
         # A re-dispatched task does not wait for the whole job in a Celery slot: it returns
         # while the job cannot end (waiting for it would hang here until the guard).
         await asyncio.wait_for(runner(redis, job_settings, batch_id).run(), timeout=60)
         assert not running.done()
         assert await redis.get(lock_key(batch_id)) is not None  # held still: the second took nothing
         working.set()
-        await asyncio.wait_for(running, timeout=60)
-    await assert_completed_once(redis, job_settings, batch_id, 200, seen)
+        await asyncio.wait_for(running, timeout=300)  # a hang guard: 18 rows take a second
+    await assert_completed_once(redis, job_settings, batch_id, 20, seen)
 
 
 async def assert_completed_once(redis: Redis, settings: Settings, batch_id: str, n: int, seen: list[str]) -> None:
