@@ -14,7 +14,7 @@ from sluice.api.errors import ApiError
 from sluice.api.state import ApiState, state
 from sluice.broker.files import FileError
 from sluice.broker.jobs import ENDPOINTS
-from sluice.protocol.responses import bounded_metadata
+from sluice.protocol.openai_responses import bounded_metadata
 from sluice.protocol.tasks import JOB_QUEUE, JOB_TASK
 
 router = APIRouter(prefix="/v1", tags=["files and batches"])

@@ -2,7 +2,7 @@
 GET /v1/responses/{id} (polling, or `stream=true&starting_after=N` to resume a stream),
 POST /v1/responses/{id}/cancel and DELETE /v1/responses/{id}.
 
-A response is a Sluice request underneath (protocol/responses.py): it waits in the same
+A response is a Sluice request underneath (protocol/openai_responses.py): it waits in the same
 queue, survives an api restart, and a worker crash resumes it like any other.
 """
 
@@ -26,7 +26,7 @@ from sluice.api.schemas import require_unicode
 from sluice.api.state import ApiState, state
 from sluice.api.streams import Slot, SlotStream
 from sluice.broker.reply_router import LostFinal
-from sluice.protocol.responses import EventSequence, ResponseRequest, request_id, response_object
+from sluice.protocol.openai_responses import EventSequence, ResponseRequest, request_id, response_object
 
 router = APIRouter(prefix="/v1/responses", tags=["openai"])
 

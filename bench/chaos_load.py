@@ -25,7 +25,7 @@ import redis.asyncio as redis_async
 from sluice.bench.chaos_audit import FINAL_STATES, Reader, Tracked, final_texts
 from sluice.bench.sse import sse_events
 from sluice.broker.keys import ModelKeys
-from sluice.protocol.responses import request_id, response_id
+from sluice.protocol.openai_responses import request_id, response_id
 
 SUBMIT_TIMEOUT_S = 60.0  # a submit still unanswered after this long is given up (never counted as accepted)
 # A Responses stream's terminal events, and the request state each stands for ("incomplete" is

@@ -20,7 +20,7 @@ from sluice.protocol.ids import batch_line_id, completion_id
 from sluice.protocol.messages import FinalResult, SamplingSpec
 from sluice.protocol.openai import ChatCompletionRequest, CompletionRequest
 from sluice.protocol.openai_objects import Shape, chat_object, completion_object
-from sluice.protocol.responses import ResponseRequest, response_object
+from sluice.protocol.openai_responses import ResponseRequest, response_object
 from sluice.protocol.rows import prompt_text, row_problem, sampling_problem, unicode_problem
 from sluice.protocol.states import State
 from sluice.protocol.tokens import PromptLimits

@@ -23,7 +23,7 @@ from sluice.broker.registry import ModelRegistry
 from sluice.broker.webhook_deliveries import Deliveries, Delivery, event_id
 from sluice.broker.webhook_endpoints import Endpoint, EndpointStore
 from sluice.config.settings import Settings
-from sluice.protocol.responses import RESPONSE_PREFIX
+from sluice.protocol.openai_responses import RESPONSE_PREFIX
 from sluice.protocol.webhooks import UnsafeUrl, event_type, payload
 from sluice.workers import webhook_metrics as metrics
 from sluice.workers.webhook_post import post

@@ -19,7 +19,7 @@ from sluice.broker.connection import connect
 from sluice.config.model import load_models
 from sluice.config.settings import Settings
 from sluice.protocol.messages import DeltaEvent, FinalResult, RequestMessage
-from sluice.protocol.responses import request_id
+from sluice.protocol.openai_responses import request_id
 from sluice.workers.engines.null import NullEngine
 from sluice.workers.worker import Worker
 from tests.api.conftest import TOKEN_DELAY_S, StartApi, http_client
