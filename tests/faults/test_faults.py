@@ -18,6 +18,7 @@ import redis as redis_sync
 from sluice.bench.sse import events
 from sluice.broker.keys import WORKERS
 from tests.faults.conftest import KEYS, MODEL, Cluster, audit, crash_until_final, record, wait_final
+from tests.faults.kills import kill_mid_generation
 
 
 def submit(c: Cluster, n: int, *, max_tokens: int = 20, prompt: str = "hello", **extra) -> tuple[list[str], int]:
@@ -66,32 +67,14 @@ def test_sigkill_a_worker_mid_generation(cluster: Cluster) -> None:
     cluster.start_worker("a")
     cluster.start_worker("b")
     cluster.wait_workers(2)
-    # 120 tokens x 20 ms: a window of 2.4 s in which a is generating (with 40 tokens, 0.8 s, a
-    # loaded cluster run's first look came after every request had finished, and it waited on)
     rids, _ = submit(cluster, 24, max_tokens=120)
     streamed: dict[str, str] = {}
     readers = [threading.Thread(target=stream_text, args=(cluster.url, rid, streamed)) for rid in rids]
     for t in readers:
         t.start()
     r = cluster.sync()
-    # Kill as soon as worker a is generating (not after a fixed pause a slow machine could outlast).
-    # (Running now, not just once: on a loaded cluster run a poll saw only requests a had already finished.)
-    def a_generating() -> bool:  # one round trip per look
-        with r.pipeline(transaction=False) as pipe:
-            for rid in rids:
-                pipe.hmget(KEYS.status(rid), "worker", "state")
-                pipe.exists(KEYS.reply(rid))
-            got = pipe.execute()
-        return any(state == ["a", "running"] and replied for state, replied in zip(got[::2], got[1::2]))
-
-    wait_until(a_generating, "worker a generating")
+    owned_by_a = kill_mid_generation(cluster, "a", rids)  # what a held mid-way at the kill, exactly
     killed_at = time.monotonic()
-    cluster.signal("a", signal.SIGKILL)
-    # What a held at the kill: a dead worker writes nothing more, and nobody reclaims it before
-    # its lease expires, so this snapshot is exact. (What a finished earlier stays attempt 1.)
-    owned_by_a = [rid for rid in rids if r.hget(KEYS.status(rid), "worker") == "a"
-                  and r.hget(KEYS.status(rid), "state") == "running"]
-    assert owned_by_a, "worker a held nothing at the kill: the test proves nothing"
     wait_final(cluster, rids)
     recovery = time.monotonic() - killed_at
     for t in readers:
