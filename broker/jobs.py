@@ -214,7 +214,7 @@ class JobStore:
         lapses, its runner is gone; if it is refreshed (its expiry, in Redis's own clock, moves
         on), still held past the expiry it had when first seen, or taken by another runner, a
         runner is alive. A live runner refreshes its lock at least once a second
-        (workers/job_lock.py), so it is told from a dead one in about that, whatever the TTL.
+        (workers/jobs/lock.py), so it is told from a dead one in about that, whatever the TTL.
         """
         key = _key(job_id, "lock")
         holder, ttl_ms, expiry = await self._lock_held(key)

@@ -126,7 +126,7 @@ def jobs(redis_url: str | None = RedisUrl, models_file: Path | None = ModelsFile
 
     It reads the batch input files, puts their rows on the bulk lane of the same Redis and
     writes the output files."""
-    from sluice.workers.jobs import run_worker
+    from sluice.workers.jobs.app import run_worker
 
     setup_logging()
     run_worker(settings_with(redis_url=redis_url, models_file=models_file))

@@ -1,5 +1,5 @@
 """Prompt length in tokens, so that a prompt longer than the model's context is refused before it
-is queued: a 4xx at the api, an error line of a batch at the jobs worker (workers/job_lines.py).
+is queued: a 4xx at the api, an error line of a batch at the jobs worker (workers/jobs/lines.py).
 
 The tokenizer is read from the model directory when the process can see it (the default model's
 prepared directory, or a local path); where it cannot, the worker's engine still refuses

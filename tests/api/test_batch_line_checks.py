@@ -21,7 +21,7 @@ from redis.asyncio import Redis
 from sluice.broker.files import FileStore
 from sluice.broker.jobs import JobStore
 from sluice.broker.keys import ModelKeys
-from sluice.workers.job_runner import JobRunner
+from sluice.workers.jobs.runner import JobRunner
 from tests.api.conftest import StartApi, http_client
 from tests.api.test_batches import Jobs
 from tests.api.test_model_bounds import REFUSED, tiny_model

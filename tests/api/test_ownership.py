@@ -18,7 +18,7 @@ from sluice.broker.keys import ModelKeys
 from sluice.broker.registry import ModelRegistry
 from sluice.config.model import ModelConfig
 from sluice.config.settings import Settings
-from sluice.workers.job_runner import JobRunner
+from sluice.workers.jobs.runner import JobRunner
 from tests.api.keyed_app import ADMIN, ALICE, BOB, client, keyed_app
 from tests.broker.helpers import KEYS, MODEL
 from tests.workers.test_job_runner import MODEL as JOB_MODEL

@@ -47,7 +47,7 @@ async def main(redis_url: str, folder: Path) -> dict[str, dict[str, Any]]:
     from sluice.workers.engines.base import GenerationRequest
     from sluice.workers.engines.null import NullEngine
     from sluice.workers.engines.vllm import sampling_keywords
-    from sluice.workers.job_lines import Line, parse_line
+    from sluice.workers.jobs.lines import Line, parse_line
     from sluice.workers.worker import Worker
     from tests.broker.helpers import MODEL
 

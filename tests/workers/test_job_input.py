@@ -17,7 +17,7 @@ from sluice.broker.jobs import JobStore
 from sluice.broker.registry import ModelRegistry
 from sluice.config.model import ModelConfig
 from sluice.config.settings import Settings
-from sluice.workers import job_lines
+from sluice.workers.jobs import lines as job_lines
 from tests.workers.test_job_runner import MODEL, STREAM, null_worker, runner
 
 

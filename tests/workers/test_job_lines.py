@@ -15,7 +15,7 @@ from sluice.config.model import ModelConfig
 from sluice.protocol.messages import FinalResult, RowOutput, Timings, TokenLogprob, Usage
 from sluice.protocol.openai import CompletionRequest
 from sluice.protocol.states import State
-from sluice.workers.job_lines import (
+from sluice.workers.jobs.lines import (
     Line,
     Rules,
     error_record,

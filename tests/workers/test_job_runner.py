@@ -22,8 +22,8 @@ from sluice.broker.registry import ModelRegistry
 from sluice.config.model import ModelConfig
 from sluice.config.settings import Settings
 from sluice.protocol.messages import RequestMessage
-from sluice.workers.job_runner import JobRunner
-from sluice.workers.jobs import celery_app
+from sluice.workers.jobs.app import celery_app
+from sluice.workers.jobs.runner import JobRunner
 from tests.broker.helpers import done_result
 
 MODEL = "bj"

@@ -1,7 +1,7 @@
 """The lines of an OpenAI batch file, as pure code: an input line becomes a typed `Line` or
 the error record that stands for it, and a request's final result becomes its output line.
 
-No Redis here: a job's runner (workers/job_runner.py) does the I/O, this module the rules, so
+No Redis here: a job's runner (workers/jobs/runner.py) does the I/O, this module the rules, so
 that hostile input files are tested without a broker.
 """
 

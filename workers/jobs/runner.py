@@ -3,10 +3,10 @@ with a bounded number outstanding, gather the results, and write the output and 
 
 Everything a job needs to resume is in Redis (which line became which request, the output
 records so far), so a restarted job re-runs nothing that finished and re-submits nothing
-that is still queued. One run at a time holds the job's lock (workers/job_lock.py); a run that
+that is still queued. One run at a time holds the job's lock (workers/jobs/lock.py); a run that
 loses it stops, and every write it makes is fenced by the lock in Redis (broker/jobs.py).
-Parsing lines and building output lines is pure code (workers/job_lines.py); feeding and
-collecting is workers/job_feed.py.
+Parsing lines and building output lines is pure code (workers/jobs/lines.py); feeding and
+collecting is workers/jobs/feed.py.
 """
 
 from __future__ import annotations
@@ -30,9 +30,9 @@ from sluice.broker.registry import ModelRegistry
 from sluice.config.settings import Settings
 from sluice.protocol.states import ACTIVE_BATCH_STATES, FINAL_BATCH_STATES, BatchState
 from sluice.protocol.tokens import PromptLimits
-from sluice.workers.job_feed import FeedLimits, LineFeed
-from sluice.workers.job_lines import Line, LineCheck, Record, Rules, jsonl
-from sluice.workers.job_lock import JobLock
+from sluice.workers.jobs.feed import FeedLimits, LineFeed
+from sluice.workers.jobs.lines import Line, LineCheck, Record, Rules, jsonl
+from sluice.workers.jobs.lock import JobLock
 
 log = logging.getLogger(__name__)
 

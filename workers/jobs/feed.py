@@ -23,7 +23,7 @@ from sluice.config.settings import Settings
 from sluice.protocol.ids import new_request_id
 from sluice.protocol.messages import RequestMessage
 from sluice.protocol.states import BatchState, State
-from sluice.workers.job_lines import Line, Record, error_record, output_tokens, result_record
+from sluice.workers.jobs.lines import Line, Record, error_record, output_tokens, result_record
 
 log = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ from sluice.broker.jobs import JobStore
 from sluice.broker.urls import celery_broker
 from sluice.config.settings import Settings
 from sluice.protocol.tasks import JOB_QUEUE, JOB_TASK
-from sluice.workers.job_runner import JobRunner
+from sluice.workers.jobs.runner import JobRunner
 
 log = logging.getLogger(__name__)
 
