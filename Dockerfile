@@ -70,6 +70,7 @@ COPY api api/
 COPY cli cli/
 COPY protocol protocol/
 COPY bench bench/
+COPY supervisor supervisor/
 RUN pip install --no-deps --no-build-isolation . && sluice models prepare
 ENTRYPOINT ["sluice"]
 CMD ["--help"]
