@@ -20,7 +20,6 @@ import random
 import re
 import subprocess
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -28,6 +27,7 @@ import typer
 from rich.console import Console
 
 from sluice.bench.chaos_audit import audit, broken, table
+from sluice.bench.chaos_faults import WORKER_TTL_S, Chaos
 from sluice.bench.chaos_load import Load
 from sluice.broker.keys import ModelKeys
 from sluice.supervisor.processes import free_port, wait_ready
@@ -41,7 +41,6 @@ MODELS = """models:
     dynamic_batching_config: {max_batch_delay_ms: 20, batch_size_target: 4, batch_size_limit: 8}
 """
 MODEL_NAMES = ["chaos-cont", "chaos-dyn"]
-WORKER_TTL_S = 3.0
 
 
 class ChaosStack:
@@ -132,71 +131,6 @@ class ChaosStack:
         self.local.stop(timeout_s=15)
         if self.cluster is not None:
             self.cluster.stop()
-
-
-class Chaos(threading.Thread):
-    """Every `worker_every` s (jittered) SIGKILL a random worker: half restart at once under a
-    new name, half under their own name once its lock has expired (to get their pending entries
-    back). Every `api_every` s an api, every `redis_every` s (if set) Redis."""
-
-    def __init__(self, stack: ChaosStack, rng: random.Random, calm_at: float, worker_every: float,
-                 api_every: float, redis_every: float | None):
-        super().__init__(daemon=True, name="chaos")
-        self.stack, self.rng, self.calm_at = stack, rng, calm_at
-        self.every = {"worker": worker_every, "api": api_every, "redis": redis_every}
-        self.kills = {"workers": 0, "apis": 0, "redis": 0}
-        self.done = threading.Event()
-        self.pending: list[tuple[float, str]] = []  # (monotonic time, worker slot) restarts due
-        self.killed_pids: set[int] = set()
-        self.log: list[str] = []  # what was killed when (wall clock, to match stream entry ids)
-
-    def _note(self, what: str) -> None:
-        self.log.append(f"{time.time() * 1000:.0f} {what}")
-
-    def run(self) -> None:
-        now = time.monotonic()
-        due = {kind: now + self._jitter(every) for kind, every in self.every.items() if every}
-        while not self.done.wait(0.1):  # after calm_at: no more kills, everyone back for the drain
-            now = time.monotonic()
-            for t, slot in [p for p in self.pending if p[0] <= now or now >= self.calm_at]:
-                self.pending.remove((t, slot))
-                self.stack.start_worker(slot)
-            self.stack.check_exits(self.killed_pids)
-            for kind, at in due.items():
-                if at <= now < self.calm_at:
-                    getattr(self, f"_kill_{kind}")()
-                    due[kind] = time.monotonic() + self._jitter(self.every[kind])
-
-    def _jitter(self, every: float | None) -> float:
-        return (every or 0) * self.rng.uniform(0.6, 1.4)
-
-    def _kill_worker(self) -> None:
-        waiting = {slot for _, slot in self.pending}
-        slot = self.rng.choice([s for s in self.stack.slots if s not in waiting])
-        proc = self.stack.workers[slot]
-        self.killed_pids.add(proc.pid)
-        self.stack.kill(proc)
-        self.kills["workers"] += 1
-        self._note(f"killed worker {self.stack.names[slot]}")
-        if self.rng.random() < 0.5:
-            self.stack.start_worker(slot, new_name=True)
-        else:
-            self.pending.append((time.monotonic() + WORKER_TTL_S + 0.5, slot))
-
-    def _kill_api(self) -> None:
-        i = self.rng.randrange(len(self.stack.apis))
-        self.killed_pids.add(self.stack.apis[i].pid)
-        self.stack.kill(self.stack.apis[i])
-        self.kills["apis"] += 1
-        self._note(f"killed api{i}")
-        time.sleep(1.0)
-        self.stack.start_api(i)
-
-    def _kill_redis(self) -> None:
-        self._note("killing redis")
-        self.stack.restart_redis()
-        self.kills["redis"] += 1
-        self._note("redis restarted")
 
 
 def _pair(text: str) -> tuple[int, int]:
