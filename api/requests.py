@@ -157,9 +157,9 @@ async def cancel(rid: str, s: ApiState = Depends(state),
     after = await s.admission.status(model, rid) if result else None
     if after is None:
         raise ApiError(404, f"request {rid!r} not found", code="not_found")
-    if result == "cancelled":
-        return view(after)
-    return _already_final(after)  # it finished between the two reads
+    if result == "cancelled" and before is not None and before.state is State.QUEUED:
+        return view(after)  # (the script answers 'cancelled' for one final already, too)
+    return _already_final(after)  # it became final between the read and the script
 
 
 def _already_final(status: RequestStatus) -> JSONResponse:

@@ -9,6 +9,7 @@ import time
 from collections.abc import Awaitable, Callable
 
 import httpx
+import pytest
 from fastapi import FastAPI
 from redis.asyncio import Redis
 
@@ -102,6 +103,34 @@ async def test_cancel_stops_a_running_request(api: httpx.AsyncClient, null_worke
     assert again.status_code == 409 and again.json()["error"]["code"] == "already_final", again.text
     assert again.json()["request"] == final
     assert (await api.get(f"/v1/requests/{rid}")).json()["status"] == "cancelled"
+
+
+async def test_a_cancel_that_read_the_request_running_before_its_cancelled_final_is_a_409(
+        api: httpx.AsyncClient, app: FastAPI, null_worker: Worker, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A second DELETE whose read saw the request running, just before its worker wrote the
+    cancelled final (staged: that read is served the status as it was), finds it final: 409 as
+    any later one (its script answers 'cancelled' for a cancelled request: not a cancel of its own)."""
+    rid = await submit(api, max_tokens=8000)
+    admission = app.state.sluice.admission
+
+    async def running() -> bool:
+        return (await api.get(f"/v1/requests/{rid}")).json()["status"] == "running"
+
+    await eventually(running, what="the request to start")
+    was_running = await admission.status(MODEL, rid)
+    assert (await api.delete(f"/v1/requests/{rid}")).status_code == 202
+    final = (await api.get(f"/v1/requests/{rid}", params={"wait": WAIT_S})).json()
+    assert final["status"] == "cancelled", final
+    stale, read = [was_running], admission.status
+
+    async def status(model: str, request_id: str) -> object:
+        return stale.pop() if stale else await read(model, request_id)
+
+    monkeypatch.setattr(admission, "status", status)
+    again = await api.delete(f"/v1/requests/{rid}")
+    assert not stale, "the staged read was not made"
+    assert again.status_code == 409 and again.json()["error"]["code"] == "already_final", again.text
+    assert again.json()["request"] == final
 
 
 async def test_a_cancelled_queued_request_never_runs(api: httpx.AsyncClient) -> None:
