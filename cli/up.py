@@ -187,7 +187,7 @@ def _run(lock: UpLock, models: list[ModelConfig], replicas: list[Replica], setti
     stack = LocalStack(settings.data_dir, models_file=models_file, redis_url=redis_url, host=host,
                        output="inherit" if verbose else "logs", logs_dir=logs,
                        strict=settings.durability == "strict", env={"SLUICE_DATA_DIR": str(settings.data_dir)},
-                       redis_port=free_port(6380))
+                       redis_port=free_port(6380), own_session=True)
     stop = {"requested": False}
 
     def on_signal(signum, _frame) -> None:
@@ -195,6 +195,7 @@ def _run(lock: UpLock, models: list[ModelConfig], replicas: list[Replica], setti
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGHUP, on_signal)  # the terminal closed: the children, in their own sessions, would stay
     try:
         lock.record_redis(stack.start_redis())  # `sluice dlq` and the like find it there
         if redis_url is None and stack.redis is not None:

@@ -49,12 +49,13 @@ def free_port(preferred: int | None = None) -> int:
 class EmbeddedRedis:
     def __init__(self, data_dir: Path, port: int | None = None, *, appendonly: bool = True,
                  password: str | None = None, tls: tuple[Path, Path] | None = None, strict: bool = False,
-                 extra: tuple[str, ...] = ()):
+                 extra: tuple[str, ...] = (), own_session: bool = False):
         """`tls`: (certificate, key) files; the server then listens for TLS only. `strict`:
         every write is on disk before it is answered (appendfsync always), so a kill -9 loses
         nothing that was acknowledged; the default fsyncs once a second. `extra`: more
         redis-server options (a cluster node's, a replica's)."""
         self.extra = extra
+        self.own_session = own_session  # its own session: a terminal's Ctrl-C does not reach it
         self.data_dir = Path(data_dir)
         # A port of our choosing may be taken in between (tests start many servers at once):
         # the first start chooses again; a restart keeps its port, its clients know it.
@@ -95,7 +96,7 @@ class EmbeddedRedis:
              "--logfile", str(self.data_dir / "redis.log"),
              *(["--requirepass", self.password, "--masterauth", self.password] if self.password else []),
              *self.extra],
-            stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
+            stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=self.own_session,
         )
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:

@@ -43,6 +43,9 @@ class LocalStack:
     redis_port: int | None = None  # a free one if None
     host: str = "127.0.0.1"
     logs_dir: Path | None = None  # with output="logs"; data_dir/logs if not given
+    # Children in sessions of their own: a terminal's Ctrl-C reaches this process alone, which
+    # stops them in order (workers drain while Redis still answers; `sluice up` sets it)
+    own_session: bool = False
     redis: EmbeddedRedis | None = None
     apis: dict[int, subprocess.Popen] = field(default_factory=dict)  # port -> process
     workers: dict[str, subprocess.Popen] = field(default_factory=dict)  # name -> process
@@ -63,7 +66,8 @@ class LocalStack:
         if self.redis_url is None or self.redis is not None:
             if self.redis is None:
                 self.redis = EmbeddedRedis(self.data_dir / "redis", self.redis_port, appendonly=self.appendonly,
-                                           password=self.redis_password, tls=self.redis_tls, strict=self.strict)
+                                           password=self.redis_password, tls=self.redis_tls, strict=self.strict,
+                                           own_session=self.own_session)
             self.redis.start()
             self.redis_url = self.redis.url
         return self.redis_url
@@ -95,9 +99,10 @@ class LocalStack:
             logs.mkdir(parents=True, exist_ok=True)
             with open(logs / f"{log}.log", "ab") as out:
                 return subprocess.Popen([*CLI, *args], env={**self.child_env, **env}, stdout=out,
-                                        stderr=subprocess.STDOUT)
+                                        stderr=subprocess.STDOUT, start_new_session=self.own_session)
         quiet = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL} if self.output == "quiet" else {}
-        return subprocess.Popen([*CLI, *args], env={**self.child_env, **env}, **quiet)
+        return subprocess.Popen([*CLI, *args], env={**self.child_env, **env}, start_new_session=self.own_session,
+                                **quiet)
 
     def start_api(self, port: int | None = None, *args: str, log: str | None = None, **env: str) -> str:
         """One api process (on `port`, or a free one); returns its URL."""
