@@ -160,9 +160,9 @@ def test_the_quick_start_answers_as_the_readme_shows(tmp_path: Path) -> None:
         answers = []
         for comment, command in steps:
             argv = shlex.split(command.replace("localhost:8000", host).replace("<id>", rid))
-            out = subprocess.run([*argv, "-w", "\n%{http_code}", "--max-time", "60"], capture_output=True,
-                                 text=True, check=True).stdout
-            body, _, code = out.rpartition("\n")
+            run = subprocess.run([*argv, "-w", "\n%{http_code}", "--max-time", "60"], capture_output=True, text=True)
+            assert run.returncode == 0, (comment, command, run.returncode, run.stderr, run.stdout, answers)
+            body, _, code = run.stdout.rpartition("\n")
             answers.append((comment, int(code), body))
             if not rid:
                 rid = json.loads(body)["id"]
@@ -174,8 +174,8 @@ def test_the_quick_start_answers_as_the_readme_shows(tmp_path: Path) -> None:
     submitted = json.loads(submit)
     assert set(submitted) == set(re.findall(r'(?<!: )"(\w+)"', shown.group(2))), (shown.group(2), submitted)
     assert all(submitted[k] == v for k, v in re.findall(r'"(\w+)": "(\w+)"', shown.group(2))), submitted
-    assert wait_code == 200 and json.loads(waited)["status"] == "done" and "output" in json.loads(waited)
-    assert poll_code == 200 and json.loads(polled)["id"] == rid and json.loads(polled)["status"] == "done"
+    assert wait_code == 200 and json.loads(waited)["status"] == "done" and "output" in json.loads(waited), answers
+    assert poll_code == 200 and json.loads(polled)["id"] == rid and json.loads(polled)["status"] == "done", answers
     kinds = [e.event for e in parse(events)]
     assert kinds and set(kinds[:-1]) == {"delta"} and kinds[-1] in ("done", "error"), events
-    assert cancel_code == 409 and "409" in steps[4][0], cancel_code  # final by then, as the README says
+    assert cancel_code == 409 and "409" in steps[4][0], answers  # final by then, as the README says
