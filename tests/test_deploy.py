@@ -14,10 +14,12 @@ import pytest
 import typer
 import yaml
 from prometheus_client import REGISTRY
+from prometheus_client.metrics import MetricWrapperBase
 
 import sluice.api.metrics  # noqa: F401  (registers the api's metrics)
 import sluice.workers.metrics  # noqa: F401  (registers the workers' metrics)
 from sluice.cli.main import app
+from sluice.workers import webhook_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -51,15 +53,23 @@ def test_services_and_their_wiring() -> None:
         assert services[name]["profiles"] == ["monitoring"]
 
 
+def cli_options(command: list[str]) -> set[str]:
+    """The options of the sluice (sub)command `command` names (`webhooks send`: a group's command)."""
+    sub = typer.main.get_command(app)
+    for word in command:
+        if word.startswith("-") or not hasattr(sub, "commands"):
+            break
+        sub = sub.commands[word]  # type: ignore[attr-defined]
+    return {opt for p in sub.params for opt in p.opts}
+
+
 def test_service_commands_exist_in_the_cli() -> None:
-    cli = typer.main.get_command(app)
-    for name in ("api", "worker", "jobs"):
+    for name in ("api", "worker", "jobs", "webhooks"):
         command = compose()["services"][name]["command"]
-        sub = cli.commands[command[0]]  # type: ignore[attr-defined]
-        options = {opt for p in sub.params for opt in p.opts}
+        options = cli_options(command)
         for word in command[1:]:
             if word.startswith("--"):
-                assert word in options, f"{name}: {word} is not an option of sluice {command[0]}"
+                assert word in options, f"{name}: {word} is not an option of sluice {' '.join(command)}"
 
 
 def test_dashboard_shows_only_metrics_that_exist() -> None:
@@ -70,7 +80,41 @@ def test_dashboard_shows_only_metrics_that_exist() -> None:
     assert len(used) >= 12
     assert used <= known, used - known
     scraped = yaml.safe_load((ROOT / "deploy/prometheus.yml").read_text())
-    assert {j["job_name"] for j in scraped["scrape_configs"]} == {"sluice-api", "sluice-worker"}
+    assert {j["job_name"] for j in scraped["scrape_configs"]} == {"sluice-api", "sluice-worker", "sluice-webhooks"}
+
+
+def dashboard_panels() -> list[dict]:
+    return json.loads((ROOT / "deploy/grafana/dashboards/sluice.json").read_text())["panels"]
+
+
+def test_prometheus_scrapes_every_metrics_port_of_the_compose_file() -> None:
+    """Each service started with --metrics-port is scraped on that port, every replica of it."""
+    scraped = {j["job_name"]: j for j in yaml.safe_load((ROOT / "deploy/prometheus.yml").read_text())["scrape_configs"]}
+    for service, job in (("worker", "sluice-worker"), ("webhooks", "sluice-webhooks")):
+        command = compose()["services"][service]["command"]
+        port = int(command[command.index("--metrics-port") + 1])
+        (sd,) = scraped[job]["dns_sd_configs"]
+        assert sd["names"] == [service] and sd["type"] == "A" and sd["port"] == port, (service, sd)
+
+
+def test_the_dashboard_shows_the_webhook_senders_metrics() -> None:
+    """Deliveries by endpoint and outcome, the retry backlog, the oldest pending delivery: every
+    metric of workers/webhook_metrics.py, on panels of their own."""
+    sender = {f"{c._name}_total" if c._type == "counter" else c._name  # noqa: SLF001
+              for c in vars(webhook_metrics).values() if isinstance(c, MetricWrapperBase)}
+    assert sender == {"sluice_webhook_deliveries_total", "sluice_webhook_backlog",
+                      "sluice_webhook_oldest_pending_seconds"}
+    by_metric = {m: [p for p in dashboard_panels() if any(m in t["expr"] for t in p["targets"])] for m in sender}
+    assert all(by_metric.values()), [m for m, panels in by_metric.items() if not panels]
+    deliveries = by_metric["sluice_webhook_deliveries_total"][0]["targets"][0]["expr"]
+    assert re.search(r"by \((endpoint, outcome|outcome, endpoint)\)", deliveries), deliveries
+
+
+def test_the_queue_panel_shows_waiting_and_running() -> None:
+    """sluice_queue_depth counts waiting requests only (api/metrics.py): the panel that shows it
+    shows sluice_queue_running beside it, their sum being the load on the model's workers."""
+    (panel,) = [p for p in dashboard_panels() if any("sluice_queue_depth" in t["expr"] for t in p["targets"])]
+    assert any("sluice_queue_running" in t["expr"] for t in panel["targets"]), panel["targets"]
 
 
 def test_docker_compose_config_accepts_the_files() -> None:
