@@ -11,15 +11,14 @@ import tomllib
 from pathlib import Path
 
 import pytest
-import typer
 import yaml
 from prometheus_client import REGISTRY
 from prometheus_client.metrics import MetricWrapperBase
 
 import sluice.api.metrics  # noqa: F401  (registers the api's metrics)
 import sluice.workers.metrics  # noqa: F401  (registers the workers' metrics)
-from sluice.cli.main import app
 from sluice.workers import webhook_metrics
+from tests.cli_commands import cli_options
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -51,16 +50,6 @@ def test_services_and_their_wiring() -> None:
     assert "container_name" not in services["worker"]  # --scale needs distinct containers
     for name in ("prometheus", "grafana"):
         assert services[name]["profiles"] == ["monitoring"]
-
-
-def cli_options(command: list[str]) -> set[str]:
-    """The options of the sluice (sub)command `command` names (`webhooks send`: a group's command)."""
-    sub = typer.main.get_command(app)
-    for word in command:
-        if word.startswith("-") or not hasattr(sub, "commands"):
-            break
-        sub = sub.commands[word]  # type: ignore[attr-defined]
-    return {opt for p in sub.params for opt in p.opts}
 
 
 def test_service_commands_exist_in_the_cli() -> None:

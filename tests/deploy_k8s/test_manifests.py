@@ -10,13 +10,12 @@ import math
 from pathlib import Path
 
 import pytest
-import typer
 import yaml
 
 from sluice.broker.keys import GROUP, ModelKeys
-from sluice.cli.main import app
 from sluice.config.deployment import memory_bytes
 from sluice.config.model import load_models
+from tests.cli_commands import cli_options
 from tests.deploy_k8s.manifests import (
     K8S,
     METRICS_PORT,
@@ -300,9 +299,6 @@ def test_every_process_reads_the_models_file_and_runs_unprivileged() -> None:
 
 
 def test_commands_exist_in_the_cli() -> None:
-    cli = typer.main.get_command(app)
     for d in (d for d in render(K8S) if d["kind"] == "Deployment"):
         args = container(d)["args"]
-        sub = cli.commands[args[0]]  # type: ignore[attr-defined]
-        options = {opt for p in sub.params for opt in p.opts}
-        assert {a for a in args[1:] if a.startswith("--")} <= options, (d["metadata"]["name"], args)
+        assert {a for a in args[1:] if a.startswith("--")} <= cli_options(args), (d["metadata"]["name"], args)
