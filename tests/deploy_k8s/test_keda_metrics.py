@@ -15,11 +15,14 @@ from sluice.broker.admission import Admission
 from sluice.broker.consumer import StreamConsumer
 from sluice.broker.keys import ModelKeys
 from sluice.broker.limits import ConsumerLimits
+from sluice.broker.queues import queue_figures
+from sluice.config.model import load_models
 from sluice.config.settings import Settings
 from tests.broker.helpers import admission, done_result
 from tests.broker.helpers import message as make_message
 
-OVERLAYS = sorted((Path(__file__).resolve().parents[2] / "deploy" / "k8s" / "overlays").glob("*/scaledobject.yaml"))
+K8S = Path(__file__).resolve().parents[2] / "deploy" / "k8s"
+OVERLAYS = sorted((K8S / "overlays").glob("*/scaledobject.yaml"))
 
 
 async def keda_reads(redis: Redis, meta: dict[str, str]) -> int:
@@ -74,6 +77,10 @@ async def test_triggers_count_waiting_and_held_requests(path: Path, redis: Redis
     assert await keda_reads(redis, found["interactive-pending"]) == 4  # held by workers
     assert await keda_reads(redis, found["interactive-lag"]) == 6  # no worker took them yet
     assert await keda_reads(redis, found["bulk-lag"]) == 3
+    # The same figures as the api's metrics: pending is sluice_queue_running, lag sluice_queue_depth.
+    figures = await queue_figures(redis, model)
+    assert (figures["interactive"].running, figures["interactive"].waiting) == (4, 6)
+    assert (figures["bulk"].running, figures["bulk"].waiting) == (0, 3)
 
     # A finished request leaves both counts (its entry is acknowledged and deleted).
     oldest = held[0]
@@ -93,3 +100,22 @@ async def test_triggers_count_waiting_and_held_requests(path: Path, redis: Redis
     await worker.fetch(1, 100)
     assert await keda_reads(redis, found["interactive-lag"]) == 5
     assert await keda_reads(redis, found["interactive-pending"]) == 3
+
+
+@pytest.mark.parametrize("path", OVERLAYS, ids=lambda p: p.parent.name)
+def test_the_triggers_carry_waiting_plus_running(path: Path) -> None:
+    """The load a model's workers carry is waiting plus running (sluice_queue_depth +
+    sluice_queue_running); the HPA takes the largest of the triggers' replica counts,
+    max(running / pending target, waiting / lag target), never their sum. With the two targets
+    together at most a worker's slots S, that is never fewer workers than (waiting + running) / S:
+    (r + w) / S <= (r + w) / (P + L) <= max(r / P, w / L)."""
+    model = next(m for m in load_models(K8S / "base" / "models.yaml") if m.name == path.parent.name)
+    assert model.continuous_batching_config is not None
+    slots = model.continuous_batching_config.max_concurrent_batch_size
+    found = triggers(path)
+    pending, lag = int(found["interactive-pending"]["pendingEntriesCount"]), int(found["interactive-lag"]["lagCount"])
+    assert pending + lag <= slots, (pending, lag, slots)
+    for running in range(0, 4 * slots, 7):
+        for waiting in range(0, 4 * slots, 11):
+            wanted = max(-(-running // pending), -(-waiting // lag))  # what the HPA asks for (ceil)
+            assert wanted * slots >= running + waiting, (running, waiting, wanted)
