@@ -6,8 +6,12 @@ The stack is private: one redis-server (or with --redis-cluster a local Redis Cl
 three primaries and three replicas), a continuous and a dynamic model, two api processes and
 null-engine workers that stream tokens slowly, so kills land mid-generation. Leases are short
 so that reclaims happen within the run. A single Redis is killed with -9 and restarted from
-its AOF, in the durability asked for (default: `appendfsync everysec`, which loses no
-acknowledged write when only the process dies). On a cluster, a Redis kill is a SIGKILL of the primary
+its AOF, in the durability asked for. Default (`appendfsync everysec`) can lose acknowledged
+writes even when only the process dies: while a background fsync runs, Redis 7 postpones the
+write() of its AOF buffer (for up to 2 s, then logs "Asynchronous AOF fsync is taking too long")
+yet still replies, so a kill in that window loses what it acknowledged meanwhile; the table
+counts the kills that found an fsync running and the postponements. Strict (`appendfsync always`)
+writes and fsyncs before every reply and has no such window. On a cluster, a Redis kill is a SIGKILL of the primary
 that holds a model's slot: its replica takes over, and the killed node comes back as a replica.
 """
 
@@ -49,7 +53,7 @@ class ChaosStack:
 
     def __init__(self, tmp: Path, logs: Path, *, workers_per_model: int, token_delay_s: float, strict: bool,
                  cluster: bool = False):
-        self.logs = logs
+        self.logs, self.strict = logs, strict
         self.rng = random.Random(1)
         self.cluster = LocalCluster(tmp / "cluster").start() if cluster else None
         env = {"SLUICE_LEASE_TIMEOUT_S": "2",
@@ -111,6 +115,13 @@ class ChaosStack:
         self.cluster.wait_failover(victim, key)
         victim.start()  # back as a replica of the node that took over
 
+    def aof_postponed_logged(self) -> int:
+        """AOF writes postponed past 2 s, as the single Redis logged them (its log survives kills)."""
+        log = self.local.data_dir / "redis" / "redis.log"
+        if self.cluster is not None or not log.exists():
+            return 0
+        return log.read_text(errors="replace").count("fsync is taking too long")
+
     def check_exits(self, expected: set[int]) -> None:
         """Restart a process that died without being killed here (and say so in the report)."""
         for i, p in list(self.apis.items()):
@@ -169,12 +180,14 @@ def chaos(
     seed: int = typer.Option(0, help="Seed of the load and of the kills."),
     json_out: Path = typer.Option(None, "--json", help="Write the figures (and the broken requests) here."),
     logs: Path = typer.Option(None, help="Keep the processes' logs in this folder."),
+    data_dir: Path = typer.Option(None, help="Keep the stack's data (Redis's AOF, the apis' data) in a temporary "
+                                  "folder under this one (e.g. /dev/shm) instead of the system's temporary folder."),
 ) -> None:
     """Kill workers, apis and Redis under load; exit 1 if any accepted request is lost, duplicated
     or not done (nothing in this load cancels, and ten deliveries are allowed), or if any reader,
     answer or reply stream shows a text other than the final."""
     rng = random.Random(seed)
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory(dir=data_dir) as tmp:
         stack = ChaosStack(Path(tmp), logs or Path(tmp) / "logs", workers_per_model=workers_per_model,
                            token_delay_s=token_delay, strict=strict, cluster=redis_cluster)
         try:
@@ -208,7 +221,8 @@ def chaos(
                  "submit_gave_up": loaded.submit_gave_up, "rows_unknown": loaded.rows_unknown,
                  "retry_reasons": dict(loaded.retry_reasons.most_common(10)),
                  "unexpected_exits": stack.unexpected_exits, "client_errors": loaded.client_errors[:20],
-                 "strict_durability": strict, "redis": "cluster" if redis_cluster else "single"}
+                 "strict_durability": strict, "redis": "cluster" if redis_cluster else "single",
+                 "aof_window": {**chaos_thread.aof, "postponed_logged": stack.aof_postponed_logged()}}
             f["requests_per_s"] = f["done"] / seconds
         finally:
             stack.stop()

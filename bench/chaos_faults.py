@@ -9,6 +9,7 @@ import time
 from typing import TYPE_CHECKING
 
 import httpx
+import redis as redis_sync
 
 if TYPE_CHECKING:
     from sluice.bench.chaos import ChaosStack
@@ -36,6 +37,9 @@ class Chaos(threading.Thread):
         self.pending: list[tuple[float, str]] = []  # (monotonic time, worker slot) restarts due
         self.killed_pids: set[int] = set()
         self.log: list[str] = []  # what was killed when (wall clock, to match stream entry ids)
+        # Default durability's window (single Redis): kills that found a background AOF fsync
+        # running, and the AOF writes Redis had postponed past 2 s before each kill (INFO).
+        self.aof = {"kills_in_fsync": 0, "delayed_fsync": 0}
 
     def _note(self, what: str) -> None:
         self.log.append(f"{time.time() * 1000:.0f} {what}")
@@ -87,10 +91,25 @@ class Chaos(threading.Thread):
         self.stack.start_api(i)
 
     def _kill_redis(self) -> None:
+        self._sample_aof()
         self._note("killing redis")
         self.stack.restart_redis()
         self.kills["redis"] += 1
         self._note("redis restarted")
+
+    def _sample_aof(self) -> None:
+        """INFO persistence just before a single Redis is killed. In everysec, Redis postpones
+        the write() of its AOF buffer while a background fsync runs (up to 2 s, then it writes
+        and counts aof_delayed_fsync) but still replies: a kill -9 then loses writes it
+        acknowledged. A kill that found an fsync running may have landed in that window."""
+        if self.stack.cluster is not None or self.stack.strict:
+            return
+        try:
+            info = redis_sync.Redis.from_url(self.stack.redis_url, socket_timeout=2).info("persistence")
+        except redis_sync.RedisError:
+            return
+        self.aof["kills_in_fsync"] += bool(info.get("aof_pending_bio_fsync"))
+        self.aof["delayed_fsync"] += int(info.get("aof_delayed_fsync", 0))
 
 
 def _answers(url: str, probe: str) -> bool:
