@@ -55,18 +55,28 @@ def choose(world: World, rng: random.Random, faults: tuple[str, ...]) -> Step:
         "lease": lambda: ("lease", rng.randrange(len(world.workers))),
         "watch": lambda: ("watch", rng.randrange(len(world.workers))),
     }
+    running_idx = [idx[rid] for _, rid, _ in runs]
     if world.requests:
         pick = lambda: rng.randrange(len(world.requests))  # noqa: E731
         dead = [idx[rid] for rid in world.dead if rid in idx]
+        stale = [idx[rid] for rid in world.dead if rid in idx and rid in world.ledger.expired]  # its result expired
         def join() -> Step:  # mostly a request under way; sometimes while its worker flushes (a read under way)
             running = [idx[rid] for _, rid, _ in runs]
+            # (often a second reader of a stream another reader is mid-way through: the router
+            # has a read under way for it when the worker's flush lands)
+            followed = [idx[r.rid] for r in world.readers if r.live and r.last_id != "0" and idx[r.rid] in running]
+            if followed and rng.random() < 0.5:
+                req = rng.choice(followed)
+                return ("join", req, rng.choice([wi for wi, rid, _ in runs if idx[rid] == req]))
             req = rng.choice(running) if running and rng.random() < 0.7 else max(pick(), pick())
             with_flush = [wi for wi, rid, _ in runs if idx[rid] == req] + [-1]
             return ("join", req, rng.choice(with_flush))
         enabled.update(cancel=lambda: ("cancel", pick()),
-                       dlq=lambda: ("dlq", rng.choice(dead) if dead and rng.random() < 0.9 else pick(),
+                       dlq=lambda: ("dlq", rng.choice(stale or dead) if dead and rng.random() < 0.9 else pick(),
                                     rng.choice([0, 1, 1, 2, 2])),
-                       join=join, dup=lambda: ("dup", pick()), poison=lambda: ("poison", pick()))
+                       join=join, dup=lambda: ("dup", pick()),  # (poison: mostly a request under way)
+                       poison=lambda: ("poison", rng.choice(running_idx) if running_idx and rng.random() < 0.8
+                                       else pick()))
     reading = [r.idx for r in world.readers if r.live and r.last_id != "0"]  # mid-stream
     gone = [r.idx for r in world.readers if not r.live and r.final is None]
     # (a reader mid-way through a multi-row stream hangs up after another row's event most often,
@@ -88,7 +98,9 @@ def choose(world: World, rng: random.Random, faults: tuple[str, ...]) -> Step:
         enabled["resume"] = lambda: (lambda wi, rid: ("resume", wi, idx[rid]))(*rng.choice(waiting))
     if going:
         def emit() -> Step:
-            wi, rid, run = rng.choice(twins if twins and rng.random() < 0.8 else going)
+            poisoned = [g for g in going if g[1] in world.poison]  # (its worker crashes on it: on to quarantine)
+            wi, rid, run = rng.choice(twins if twins and rng.random() < 0.8 else
+                                      poisoned if poisoned and rng.random() < 0.5 else going)
             # a retried structured row regenerates from token 0: its engine deltas are often
             # several tokens, one of them straddling the point the stream had reached
             regenerated = run.d.attempt > 1 and run.d.message.sampling.structured is not None
@@ -126,6 +138,13 @@ def choose(world: World, rng: random.Random, faults: tuple[str, ...]) -> Step:
     unfinished = len(set(world.ledger.accepted) - set(world.ledger.finals) - world.ledger.expired)
     weights = dict(WEIGHTS, admit=WEIGHTS["admit"] if unfinished < 3 else 0.5,
                    dlq=WEIGHTS["dlq"] * (2 if world.dead else 0.3), clock=WEIGHTS["clock"] * (2 if world.dead else 1))
+    # A dead letter's failed result often expires before an operator retries it (the retry
+    # re-creates its status): the clock first, then the retry.
+    expired = {rid for rid in world.dead if rid in world.ledger.expired}
+    if world.dead and not expired:
+        weights.update(clock=6, dlq=1)
+    elif expired:
+        weights["dlq"] = 6
     # A failover is likeliest where it takes back a read and a start (see fetch) that a run still
     # writes under: another worker may then read and start the same attempt afresh. (A plain
     # run's: a structured row's tokens are the same whoever generates them.)
@@ -156,10 +175,13 @@ async def drain(world: World, do: Callable[[Step], Any]) -> None:
             await do(("reconnect", i))
     idx = {r.message.id: r.idx for r in world.requests}
     for _ in range(40):
-        for wi, w in enumerate(world.workers):
-            while w.fetched:
+        for wi in range(len(world.workers)):
+            while world.workers[wi].fetched:  # (a poison start crashes it: a new worker, nothing fetched)
                 await do(("start", wi, 0))
+            w = world.workers[wi]
             for rid, run in list(w.runs.items()):
+                if world.workers[wi] is not w:  # crashed on a poison request: what it ran is gone
+                    break
                 if run.task is None:
                     await do(("resume", wi, idx[rid]))
                 for _ in range(3):

@@ -379,6 +379,9 @@ class World(Lossy):
             started = await w.start(args[1])
             if self.snapshot is not None:
                 self.started_since_snapshot |= set(w.runs) - before
+            if (set(w.runs) - before) & self.poison:  # it crashes the engine as it is loaded
+                await self.crash(args[0] % len(self.workers))
+                return f"{started}, poison: crashed"
             return str(started)
         if name == "resume":
             return str(await w.resume(self.rid(args[1])))
