@@ -13,7 +13,11 @@ from sluice.supervisor.processes import EmbeddedRedis
 from tests.sim.harness import run_seeds
 from tests.sim.run import play, replay_text
 
-SEEDS = list(range(1, 9))
+# 16 seeds: with each of the fixes for issue 28's defects 1, 2, 4, 6, 8 and 9 undone in turn, an
+# invariant broke within them (one run: defect 1 at seed 7, step 42; 2 at seed 12 in the drain;
+# 4 at seed 10, step 77; 6 at seed 10, step 102; 8 at seed 11, step 116; 9 at seed 2, step 100).
+# Readers' timing makes runs differ a little: a seed may find a break in one run, not the next.
+SEEDS = list(range(1, 17))
 STEPS = 150
 BUDGET_S = 75.0  # seeds are not started past this (a loaded 2-core machine runs fewer)
 # Bugs the simulation found that are still open, by a phrase of their violation: reported as a
