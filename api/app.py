@@ -45,8 +45,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     # `GET /v1/requests/` with `Host: evil.example` answered 307 to http://evil.example/...
     app = FastAPI(title="Sluice", version="0.1.0", lifespan=lifespan, redirect_slashes=False)
     app.add_middleware(KeyBeforeBody)  # inside BodySizeLimit: a body over the limit is refused by its length first
+    # /tokenize's body holds one prompt of at most max_prompt_chars: a larger one is refused from its headers
+    tokenize_cap = min(settings.max_body_bytes, tokenize.max_body_bytes(settings.max_prompt_chars))
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes,
-                       overrides={"/v1/files": settings.max_file_bytes})
+                       overrides={"/v1/files": settings.max_file_bytes, "/tokenize": tokenize_cap})
     errors.install(app)
     app.include_router(health.router)
     app.include_router(dashboard.router)  # the page needs no key; its data route is admin only

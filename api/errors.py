@@ -109,5 +109,5 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> ErrorResponse:
-        code = "not_found" if exc.status_code == 404 else "invalid_request_error"
+        code = {404: "not_found", 413: "request_too_large"}.get(exc.status_code, "invalid_request_error")
         return ErrorResponse(error_body(str(exc.detail), code), exc.status_code, headers=exc.headers)

@@ -20,10 +20,10 @@ from sluice.config.model import ModelConfig
 from sluice.config.settings import Settings
 from sluice.protocol.ids import new_request_id, request_shard
 from sluice.protocol.messages import RequestMessage, SamplingExtras, SamplingSpec, StructuredSpec
+from sluice.protocol.rows import INT32_MAX, sampling_problem
 from sluice.protocol.tokens import PromptLimits
 
 Rows = Sequence[Mapping[str, Any]]
-INT32_MAX = 2**31 - 1
 CHUNK = 64  # rows checked, or messages built, between two turns of the event loop
 
 
@@ -91,7 +91,7 @@ class Intake:
         bound by two XLENs (503 at once when it cannot fit). The rows are then checked and the
         messages built a chunk at a time, giving the event loop back between chunks."""
         self.check_call_size(len(requests), "prompt")
-        self._check_sampling(model, sampling)
+        await self._check_sampling(model, sampling)
         lane = "bulk" if sampling.priority > 0 else "interactive"
         shard = request_shard(rids[0]) if rids else pick_shard(model, sampling.priority)  # one call: one shard
         max_queued = model.max_queued or self.settings.max_queued
@@ -156,18 +156,17 @@ class Intake:
         return ApiError(503, f"model {model.name!r} is saturated: its queue is full, retry later",
                         code="overloaded", headers={"Retry-After": "1"})
 
-    def _check_sampling(self, model: ModelConfig, sampling: Sampling) -> None:
+    async def _check_sampling(self, model: ModelConfig, sampling: Sampling) -> None:
         """A 400 naming the field for a value the engine would refuse (it would fail the request
-        later, top_k 10^30 with an empty message): token ids outside the model's vocabulary (when
-        the api can read its tokenizer), values past the engine's 32-bit fields."""
-        loaded = self.prompt_limits.loaded(model)
-        vocab: int = loaded[0].get_vocab_size() if loaded else INT32_MAX + 1  # type: ignore[attr-defined]
-        if sampling.top_k > INT32_MAX:
-            raise ApiError(400, f"top_k: at most {INT32_MAX} (-1 or 0: every token)", param="top_k")
-        bad = next((t for t in sampling.stop_token_ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise ApiError(400, f"stop_token_ids: {bad} is not a token id of model {model.name!r} (0 to {vocab - 1})",
-                           param="stop_token_ids")
+        later, top_k 10^30 with an empty message): protocol/rows.py's checks, with the model's
+        vocabulary when the api can read its tokenizer (read off the event loop). min_tokens is
+        checked against each row's max_tokens once the rows are (`_checked_call`)."""
+        loaded = await self.prompt_limits.load(model)
+        vocab = loaded[0].get_vocab_size() if loaded else None  # type: ignore[attr-defined]
+        problem = sampling_problem(model, {"top_k": sampling.top_k, "stop_token_ids": sampling.stop_token_ids},
+                                   INT32_MAX, vocab)
+        if problem:
+            raise ApiError(problem.status, problem.message, param=problem.param)
 
     async def _checked_call(self, model: ModelConfig, requests: Sequence[Rows],
                             min_tokens: int = 0) -> list[list[dict[str, Any]]]:
@@ -178,9 +177,10 @@ class Intake:
         for rows in requests:
             checked.append(await self._checked(model, rows, known))
             for i, row in enumerate(checked[-1]):
-                if min_tokens > row["max_tokens"]:
-                    limit = f"{where('max_tokens', i, len(rows))} ({row['max_tokens']})"
-                    raise ApiError(400, f"min_tokens: {min_tokens} is more than {limit}", param="min_tokens")
+                problem = sampling_problem(model, {"min_tokens": min_tokens}, row["max_tokens"], None)
+                if problem:
+                    raise ApiError(problem.status, problem.message.replace(
+                        "max_tokens (", f"{where('max_tokens', i, len(rows))} (", 1), param=problem.param)
             since_yield += len(rows)
             if since_yield >= CHUNK:
                 since_yield = 0

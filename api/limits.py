@@ -5,11 +5,21 @@ from __future__ import annotations
 
 import json
 
+from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 
-class BodyTooLarge(Exception):
-    pass
+class BodyTooLarge(HTTPException):
+    """Raised at the app's `receive` once a body passes its limit. An HTTPException, because
+    FastAPI turns any other exception met while it reads a body into a 400 "error parsing the
+    body": this one it raises again, and the app's handler answers it 413 (api/errors.py)."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(413, message(limit))
+
+
+def message(limit: int) -> str:
+    return f"body: larger than {limit} bytes"
 
 
 class StartedSend:
@@ -49,7 +59,7 @@ class BodySizeLimit:
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
                 if seen > limit:
-                    raise BodyTooLarge
+                    raise BodyTooLarge(limit)
             return message
 
         tracked = StartedSend(send)
@@ -61,7 +71,7 @@ class BodySizeLimit:
 
     async def _refuse(self, send: Send, limit: int) -> None:
         body = json.dumps({"error": {
-            "message": f"body: larger than {limit} bytes", "type": "invalid_request_error",
+            "message": message(limit), "type": "invalid_request_error",
             "param": None, "code": "request_too_large"}}).encode()
         await send({"type": "http.response.start", "status": 413,
                     "headers": [(b"content-type", b"application/json"),

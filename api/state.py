@@ -71,10 +71,22 @@ class ApiState:
             await self.models_sync.sync()
         except Exception as err:  # noqa: BLE001 - the sync task tries again
             log.warning("could not register models in Redis yet (%s); continuing", err)
+        await self.preload_tokenizers()
         self.lookup.done.start()
         self.replies.start()
         self._tasks.append(asyncio.create_task(self.models_sync.run(), name="models-file-sync"))
         self._tasks.append(asyncio.create_task(self.expiry.run(), name="expiry-sweep"))
+
+    async def preload_tokenizers(self) -> None:
+        """Read the deployed models' tokenizers in a thread before the api takes requests (one
+        read on the event loop stalls every connection for about a second); a model deployed
+        later is read off the loop at its first use (PromptLimits.load)."""
+        models = {m.name: m for m in self.models_sync.models}
+        try:
+            models.update(await self.deployments.all(fresh=True))
+        except Exception as err:  # noqa: BLE001 - Redis away: the models file's are read
+            log.warning("could not read the deployments to preload their tokenizers (%s)", err)
+        await self.intake.prompt_limits.preload(models.values())
 
     async def close(self) -> None:
         await self.cancels.drain(CANCEL_DRAIN_S)

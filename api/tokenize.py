@@ -20,6 +20,14 @@ from sluice.protocol.openai import ChatMessage
 router = APIRouter(tags=["vllm"])
 
 
+def max_body_bytes(max_prompt_chars: int) -> int:
+    """/tokenize's body cap (api/limits.py refuses a body over it by its Content-Length, or as
+    a chunked one passes it, before it is read and parsed): the longest body a prompt of
+    max_prompt_chars can be, at 12 bytes a character (a JSON-escaped surrogate pair), plus room
+    for the other fields. A prompt over the limit is refused with 413 either way."""
+    return 12 * max_prompt_chars + 64 * 1024
+
+
 class TokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
@@ -42,8 +50,8 @@ class DetokenizeRequest(BaseModel):
     tokens: list[int] = Field(max_length=1_000_000)
 
 
-def _tokenizer(s: ApiState, model: ModelConfig) -> tuple[Any, int]:
-    loaded = s.intake.prompt_limits.loaded(model)
+async def _tokenizer(s: ApiState, model: ModelConfig) -> tuple[Any, int]:
+    loaded = await s.intake.prompt_limits.load(model)  # read off the event loop if not yet
     if loaded is None:
         raise ApiError(501, f"model {model.name!r}: its tokenizer is not readable by the api (its files are "
                             f"not on this host), so it cannot tokenize here", code="not_implemented")
@@ -59,10 +67,10 @@ async def tokenize(body: TokenizeRequest, s: ApiState = Depends(state)) -> dict:
     if chars > limit:
         raise ApiError(413, f"{param}: longer than {limit} characters (SLUICE_MAX_PROMPT_CHARS)", param=param,
                        code="request_too_large")
-    tokenizer, context = _tokenizer(s, model)
+    tokenizer, context = await _tokenizer(s, model)
     if body.messages is not None:
         require_unicode([m.content for m in body.messages], "messages")
-        chat = s.intake.prompt_limits.chat_template(model)
+        chat = await asyncio.to_thread(s.intake.prompt_limits.chat_template, model)  # transformers reads files
         try:
             text = await asyncio.to_thread(chat.apply_chat_template, [m.plain() for m in body.messages],  # type: ignore[attr-defined]
                                            tokenize=False, add_generation_prompt=body.add_generation_prompt)
@@ -83,7 +91,7 @@ async def tokenize(body: TokenizeRequest, s: ApiState = Depends(state)) -> dict:
 @router.post("/detokenize")
 async def detokenize(body: DetokenizeRequest, s: ApiState = Depends(state)) -> dict:
     model = await s.deployments.get(body.model)
-    tokenizer, _ = _tokenizer(s, model)
+    tokenizer, _ = await _tokenizer(s, model)
     vocab = tokenizer.get_vocab_size()
     bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
     if bad is not None:

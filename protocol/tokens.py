@@ -11,6 +11,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import threading
+from collections.abc import Iterable
 from pathlib import Path
 
 from sluice.config.model import ModelConfig
@@ -24,6 +26,31 @@ class PromptLimits:
         self.cache_dir = cache_dir
         self._loaded: dict[tuple[str, str], tuple[object, int] | None] = {}
         self._templates: dict[tuple[str, str, str], object] = {}
+        self._lock = threading.Lock()  # one load per model, whichever thread asks first
+
+    def is_loaded(self, model: ModelConfig) -> bool:
+        """Whether `model`'s tokenizer was read already (or found unreadable): no disk read left."""
+        return (model.name, model.path) in self._loaded
+
+    async def load(self, model: ModelConfig) -> tuple[object, int] | None:
+        """As `loaded`, reading the files in a thread when they were not read yet: reading one
+        holds the GIL for about a second, which on the event loop stalls every connection."""
+        if self.is_loaded(model):
+            return self._loaded[(model.name, model.path)]
+        return await asyncio.to_thread(self._load, model)
+
+    async def preload(self, models: Iterable[ModelConfig]) -> None:
+        """Read these models' tokenizers in a thread (the api's start, before it is ready)."""
+        pending = [m for m in models if not self.is_loaded(m)]
+        if pending:
+            await asyncio.to_thread(self._load_each, pending)
+
+    def _load_each(self, models: list[ModelConfig]) -> None:
+        for model in models:
+            try:
+                self._load(model)
+            except Exception as err:  # noqa: BLE001 - unreadable files are the engine's to refuse
+                log.warning("model %r: could not read its tokenizer (%s)", model.name, err)
 
     def loaded(self, model: ModelConfig) -> tuple[object, int] | None:
         """The model's tokenizer (a `tokenizers.Tokenizer`) and context length, when the api
@@ -44,20 +71,28 @@ class PromptLimits:
 
     def _load(self, model: ModelConfig) -> tuple[object, int] | None:
         key = (model.name, model.path)
-        if key not in self._loaded:
-            self._loaded[key] = None
-            directory = local_model_dir(model.path, self.cache_dir)
-            if directory is not None and (directory / "tokenizer.json").is_file():
-                from tokenizers import Tokenizer
+        if key in self._loaded:
+            return self._loaded[key]
+        with self._lock:
+            if key in self._loaded:
+                return self._loaded[key]
+            found: tuple[object, int] | None = None
+            try:
+                directory = local_model_dir(model.path, self.cache_dir)
+                if directory is not None and (directory / "tokenizer.json").is_file():
+                    from tokenizers import Tokenizer
 
-                config = json.loads((directory / "config.json").read_text())
-                context = model.framework_config.max_model_len or config.get("max_position_embeddings")
-                if context:
-                    self._loaded[key] = (Tokenizer.from_file(str(directory / "tokenizer.json")), int(context))
-        return self._loaded[key]
+                    config = json.loads((directory / "config.json").read_text())
+                    context = model.framework_config.max_model_len or config.get("max_position_embeddings")
+                    if context:
+                        found = (Tokenizer.from_file(str(directory / "tokenizer.json")), int(context))
+            finally:
+                self._loaded[key] = found  # set once complete: a reader never sees a half-loaded entry
+        return found
 
     async def check(self, model: ModelConfig, prompt: str, max_tokens: int) -> str | None:
-        """Why this prompt cannot fit the model's context, or None (tokenized off the event loop)."""
+        """Why this prompt cannot fit the model's context, or None (read and tokenized off the event loop)."""
+        await self.load(model)
         if self._fits(model, prompt, max_tokens):
             return None
         return await asyncio.to_thread(self.problem, model, prompt, max_tokens)

@@ -5,6 +5,7 @@ tokenizer the api can read: 100 words, so token ids 0 to 99."""
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -90,3 +91,25 @@ async def test_tokenize_refuses_a_prompt_over_the_limit_before_tokenizing(
     r = await api.post("/tokenize", json={"model": "tiny", "messages": [{"role": "user", "content": "w" * 600},
                                                                         {"role": "user", "content": "w" * 401}]})
     assert r.status_code == 413 and r.json()["error"]["param"] == "messages", r.text
+
+
+async def test_tokenizers_are_read_at_startup_and_a_later_model_s_off_the_event_loop(
+        app: FastAPI, api: httpx.AsyncClient, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    s = app.state.sluice
+    limits = s.intake.prompt_limits
+    tiny = (await s.deployments.all(fresh=True))["tiny"]
+    assert limits.is_loaded(tiny)  # read before the api took a request: none has come yet
+    later = tiny.model_copy(update={"name": "later", "path": str(tiny_model(tmp_path / "later"))})
+    await s.deployments.deploy(later)
+    assert not limits.is_loaded(later)
+    first_reads, read = [], limits._load
+
+    def recorded(model: object) -> object:
+        if not limits.is_loaded(model):  # type: ignore[arg-type]
+            first_reads.append(threading.current_thread() is threading.main_thread())
+        return read(model)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(limits, "_load", recorded)
+    r = await api.post("/v1/completions", json={"model": "later", "prompt": "w1", "stop_token_ids": [VOCAB]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "stop_token_ids", r.text  # its vocabulary: read
+    assert first_reads == [False] and limits.is_loaded(later)
