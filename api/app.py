@@ -30,12 +30,15 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        # xgrammar's first import takes seconds (5 s of CPU here): begun now in a thread, so that
-        # neither the start nor a request's event loop waits for it (a structured-output request
-        # that comes first waits in its own thread, where constraints are compiled)
+        # xgrammar's first import takes seconds (5 s of CPU here): done in a thread, beside the
+        # rest of the start, and finished before the api answers anything, as the tokenizers
+        # are: no request's event loop waits for it, and no module is imported by a thread
+        # while requests run (an import beside code walking a dict it adds to, such as
+        # sys.modules, raised 'dictionary changed size during iteration' in a test once)
         app.state.structured_backend = asyncio.create_task(asyncio.to_thread(structured.backend))
         app.state.sluice = build_state(settings, models)
         await app.state.sluice.open()
+        await app.state.structured_backend
         try:
             yield
         finally:
