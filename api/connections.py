@@ -6,9 +6,13 @@
   must be in within `api_body_timeout_s` of its headers, plus one second for every
   `api_body_min_rate` bytes that arrived, so a stalled body closes after the timeout and a
   trickle cannot stretch it for ever (time while the app is not reading is not counted);
-- a cap on open connections per api process (`api_max_connections`): one more is answered 503
-  and closed before anything of it is read, so the process keeps file descriptors for the
-  connections it serves (uvicorn's `limit_concurrency` answers 503 but keeps them open);
+- a cap on open connections per api process (`api_max_connections`). At the cap, a new
+  connection takes the place of the one that has waited longest for its request's headers
+  (answered 408 and closed): slow or silent connections cannot lock out a client that sends
+  its request at once, such as a health probe. Only when every connection is being served is
+  the new one answered 503 and closed before anything of it is read, so the process keeps file
+  descriptors for the connections it serves (uvicorn's `limit_concurrency` answers 503 but
+  keeps them open);
 - no draining for a caller without a valid key: its 401, given before the body was read,
   closes the connection, so the rest of that body is never read. Any other answer given before
   the body was read (a 413 to a keyed caller) lets the body arrive and discards it, under the
@@ -56,7 +60,7 @@ class GuardedHttp(HttpToolsProtocol):
 
     # The connection
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        if len(self.connections) >= self.max_connections:
+        if len(self.connections) - len(self._evicted()) >= self.max_connections and not self._evict_oldest():
             self._refused = True
             transport.write(_BUSY)
             transport.close()
@@ -68,6 +72,7 @@ class GuardedHttp(HttpToolsProtocol):
         if self._refused:
             return
         self._disarm()
+        self._evicted().discard(self)
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
@@ -104,15 +109,42 @@ class GuardedHttp(HttpToolsProtocol):
             self.transport.close()  # refused before its body was read: the rest is never read
         super().on_response_complete()
 
+    # Connections waiting for their headers, oldest first (per server); those evicted but not yet gone
+    def _waiting(self) -> dict[GuardedHttp, None]:
+        return self.server_state.__dict__.setdefault("sluice_waiting", {})
+
+    def _evicted(self) -> set[GuardedHttp]:
+        return self.server_state.__dict__.setdefault("sluice_evicted", set())
+
+    def _evict_oldest(self) -> bool:
+        waiting = self._waiting()
+        while waiting:
+            oldest = next(iter(waiting))
+            del waiting[oldest]
+            if not oldest.transport.is_closing():
+                oldest._disarm()
+                oldest.transport.write(_TIMEOUT)
+                oldest.transport.close()  # its connection_lost comes later: counted apart till then
+                self._evicted().add(oldest)
+                self.logger.info("closing a connection from %s: at the connection cap, it had waited longest "
+                                 "for its request's headers", oldest.client)
+                return True
+        return False
+
     # The timer
     def _arm(self, delay: float, what: str) -> None:
         self._disarm()
         self._timer = self.loop.call_later(delay, self._expired, what)
+        if what == "headers":
+            waiting = self._waiting()
+            waiting.pop(self, None)
+            waiting[self] = None  # the newest
 
     def _disarm(self) -> None:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
+        self._waiting().pop(self, None)
 
     def _expired(self, what: str) -> None:
         self._timer = None

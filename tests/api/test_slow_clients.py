@@ -142,20 +142,57 @@ async def test_a_body_at_a_fair_rate_is_not_cut(server: Address) -> None:
     assert answer.startswith(b"HTTP/1.1 404"), answer  # model "nope": the body was read and parsed
 
 
-async def test_connections_beyond_the_cap_are_refused_until_some_close(server: Address) -> None:
-    idle = [await asyncio.open_connection(*server) for _ in range(MAX_CONNECTIONS)]
+@pytest.fixture
+async def patient_server(start_api: StartApi) -> AsyncIterator[Address]:
+    """Timeouts far longer than the test: a connection closes only by its client or the cap."""
+    limits = {"api_header_timeout_s": 120.0, "api_body_timeout_s": 120.0, "api_body_min_rate": 1024,
+              "api_max_connections": MAX_CONNECTIONS}
+    async with start_api(**limits) as app, serving(app, app.state.sluice.settings) as address:
+        yield address
+
+
+async def being_served(address: Address) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A connection past its headers, its body awaited: the server's 100 Continue says it read them."""
+    reader, writer = await asyncio.open_connection(*address)
+    writer.write(b"POST /v1/requests HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                 b"content-length: 10\r\nexpect: 100-continue\r\n\r\n")
+    answer = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), CLOSED_WITHIN_S)
+    assert answer.startswith(b"HTTP/1.1 100"), answer
+    return reader, writer
+
+
+async def test_connections_beyond_the_cap_are_refused_while_every_one_is_served(patient_server: Address) -> None:
+    busy = [await being_served(patient_server) for _ in range(MAX_CONNECTIONS)]
     try:
-        refused = await asyncio.wait_for(asyncio.open_connection(*server), CLOSED_WITHIN_S)
+        refused = await asyncio.wait_for(asyncio.open_connection(*patient_server), CLOSED_WITHIN_S)
         answer = await asyncio.wait_for(refused[0].read(), CLOSED_WITHIN_S)
         assert answer.startswith(b"HTTP/1.1 503"), answer
         refused[1].close()
+        for reader, _ in busy:  # none of them was closed for it
+            assert not reader.at_eof()
     finally:
-        for _, writer in idle:
+        for _, writer in busy:
             writer.close()
-    # the idle ones are gone (closed here, or by the header timeout): the server answers again
+    # the busy ones are gone: the server answers again
     async with asyncio.timeout(CLOSED_WITHIN_S):
-        while not (answer := await healthz(server)).startswith(b"HTTP/1.1 200"):
+        while not (answer := await healthz(patient_server)).startswith(b"HTTP/1.1 200"):
             await asyncio.sleep(0.05)
+
+
+async def test_at_the_cap_a_new_connection_takes_the_place_of_the_one_waiting_longest(patient_server: Address) -> None:
+    """Slow or silent connections (a slowloris) cannot lock out a client that sends its request
+    at once, such as a health probe: the one that has waited longest for its headers makes room."""
+    silent = [await asyncio.open_connection(*patient_server) for _ in range(MAX_CONNECTIONS)]
+    try:
+        for oldest in range(3):  # at the cap each time: the probe's own connection closes after its answer
+            assert (await asyncio.wait_for(healthz(patient_server), CLOSED_WITHIN_S)).startswith(b"HTTP/1.1 200")
+            # the oldest made room (the header timeout is far off: only the cap closed it)
+            answer = await asyncio.wait_for(silent[oldest][0].read(), CLOSED_WITHIN_S)
+            assert answer.startswith(b"HTTP/1.1 408"), answer
+            silent.append(await asyncio.open_connection(*patient_server))  # back to the cap
+    finally:
+        for _, writer in silent:
+            writer.close()
 
 
 @pytest.mark.parametrize("workers", [1, 2])
