@@ -6,6 +6,7 @@ against the promoted replica: the admission is there, new ones land, a blocking 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import shutil
 import time
 from pathlib import Path
@@ -65,7 +66,8 @@ async def test_clients_follow_a_failover(tmp_path: Path, settings: Settings) -> 
     done = FinalResult(status=State.DONE).model_dump_json()
     try:
         adm = admission(client, settings)
-        adm.wait_replicas = 1  # the 202's promise: on the replica before it is answered
+        # the 202's promise: on the replica before it is answered
+        adm.limits = dataclasses.replace(adm.limits, wait_replicas=1)
         before = message()
         await adm.submit(before, max_queued=100)
         await client.xadd(KEYS.reply(before.id), {"kind": "final", "data": done})
@@ -79,7 +81,8 @@ async def test_clients_follow_a_failover(tmp_path: Path, settings: Settings) -> 
         # The promoted replica has no replica of its own: an admission cannot be promised...
         with pytest.raises(NotDurable, match="on 0 of 1 replicas"):
             await until_written(lambda: adm.submit(after, max_queued=100))
-        adm.wait_replicas = 0  # ...and the client's retry (the same id) enqueues nothing twice
+        # ...and the client's retry (the same id) enqueues nothing twice
+        adm.limits = dataclasses.replace(adm.limits, wait_replicas=0)
         await adm.submit(after, max_queued=100)
         entries = await client.xrange(KEYS.requests)
         assert [f["id"] for _, f in entries] == [before.id, after.id]
