@@ -35,7 +35,7 @@ def add_knob() -> None:
          module.__dict__)
 
 
-async def main(redis_url: str, folder: Path) -> dict[str, dict[str, Any]]:
+async def main(redis_url: str, folder: Path, jobs_broker_url: str | None = None) -> dict[str, dict[str, Any]]:
     import httpx
 
     from sluice.api.app import create_app
@@ -59,7 +59,8 @@ async def main(redis_url: str, folder: Path) -> dict[str, dict[str, Any]]:
             return super().generate(request)
 
     (folder / "models.yaml").write_text(f"models:\n  - name: {MODEL}\n")
-    settings = Settings(redis_url=redis_url, data_dir=folder / "data", models_file=folder / "models.yaml",
+    settings = Settings(redis_url=redis_url, jobs_broker_url=jobs_broker_url, data_dir=folder / "data",
+                        models_file=folder / "models.yaml",
                         lease_timeout_s=3.0, heartbeat_interval_s=0.5, cancel_poll_s=0.05, shutdown_timeout_s=5.0)
     redis = connect(redis_url, name="sluice-knob-test")
     await redis.flushdb()
@@ -104,4 +105,4 @@ async def main(redis_url: str, folder: Path) -> dict[str, dict[str, Any]]:
 
 if __name__ == "__main__":
     add_knob()
-    print(json.dumps(asyncio.run(main(sys.argv[1], Path(sys.argv[2])))))
+    print(json.dumps(asyncio.run(main(sys.argv[1], Path(sys.argv[2]), *sys.argv[3:]))))

@@ -23,9 +23,12 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 async def test_a_knob_added_to_its_one_declaration_reaches_sampling_params(redis: Redis, redis_url: str,
+                                                                           jobs_broker_url: str | None,
                                                                            tmp_path: Path) -> None:
     assert KNOB not in SamplingExtras.model_fields  # added by the script's process alone
-    run = subprocess.run([sys.executable, "-m", "tests.workers.added_knob", redis_url, str(tmp_path)], cwd=ROOT,
+    # on a Redis Cluster, the jobs' Celery broker is a single Redis of its own (as for every test)
+    run = subprocess.run([sys.executable, "-m", "tests.workers.added_knob", redis_url, str(tmp_path),
+                          *([jobs_broker_url] if jobs_broker_url else [])], cwd=ROOT,
                          capture_output=True, text=True, timeout=180)
     assert run.returncode == 0, run.stderr[-4000:]
     got = json.loads(run.stdout.splitlines()[-1])
