@@ -151,11 +151,7 @@ def parse_line(index: int, text: str, endpoint: str, default_max_tokens: int = 2
     bad += (["n"] if body.n != 1 else []) + (["stream"] if body.stream else [])
     if isinstance(body, CompletionRequest) and len(body.prompt) != 1:
         bad.append("prompt (one prompt per line)")
-    if not body.model:
-        bad.append("model (required)")
-    if bad:
-        return _unsupported(custom_id, where, bad)
-    model = _deployment(rules, custom_id, body.model)
+    model = _deployment_or_refusal(rules, custom_id, where, body.model, bad)
     if isinstance(model, dict):
         return model
     max_tokens = body.max_tokens or (model.default_max_tokens if model else default_max_tokens)
@@ -180,6 +176,16 @@ def _invalid_body(custom_id: str, where: str, err: ValidationError) -> Record:
 
 def _unsupported(custom_id: str, where: str, bad: list[str]) -> Record:
     return error_record(custom_id, "invalid_request", f"{where}: not supported in a batch: " + ", ".join(bad))
+
+
+def _deployment_or_refusal(rules: Rules | None, custom_id: str, where: str, name: str | None,
+                           bad: list[str]) -> ModelConfig | Record | None:
+    """The line's deployment, or its error row: the problems found, a missing model, an unknown one."""
+    if not name:
+        bad.append("model (required)")
+    if bad:
+        return _unsupported(custom_id, where, bad)
+    return _deployment(rules, custom_id, name)
 
 
 def _deployment(rules: Rules | None, custom_id: str, name: str) -> ModelConfig | Record | None:
@@ -215,11 +221,7 @@ def _response_line(index: int, custom_id: str, raw: Any, where: str, default_max
         return _invalid_body(custom_id, where, err)
     bad = [message for _, message in body.problems()] + [name for name in ("stream", "background")
                                                          if getattr(body, name)]
-    if not body.model:
-        bad.append("model (required)")
-    if bad:
-        return _unsupported(custom_id, where, bad)
-    model = _deployment(rules, custom_id, body.model)
+    model = _deployment_or_refusal(rules, custom_id, where, body.model, bad)
     if isinstance(model, dict):
         return model
     max_tokens = body.max_output_tokens or (model.default_max_tokens if model else default_max_tokens)
