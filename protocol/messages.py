@@ -89,6 +89,7 @@ class RequestMessage(BaseModel):
     priority: int = 0
     lane: Literal["interactive", "bulk"] = "interactive"
     owner: str | None = None  # digest of the api key that made it; None without keys
+    tenant: str = "default"  # the tenant of that key (config/tenants.py); fair share and quotas are per tenant
 
     def to_fields(self) -> dict[str, str]:
         return {"id": self.id, "data": self.model_dump_json()}
