@@ -60,7 +60,17 @@ def _worker(w: WorkerInfo, now: float) -> dict[str, Any]:
     return {"name": w.name, "model": w.model, "version": w.version, "mode": w.mode, "state": w.state,
             "host": w.host, "pid": w.pid, "in_flight": w.in_flight, "capacity": w.capacity,
             "heartbeat_age_s": round(max(now - w.heartbeat_at, 0.0), 1),
-            "uptime_s": round(max(now - w.started_at, 0.0), 1), "metrics_url": w.metrics_url}
+            "uptime_s": round(max(now - w.started_at, 0.0), 1), "metrics_url": w.metrics_url,
+            "prefix_cache": _prefix_cache(w)}
+
+
+def _prefix_cache(w: WorkerInfo) -> dict[str, Any] | None:
+    """The worker's engine's prefix-cache counters since it started (prompt tokens), and their
+    hit rate; None when its engine has no prefix cache (or it is older than the counters)."""
+    if w.prefix_cache_queries is None or w.prefix_cache_hits is None:
+        return None
+    rate = round(w.prefix_cache_hits / w.prefix_cache_queries, 4) if w.prefix_cache_queries else None
+    return {"queries": w.prefix_cache_queries, "hits": w.prefix_cache_hits, "hit_rate": rate}
 
 
 def _reader(request: Request, s: ApiState) -> ActivityReader:
@@ -78,7 +88,7 @@ async def _model(request: Request, s: ApiState, m: ModelConfig, live: list[Worke
         _reader(request, s).read(m.name, now))
     mine = [w for w in live if w.model == m.name]
     return {
-        "name": m.name, "version": m.version, "mode": m.mode.value,
+        "name": m.name, "version": m.version, "mode": m.mode.value, "prefix_affinity": m.prefix_affinity,
         "max_queued": m.max_queued or s.settings.max_queued,
         "queue": {lane: figures.view() for lane, figures in queue.items()},
         "in_flight": sum(w.in_flight for w in mine), "capacity": sum(w.capacity for w in mine),

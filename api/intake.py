@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 import secrets
 import time
@@ -21,7 +22,7 @@ from sluice.config.settings import Settings
 from sluice.protocol.ids import new_request_id, request_shard
 from sluice.protocol.messages import RequestMessage, SamplingExtras, SamplingSpec, StructuredSpec
 from sluice.protocol.rows import INT32_MAX, sampling_problem
-from sluice.protocol.tokens import PromptLimits
+from sluice.protocol.tokens import Measured, PromptLimits
 
 Rows = Sequence[Mapping[str, Any]]
 CHUNK = 64  # rows checked, or messages built, between two turns of the event loop
@@ -98,7 +99,7 @@ class Intake:
         if sum(len(rows) for rows in requests) > 1 and not await self.admission.has_room(
                 model.name, shard, lane, len(requests), max_queued=max_queued, shards=model.shards):
             raise self._queue_full(model, len(requests))
-        checked = await self._checked_call(model, requests, sampling.min_tokens)
+        checked, prefixes = await self._checked_call(model, requests, sampling.min_tokens)
         now = time.time()
         seed = sampling.seed if sampling.seed is not None else secrets.randbits(31)
         timeout_s = sampling.timeout_s or model.request_timeout_s or self.settings.request_timeout_s
@@ -116,6 +117,7 @@ class Intake:
                 owner=owner,
                 priority=sampling.priority,
                 lane=lane,
+                prefix=list(prefixes[i]),
             ))
         bound = {"max_queued": max_queued, "shards": model.shards,
                  "result_ttl_s": model.result_ttl_s or self.settings.result_ttl_s, "keyed": keyed}
@@ -168,14 +170,16 @@ class Intake:
         if problem:
             raise ApiError(problem.status, problem.message, param=problem.param)
 
-    async def _checked_call(self, model: ModelConfig, requests: Sequence[Rows],
-                            min_tokens: int = 0) -> list[list[dict[str, Any]]]:
-        """Every request's rows checked, a chunk of rows at a time; a prompt repeated in the call
-        (its n choices) is measured against the context once."""
-        known: dict[tuple[str, int], str | None] = {}
-        checked, since_yield = [], 0
+    async def _checked_call(self, model: ModelConfig, requests: Sequence[Rows], min_tokens: int = 0
+                            ) -> tuple[list[list[dict[str, Any]]], list[tuple[str, ...]]]:
+        """Every request's rows checked, a chunk of rows at a time, and each request's prefix key
+        (its first row's); a prompt repeated in the call (its n choices) is measured once."""
+        known: dict[tuple[str, int], Measured] = {}
+        checked, prefixes, since_yield = [], [], 0
         for rows in requests:
-            checked.append(await self._checked(model, rows, known))
+            measured = await self._checked(model, rows, known)
+            checked.append(measured[0])
+            prefixes.append(measured[1])
             for i, row in enumerate(checked[-1]):
                 problem = sampling_problem(model, {"min_tokens": min_tokens}, row["max_tokens"], None)
                 if problem:
@@ -185,21 +189,33 @@ class Intake:
             if since_yield >= CHUNK:
                 since_yield = 0
                 await asyncio.sleep(0)
-        return checked
+        return checked, prefixes
 
     async def _checked(self, model: ModelConfig, rows: Rows,
-                       known: dict[tuple[str, int], str | None]) -> list[dict[str, Any]]:
+                       known: dict[tuple[str, int], Measured]) -> tuple[list[dict[str, Any]], tuple[str, ...]]:
+        """The rows checked, and the prefix key of the first (the one the engine's batch starts with)."""
         try:
             checked = checked_rows(model, rows, max_prompt_chars=self.settings.max_prompt_chars)
         except RowsRefused as refused:
             REJECTED.labels(model.name, refused.reason).inc()
             raise
+        prefix: tuple[str, ...] = ()
         for i, row in enumerate(checked):
-            key = (prompt_text(row), row["max_tokens"])
+            key = (_measured_as(row), row["max_tokens"])
             if key not in known:
-                known[key] = await self.prompt_limits.check(model, *key)
-            too_long = known[key]
+                known[key] = await self.prompt_limits.measure(model, row, row["max_tokens"])
+            too_long = known[key].problem
             if too_long:
                 REJECTED.labels(model.name, "context").inc()
                 raise ApiError(400, where(too_long, i, len(checked)), param="prompt")
-        return checked
+            if i == 0:
+                prefix = known[key].prefix
+        return checked, prefix
+
+
+def _measured_as(row: Mapping[str, Any]) -> str:
+    """What makes two rows measure the same: the prompt, or the messages and tools the chat
+    template renders (two chats with the same contents may differ in roles)."""
+    if row.get("prompt") or "messages" not in row:
+        return prompt_text(row)
+    return json.dumps([row["messages"], row.get("tools")], sort_keys=True, default=str)

@@ -71,6 +71,9 @@ class WorkerInfo:
     metrics_url: str | None = None  # its Prometheus endpoint, when it serves one
     admitted: int | None = None  # requests it admits to the engine at once (capacity, or the SLO's limit)
     service_rate: float = 0.0  # requests/s it finishes at that concurrency (0: not known yet)
+    # its engine's prefix-cache counters so far, in prompt tokens (None: no prefix cache)
+    prefix_cache_queries: int | None = None
+    prefix_cache_hits: int | None = None
 
 
 class WorkerRegistry:

@@ -6,6 +6,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+DEFAULT_BLOCK_SIZE = 16  # vLLM's KV-cache block size when none is set (the CPU backend's too)
+
 
 class VLLMConfig(BaseModel):
     """vLLM engine options with the product documents' defaults.
@@ -23,6 +25,10 @@ class VLLMConfig(BaseModel):
     kv_cache_dtype: str = "auto"
     gpu_memory_utilization: float = Field(default=0.9, gt=0.0, le=1.0)
     block_size: int | None = Field(default=None, gt=0)
+    # vLLM's automatic prefix caching: a prompt's leading blocks already in the KV cache skip
+    # their prefill. On by default (vLLM's own default too, stated here so that the deployment
+    # says it and placement can count on it: docs/prefix-affinity.md).
+    enable_prefix_caching: bool = True
     device_group: str | None = None  # ignored for CUDA acceleration
     # Sluice additions: the dtype (tests pin float32 so that batching cannot change
     # greedy results), eager mode (fast start on the CPU), a KV cache size in GiB for
@@ -36,3 +42,8 @@ class VLLMConfig(BaseModel):
     scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
     cpu_kvcache_space_gib: float | None = Field(default=None, gt=0)
     extra_engine_args: dict[str, Any] = Field(default_factory=dict)
+
+    @property
+    def cache_block_size(self) -> int:
+        """Tokens per KV-cache block: the one set, or vLLM's default."""
+        return self.block_size or DEFAULT_BLOCK_SIZE

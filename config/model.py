@@ -71,6 +71,10 @@ class ModelConfig(BaseModel):
     # A hot model's interactive stream split over this many streams, each its own cluster slot
     # ({m:<model>:<k>}): the api spreads requests over them, workers read them all.
     shards: int = Field(default=1, ge=1, le=64)
+    # Prefix affinity: the api gives each request its prefix key (protocol/prefix.py) and workers
+    # prefer the waiting requests whose prefix their engine's cache likely holds, within a bound
+    # of extra wait (docs/prefix-affinity.md); false: no keys, plain FIFO pulls.
+    prefix_affinity: bool = True
 
     @model_validator(mode="after")
     def _one_batching_mode(self) -> ModelConfig:

@@ -90,6 +90,10 @@ class RequestMessage(BaseModel):
     lane: Literal["interactive", "bulk"] = "interactive"
     owner: str | None = None  # digest of the api key that made it; None without keys
     tenant: str = "default"  # the tenant of that key (config/tenants.py); fair share and quotas are per tenant
+    # Chained hashes of the prompt's leading KV-cache blocks at a few depths, shallowest first
+    # (protocol/prefix.py): requests sharing a prefix share their leading keys, and placement
+    # prefers the worker likely to hold them. Empty: no affinity (nothing cacheable, not computed).
+    prefix: list[str] = Field(default_factory=list, max_length=8)
 
     def to_fields(self) -> dict[str, str]:
         return {"id": self.id, "data": self.model_dump_json()}

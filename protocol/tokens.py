@@ -12,13 +12,30 @@ import asyncio
 import json
 import logging
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from sluice.config.model import ModelConfig
 from sluice.config.model_paths import local_model_dir
+from sluice.protocol.prefix import prefix_keys
+from sluice.protocol.rows import prompt_text
 
 log = logging.getLogger(__name__)
+
+
+# A prompt this short is measured on the event loop: tokenizing it costs less than a thread's round trip.
+INLINE_BYTES = 2048
+
+
+@dataclass(frozen=True)
+class Measured:
+    """A row's prompt measured at admission: why it cannot fit the context (or None), and its
+    prefix key (protocol/prefix.py; empty when not computed)."""
+
+    problem: str | None = None
+    prefix: tuple[str, ...] = ()
 
 
 class PromptLimits:
@@ -26,6 +43,7 @@ class PromptLimits:
         self.cache_dir = cache_dir
         self._loaded: dict[tuple[str, str], tuple[object, int] | None] = {}
         self._templates: dict[tuple[str, str, str], object] = {}
+        self._no_template: set[tuple[str, str]] = set()
         self._lock = threading.Lock()  # one load per model, whichever thread asks first
 
     def is_loaded(self, model: ModelConfig) -> bool:
@@ -103,16 +121,86 @@ class PromptLimits:
         if loaded is None or self._fits(model, prompt, max_tokens):
             return None
         tokenizer, context = loaded
-        # encode_batch lets go of the GIL while it works (encode holds it: tokenizing 1.5 M
-        # characters stalled every other thread, the event loop included, for 10 s here).
-        n = len(tokenizer.encode_batch_fast([prompt])[0].ids)  # type: ignore[attr-defined]
-        if n + max_tokens > context:
-            return (f"prompt: {n} tokens plus max_tokens {max_tokens} exceed the model's context "
-                    f"length ({context} tokens)")
-        return None
+        return _too_long(len(_token_ids(tokenizer, prompt)), max_tokens, context)
+
+    async def measure(self, model: ModelConfig, row: Mapping[str, Any], max_tokens: int) -> Measured:
+        """`check` for a row and, when the deployment has prefix affinity, its prefix key, from one
+        tokenization of its prompt (the check alone tokenizes only a prompt that may not fit). A
+        chat row's key comes from its messages as the chat template renders them (what the worker's
+        engine is given); its context check counts the contents, as `check` does, so it tokenizes a
+        second time only for contents that may not fit by their bytes."""
+        loaded = await self.load(model)
+        if loaded is None or not model.prefix_affinity:
+            return Measured(await self.check(model, prompt_text(row), max_tokens))
+        if _is_chat(row) and not self._has_template(model):
+            await asyncio.to_thread(self._template, model)  # transformers reads files: once, off the loop
+        if len(prompt_text(row).encode()) <= INLINE_BYTES:
+            return self.measured(model, row, max_tokens)
+        return await asyncio.to_thread(self.measured, model, row, max_tokens)
+
+    def measured(self, model: ModelConfig, row: Mapping[str, Any], max_tokens: int) -> Measured:
+        """As `measure`, in the calling thread."""
+        loaded = self._load(model)
+        if loaded is None:
+            return Measured()
+        tokenizer, context = loaded
+        text = prompt_text(row)
+        if _is_chat(row):
+            problem = None if self._fits(model, text, max_tokens) else self.problem(model, text, max_tokens)
+            rendered = self._rendered_chat(model, row)
+            ids = _token_ids(tokenizer, rendered) if rendered is not None else []
+        else:
+            ids = _token_ids(tokenizer, text)
+            problem = _too_long(len(ids), max_tokens, context)
+        return Measured(problem, tuple(prefix_keys(ids, model.framework_config.cache_block_size)))
+
+    def _has_template(self, model: ModelConfig) -> bool:
+        return ("chat", model.name, model.path) in self._templates or (model.name, model.path) in self._no_template
+
+    def _template(self, model: ModelConfig) -> object | None:
+        """`chat_template`, or None when the model's files have none that transformers can read
+        (remembered: a chat row then gets no prefix key, and the engine renders it or refuses)."""
+        if (model.name, model.path) in self._no_template:
+            return None
+        try:
+            return self.chat_template(model)
+        except Exception as err:  # noqa: BLE001 - no template here: no keys for chat rows
+            log.warning("model %r: no chat template readable for prefix keys (%s)", model.name, err)
+            self._no_template.add((model.name, model.path))
+            return None
+
+    def _rendered_chat(self, model: ModelConfig, row: Mapping[str, Any]) -> str | None:
+        """The row's messages as the worker's engine renders them (workers/engines/vllm.py), or None
+        when the template cannot: the engine will fail the request, and it needs no key."""
+        chat = self._template(model)
+        if chat is None:
+            return None
+        try:
+            return chat.apply_chat_template(list(row["messages"]), tools=row.get("tools"),  # type: ignore[attr-defined]
+                                            tokenize=False, add_generation_prompt=True)
+        except Exception:  # noqa: BLE001 - a template refusing the messages: the engine reports it
+            return None
 
     def _fits(self, model: ModelConfig, prompt: str, max_tokens: int) -> bool:
         """True when the prompt fits without counting its tokens (a token is at least one byte),
         or when the tokenizer cannot be read (the engine is left to refuse it)."""
         loaded = self._load(model)
         return loaded is None or len(prompt.encode()) + max_tokens <= loaded[1]
+
+
+def _is_chat(row: Mapping[str, Any]) -> bool:
+    """A row the engine renders with the chat template (Engine.prompt_for)."""
+    return "messages" in row and not row.get("prompt")
+
+
+def _token_ids(tokenizer: object, text: str) -> list[int]:
+    # encode_batch lets go of the GIL while it works (encode holds it: tokenizing 1.5 M
+    # characters stalled every other thread, the event loop included, for 10 s here).
+    return tokenizer.encode_batch_fast([text])[0].ids  # type: ignore[attr-defined, no-any-return]
+
+
+def _too_long(n: int, max_tokens: int, context: int) -> str | None:
+    if n + max_tokens > context:
+        return (f"prompt: {n} tokens plus max_tokens {max_tokens} exceed the model's context "
+                f"length ({context} tokens)")
+    return None

@@ -24,6 +24,12 @@ GENERATION_TOKENS = Counter("sluice_generation_tokens", "Output tokens generated
 PROMPT_TOKENS = Counter("sluice_prompt_tokens", "Prompt tokens processed", ["model"])
 RECLAIMS = Counter("sluice_reclaims", "Entries taken over from workers whose lease expired", ["model"])
 DEAD_LETTERS = Counter("sluice_dead_letters", "Requests moved to the dead-letter stream", ["model"])
+# vLLM's vllm:prefix_cache_queries and vllm:prefix_cache_hits, per worker (each has its own cache):
+# the hit rate is hits / queries over a window.
+PREFIX_CACHE_QUERIES = Counter("sluice_prefix_cache_queries", "Prompt tokens looked up in the engine's prefix cache",
+                               ["model", "worker"])
+PREFIX_CACHE_HITS = Counter("sluice_prefix_cache_hits", "Prompt tokens found in the engine's prefix cache",
+                            ["model", "worker"])
 
 
 def serve(port: int, host: str = "0.0.0.0") -> None:

@@ -15,6 +15,7 @@ from redis.asyncio import Redis
 
 from sluice.api import intake
 from sluice.broker.keys import ModelKeys
+from sluice.protocol.tokens import Measured
 from tests.api.conftest import StartApi
 from tests.broker.helpers import MODEL
 
@@ -97,10 +98,11 @@ async def test_the_choices_of_one_prompt_are_measured_once(api: httpx.AsyncClien
                                                            app: FastAPI, monkeypatch: pytest.MonkeyPatch) -> None:
     measured: list[str] = []
 
-    async def check(model, prompt: str, max_tokens: int) -> None:  # type: ignore[no-untyped-def]
-        measured.append(prompt)
+    async def measure(model, row, max_tokens: int) -> Measured:  # type: ignore[no-untyped-def]
+        measured.append(row["prompt"])
+        return Measured()
 
-    monkeypatch.setattr(app.state.sluice.intake.prompt_limits, "check", check)
+    monkeypatch.setattr(app.state.sluice.intake.prompt_limits, "measure", measure)
     r = await api.post("/v1/completions", json=completion(3, n=8))
     assert r.status_code == ADMITTED, r.text
     assert sorted(measured) == ["p0", "p1", "p2"] and await queued(redis) == 24

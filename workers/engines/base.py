@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sluice.protocol.messages import SamplingExtras, StructuredSpec, TokenLogprob
+from sluice.workers.engines.prefix_cache import PrefixCacheCounters
 
 
 @dataclass
@@ -69,6 +70,11 @@ class Engine(abc.ABC):
         """The tool calls in a chat row's output (with `tool_choice: "auto"`, the row names the
         deployment's tool-call parser), and the content beside them. Engines without a
         tokenizer find none."""
+        return None
+
+    def prefix_cache_counters(self) -> PrefixCacheCounters | None:
+        """The engine's prefix-cache counters so far (tokens queried and found cached, as vLLM
+        counts them), or None for an engine without a prefix cache."""
         return None
 
     @abc.abstractmethod

@@ -23,6 +23,7 @@ from typing import Any
 from sluice.config.engine import VLLMConfig
 from sluice.config.model import ConfigError, ModelConfig
 from sluice.workers.engines.base import Engine, GenerationRequest, TokenDelta
+from sluice.workers.engines.prefix_cache import PrefixCacheCounters
 
 
 class CustomRuntime(Engine):
@@ -54,6 +55,9 @@ class CustomRuntime(Engine):
     def tool_calls(self, row: dict[str, Any], text: str) -> tuple[list[dict[str, Any]], str | None] | None:
         assert self.engine is not None, "start() first"
         return self.engine.tool_calls(row, text)
+
+    def prefix_cache_counters(self) -> PrefixCacheCounters | None:
+        return self.engine.prefix_cache_counters() if self.engine is not None else None
 
     async def abort(self, request_id: str) -> None:
         if self.engine is not None:

@@ -5,10 +5,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import zlib
 from collections.abc import AsyncIterator
 
+from sluice.config.engine import DEFAULT_BLOCK_SIZE
 from sluice.protocol.messages import TokenLogprob
+from sluice.protocol.prefix import block_hashes
 from sluice.workers.engines.base import Engine, GenerationRequest, TokenDelta
+from sluice.workers.engines.prefix_cache import PrefixCacheCounters, SimulatedPrefixCache
 
 log = logging.getLogger(__name__)
 
@@ -24,11 +28,18 @@ class NullEngine(Engine):
     instead of resuming after them shows (in its text and, as strictly as a real engine, in its
     token ids); `crash_on` kills the process on a prompt containing it, like
     a request that brings its engine down.
+
+    `prefix_cache_blocks` gives it a simulated prefix cache of that many blocks (its tokens are the
+    prompt's words), and `prefill_s_per_token` a prefill time per prompt token the cache does not
+    hold: placement then shows in its latency and in the hit counters it reports as vLLM does.
     """
 
     def __init__(self, delay_s: float = 0.0, token_delay_s: float = 0.0, crash_on: str | None = None,
-                 composition: bool = False):
+                 composition: bool = False, *, prefix_cache_blocks: int = 0, prefill_s_per_token: float = 0.0,
+                 block_size: int = DEFAULT_BLOCK_SIZE):
         self.delay_s = delay_s
+        self.prefill_s_per_token = prefill_s_per_token
+        self.prefix_cache = SimulatedPrefixCache(prefix_cache_blocks, block_size) if prefix_cache_blocks else None
         self.token_delay_s = token_delay_s
         self.crash_on = crash_on
         self.composition = composition
@@ -59,11 +70,12 @@ class NullEngine(Engine):
         if self.crash_on and self.crash_on in request.prompt:
             log.critical("null engine: crashing on request %s, as configured", request.request_id)
             os._exit(70)
-        if self.delay_s:
-            await asyncio.sleep(self.delay_s)
+        prompt_tokens = len(request.prompt.split())
+        prefill_s = self._prefill(request.prompt, prompt_tokens)
+        if self.delay_s or prefill_s:
+            await asyncio.sleep(self.delay_s + prefill_s)
         first = len(request.resume_token_ids)
         last = first + request.max_tokens
-        prompt_tokens = len(request.prompt.split())
         prompt_lp = _prompt_logprobs(request) if request.prompt_logprobs is not None else None
         if not self.token_delay_s:
             tokens = [self._token(i) for i in range(first, last)]
@@ -78,6 +90,18 @@ class NullEngine(Engine):
             token, text = self._token(i)
             yield TokenDelta(text, [token], "length" if i == last - 1 else None, prompt_tokens if i == first else None,
                              _logprobs(request, [text]), prompt_lp if i == first else None)
+
+    def _prefill(self, prompt: str, prompt_tokens: int) -> float:
+        """The prefill time of this prompt: its tokens the simulated cache does not hold (all of
+        them without one), each `prefill_s_per_token`."""
+        if self.prefix_cache is None:
+            return self.prefill_s_per_token * prompt_tokens
+        ids = [zlib.crc32(word.encode()) for word in prompt.split()]
+        blocks = block_hashes(ids, self.prefix_cache.block_size)
+        return self.prefill_s_per_token * (prompt_tokens - self.prefix_cache.admit(blocks, prompt_tokens))
+
+    def prefix_cache_counters(self) -> PrefixCacheCounters | None:
+        return self.prefix_cache.counters if self.prefix_cache is not None else None
 
     async def abort(self, request_id: str) -> None:
         if request_id in self._running:

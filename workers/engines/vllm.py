@@ -12,6 +12,7 @@ from typing import Any
 from sluice.config.engine import VLLMConfig
 from sluice.protocol.messages import TokenLogprob
 from sluice.workers.engines.base import Engine, GenerationRequest, TokenDelta
+from sluice.workers.engines.prefix_cache import PrefixCacheCounters
 from sluice.workers.engines.tool_calls import parse_tool_calls
 
 log = logging.getLogger(__name__)
@@ -76,6 +77,7 @@ class VLLMEngine(Engine):
         self._engine: Any = None
         self._tokenizer: Any = None
         self.warmed_up: list[str] = []  # what start() had the engine load (WARM_UP)
+        self.prefix_counters = PrefixCacheCounters()  # summed by the engine's stat logger (PrefixCacheStatLogger)
 
     async def start(self) -> None:
         from vllm import AsyncEngineArgs, AsyncLLMEngine
@@ -83,7 +85,10 @@ class VLLMEngine(Engine):
         for name in ignored:
             log.warning("engine option %s is not supported by vLLM %s here: ignored", name, _vllm_version())
         log.info("starting vLLM engine for %s", self.model_path)
-        self._engine = AsyncLLMEngine.from_engine_args(AsyncEngineArgs(**kwargs))
+        # The engine's own stat loggers stay off (disable_log_stats); ours only sums the prefix
+        # cache's counters, which vLLM reports per scheduler step.
+        self._engine = AsyncLLMEngine.from_engine_args(AsyncEngineArgs(**kwargs),
+                                                       stat_loggers=[prefix_stat_logger(self.prefix_counters)])
         from transformers import AutoTokenizer  # for chat templates; loaded once, off the request path
 
         self._tokenizer = AutoTokenizer.from_pretrained(self.model_path)
@@ -164,6 +169,9 @@ class VLLMEngine(Engine):
         first = TokenLogprob(token=self._tokenizer.decode(ids[:1]), logprob=None) if ids else None
         return ([first] if first else []) + got
 
+    def prefix_cache_counters(self) -> PrefixCacheCounters | None:
+        return self.prefix_counters if self.config.enable_prefix_caching else None
+
     async def abort(self, request_id: str) -> None:
         if self._engine is not None:
             await self._engine.abort(request_id)
@@ -192,3 +200,27 @@ def _vllm_version() -> str:
     import vllm
 
     return vllm.__version__
+
+
+def prefix_stat_logger(counters: PrefixCacheCounters) -> Any:
+    """A factory of vLLM stat loggers (vllm.v1.metrics.loggers.StatLoggerBase) that add each
+    scheduler step's prefix-cache queries and hits (tokens, PrefixCacheStats) to `counters`, as
+    vLLM's own Prometheus logger counts vllm:prefix_cache_queries and vllm:prefix_cache_hits.
+    A preempted request's second lookup is left out, as vLLM leaves it out of those."""
+    from vllm.v1.metrics.loggers import StatLoggerBase
+
+    class PrefixCacheStatLogger(StatLoggerBase):
+        def __init__(self, vllm_config: Any, engine_index: int = 0):
+            self.engine_index = engine_index
+
+        def record(self, scheduler_stats: Any, iteration_stats: Any, mm_cache_stats: Any = None,
+                   engine_idx: int = 0) -> None:
+            stats = getattr(scheduler_stats, "prefix_cache_stats", None)
+            if stats is not None:
+                counters.queries += stats.queries
+                counters.hits += stats.hits
+
+        def log_engine_initialized(self) -> None:
+            return None
+
+    return PrefixCacheStatLogger
