@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import re
 import time
 from typing import Any
 
@@ -13,7 +14,8 @@ from redis.asyncio import Redis
 from sluice.broker import keys
 from sluice.broker.connection import has_replicas, read_copied, wait_for_copies
 from sluice.broker.keys import GROUP, ModelKeys
-from sluice.broker.limits import AdmissionLimits
+from sluice.broker.fair_share import expected_cost
+from sluice.broker.limits import AdmissionLimits, TenantShare
 from sluice.broker.scripts import Scripts
 from sluice.broker.status import RequestStatus
 from sluice.broker.webhooks import SubscribedOwners
@@ -25,6 +27,17 @@ log = logging.getLogger(__name__)
 
 class QueueFull(Exception):
     """The model's streams hold their bound of waiting requests (or its lane its share)."""
+
+
+class TenantQueueFull(QueueFull):
+    """The tenant holds its share of the model's queue bound while another tenant has work queued."""
+
+    def __init__(self, model: str, tenant: str, held: int):
+        super().__init__(model)
+        self.tenant, self.held = tenant, held
+
+
+TENANT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")  # a part of key names (keys.staged)
 
 
 class SloRefused(QueueFull):
@@ -48,39 +61,49 @@ class Admission:
         self.webhook_owners = SubscribedOwners(redis)  # an owner with an endpoint: its finals append events
 
     async def submit(self, message: RequestMessage, *, max_queued: int, result_ttl_s: int | None = None,
-                     slo_max: int | None = None, shards: int = 1, keyed: bool = False) -> str:
+                     slo_max: int | None = None, shards: int = 1, keyed: bool = False,
+                     share: TenantShare = TenantShare()) -> str:
         """XADD the request unless the bound is reached; returns the stream entry id."""
         return (await self.submit_many([message], max_queued=max_queued, result_ttl_s=result_ttl_s,
-                                       slo_max=slo_max, shards=shards, keyed=keyed))[0]
+                                       slo_max=slo_max, shards=shards, keyed=keyed, share=share))[0]
 
     async def submit_many(self, messages: list[RequestMessage], *, max_queued: int,
                           result_ttl_s: int | None = None, slo_max: int | None = None,
-                          shards: int = 1, keyed: bool = False) -> list[str]:
+                          shards: int = 1, keyed: bool = False, share: TenantShare = TenantShare()) -> list[str]:
         """XADD all the requests (one model, one lane, one owner) or none of them: they count
         against max_queued, both lanes together, and bulk against its share of it; `slo_max`
         bounds this lane further (the entries that can start within the model's TTFT target;
         SloRefused when it is what refuses them). Returns
         the stream entry ids ('' for a request that is final already). `keyed`: an
         Idempotency-Key names the requests, so each leaves its admitted mark (`was_admitted`).
+        `share`: the weight and queue share of their tenant (`message.tenant`, one for all):
+        TenantQueueFull when it holds its share while another tenant has work queued; with
+        fair share on (the limits'), they wait their tenant's turn (docs/delivery.md).
 
         Idempotent on the request ids (admit.lua), so redis-py re-running the script after a
         dropped connection enqueues nothing twice. Strict durability: the admission is on
         disk before this returns (WAITAOF where the server has it; a server without it must
         run with appendfsync always, as the embedded one does in strict mode)."""
         first, limits = messages[0], self.limits
+        if not TENANT_NAME.fullmatch(first.tenant):
+            raise ValueError(f"tenant {first.tenant!r}: letters, digits, '.', '_' and '-', at most 64")
         keys = ModelKeys(first.model).for_request(first.id)  # one call's requests share a shard
         stream, other, lane_max, slo_max = self._bounds(keys, first.lane, max_queued, slo_max, shards)
         bound = lane_max if slo_max is None else min(lane_max, slo_max)
         marks = [keys.admitted(m.id) for m in messages] if keyed else []
+        share_max = share.max_held(-(-max_queued // shards) if shards > 1 and first.lane != "bulk" else max_queued)
         # a job's rows have no event of their own: their batch has
         hook = first.lane != "bulk" and await self.webhook_owners.has(first.owner)
         entries = await self.scripts.admit(
             keys=[stream, other, *(keys.status(m.id) for m in messages), *marks],
             args=[max_queued, bound, limits.status_ttl_s, first.enqueued_at, first.model, first.lane,
                   first.owner or "", result_ttl_s or limits.result_ttl_s, limits.status_ttl_s if keyed else 0,
-                  "1" if hook else "",
-                  *(x for m in messages for x in (m.id, m.model_dump_json()))],
+                  "1" if hook else "", first.tenant, share_max, "1" if limits.fair_share else "",
+                  share.weight,
+                  *(x for m in messages for x in (m.id, m.model_dump_json(), expected_cost(m) / share.weight))],
         )
+        if entries == "share":
+            raise TenantQueueFull(first.model, first.tenant, share_max)
         if entries is None:
             if slo_max is not None and slo_max < lane_max:  # which bound refused? (a refusal may cost a read)
                 async with self.redis.pipeline(transaction=False) as pipe:

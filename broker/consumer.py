@@ -14,12 +14,14 @@ from redis.exceptions import ResponseError
 from sluice.broker import consumer_names
 from sluice.broker.connection import copied
 from sluice.broker.dead_letters import unreadable
+from sluice.broker.fair_share import actual_cost
 from sluice.broker.housekeeping import append_log, cancel_flags, prune_consumers
 from sluice.broker.keys import GROUP, ModelKeys
 from sluice.broker.limits import ConsumerLimits
 from sluice.broker.quarantine import SUSPECT_ATTEMPT, Quarantine, group_cap, history
 from sluice.broker.replies import Sent
 from sluice.broker.scripts import Scripts
+from sluice.broker.webhooks import SubscribedOwners
 from sluice.protocol.messages import FinalResult, RequestMessage
 
 log = logging.getLogger(__name__)
@@ -67,6 +69,7 @@ class StreamConsumer:
         self.quarantine = Quarantine()  # suspects held until the engine is empty
         self.reserved_slots = 0  # of a fetch's count, what the bulk lane leaves to interactive work
         self.reclaimed = self.dead_lettered = 0  # running totals, for the worker's metrics
+        self.webhook_owners = SubscribedOwners(redis)  # a dead letter whose status expired keeps its event
         # Own pending entries are re-read once after a (re)start, following a cursor.
         self._pending_cursor: dict[str, str] = {s: "0" for s in self.streams}
         # Entries idle past the lease: looked for at every read while some are found, else this often.
@@ -121,14 +124,17 @@ class StreamConsumer:
             return handed
         # Interactive first, then bulk, without blocking; then block on the interactive lane
         # alone (one stream: COUNT bounds the whole read, so nothing is taken that cannot start;
-        # a bulk row arriving meanwhile waits at most block_ms).
+        # a bulk row arriving meanwhile waits at most block_ms). Each read first moves the
+        # tenants' staged requests onto the lane in fair order (dispatch.lua): a blocked read
+        # needs no dispatch, since admission stages nothing while nothing waits.
         for stream in self.streams:
             n = count if stream != self.keys.bulk else count - self.reserved_slots
             if n <= 0:
                 continue
-            got = await self.redis.xreadgroup(GROUP, self.consumer, {stream: ">"}, count=n)
+            got = await self.scripts.dispatch(keys=[stream], args=[self.consumer, n])
             if got:
-                return self._hold(await self._deliveries(stream, got[0][1], redelivered=False))
+                entries = [(entry_id, dict(zip(fields[::2], fields[1::2]))) for entry_id, fields in got[0][1]]
+                return self._hold(await self._deliveries(stream, entries, redelivered=False))
         # Shards are slots of their own (no read spans them): the blocking read takes turns.
         self._blocked = (self._blocked + 1) % self.shards
         stream = self.keys.at(self._blocked).requests
@@ -188,12 +194,15 @@ class StreamConsumer:
     async def dead_letter(self, stream: str, entry_id: str, rid: str, data: str, error: str, attempts: int,
                           message: RequestMessage | None = None) -> bool:
         """`message`: the request (None: its entry cannot be read), whose owner, model, lane and
-        age a status that expired meanwhile gets back with its failed final."""
+        age a status that expired meanwhile gets back with its failed final, and its webhook mark
+        when its owner has an endpoint (admission's rule: a job's row has none)."""
         about = [message.model, message.lane, message.owner or "", message.enqueued_at] if message else [""] * 4
+        hook = message is not None and message.lane != "bulk" and await self.webhook_owners.has(message.owner)
         written = await self.scripts.dead_letter(
             keys=[stream, self.keys.for_request(rid).dead_letters, self.keys.status(rid), self.keys.reply(rid)],
             args=[GROUP, self.consumer, entry_id, rid, data, error, attempts, time.time(), self.limits.result_ttl_s,
-                  self.limits.reply_ttl_s, self.keys.for_request(rid).done, self.limits.dlq_max_len, *about],
+                  self.limits.reply_ttl_s, self.keys.for_request(rid).done, self.limits.dlq_max_len, *about,
+                  "1" if hook else ""],
         )
         if written == 1:
             self.dead_lettered += 1
@@ -271,6 +280,8 @@ class StreamConsumer:
         if isinstance(written, list):
             return written
         self.release(d)
+        if written == 1 and result.usage is not None:  # its tenant's counter: what it really cost
+            await self.scripts.settle(keys=[self.keys.status(rid)], args=[actual_cost(result.usage), d.stream])
         if written and self.limits.wait_replicas:  # before the worker counts it done: on the replicas too
             await copied(self.redis, d.stream, self.limits.wait_replicas, f"the final of request {rid}")
         if not written:

@@ -12,6 +12,7 @@ from typing import Any
 from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
+from sluice.broker.fair_share import staged_streams
 from sluice.broker.keys import GROUP, ModelKeys
 from sluice.broker.scripts import Scripts
 from sluice.protocol.ids import request_shard
@@ -99,10 +100,12 @@ async def expire_overdue(redis: Redis, scripts: Scripts, keys: ModelKeys, stream
     """End `expired` every request on these streams (one shard's: one slot) whose deadline has
     passed and that no worker started, or whose worker stopped renewing its lease: a model
     without a live worker would otherwise keep them queued until their status expired, and
-    then answer 410 as if a result had existed. Each is decided by expire.lua, atomically
+    then answer 410 as if a result had existed (requests staged for their tenant's turn too).
+    Each is decided by expire.lua, atomically
     against a worker starting it at the same moment. Returns the ids expired."""
     expired = []
-    for stream in streams:
+    staged = [s for lane in streams for s in await staged_streams(redis, lane)]  # tenants' waiting turns
+    for stream in [*streams, *staged]:
         start = "-"
         while True:
             entries = await redis.xrange(stream, min=start, count=page)

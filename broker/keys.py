@@ -11,10 +11,52 @@ PREFIX = "sluice"
 GROUP = "workers"
 MODELS = f"{PREFIX}:models"
 WORKERS = f"{PREFIX}:workers"
+VTC_TTL_S = 86_400  # tenants' virtual token counters: kept a day past the lane's last admission or dispatch
 
 
 def idempotency(key: str) -> str:
     return f"{PREFIX}:idem:{key}"
+
+
+# Fair share (docs/delivery.md): beside a lane stream `<tag>:req` or `<tag>:bulk`, in its slot,
+# as broker/lua/_lib.lua names them.
+def _tag_and_lane(stream: str) -> tuple[str, str]:
+    tag, _, lane = stream.rpartition(":")
+    return tag, lane
+
+
+def backlog(stream: str) -> str:
+    """Sorted set: the lane's tenants with staged entries, by virtual token counter."""
+    tag, lane = _tag_and_lane(stream)
+    return f"{tag}:backlog:{lane}"
+
+
+def staged(stream: str, tenant: str) -> str:
+    """Stream: a tenant's requests waiting for their turn onto the lane."""
+    tag, lane = _tag_and_lane(stream)
+    return f"{tag}:staged:{lane}:{tenant}"
+
+
+def counters(stream: str) -> str:
+    """Hash: each tenant's virtual token counter on the lane (and `:floor`)."""
+    tag, lane = _tag_and_lane(stream)
+    return f"{tag}:vtc:{lane}"
+
+
+def held(stream: str) -> str:
+    """Hash: the entries each tenant holds on the shard, staged or on a lane stream."""
+    return f"{_tag_and_lane(stream)[0]}:held"
+
+
+def tenant_streams(tenant: str) -> str:
+    """The SSE streams a tenant holds open on every api process: a ZSET of stream → lease expiry
+    (ms), each refreshed while its stream is open (broker/tenant_streams.py)."""
+    return f"{PREFIX}:{{t:{tenant}}}:streams"
+
+
+def tenant_files(tenant: str) -> str:
+    """The files a tenant stores: a hash of file id → `<bytes> <expires_at>` (broker/tenant_files.py)."""
+    return f"{PREFIX}:{{t:{tenant}}}:files"
 
 
 @dataclass(frozen=True)
@@ -87,6 +129,14 @@ class ModelKeys:
 
     def cancel(self, rid: str) -> str:
         return f"{self._rtag(rid)}:cancel:{rid}"
+
+    def quota(self, tenant: str, limit: str) -> str:
+        """A tenant's bucket of `limit` (requests, tokens) per minute on this shard (quota.lua)."""
+        return f"{self.tag}:quota:{tenant}:{limit}"
+
+    def charge(self, rid: str) -> str:
+        """The tokens a request was charged at admission, until its final settles them (quota.lua)."""
+        return f"{self._rtag(rid)}:charge:{rid}"
 
     @property
     def sweep_lock(self) -> str:

@@ -13,6 +13,24 @@ from sluice.config.settings import Settings
 
 
 @dataclass(frozen=True)
+class TenantShare:
+    """A tenant's part of a model (docs/delivery.md, "Fair share"): its weight in the share of
+    the engine (served tokens over weight stay within a bound across backlogged tenants), and the
+    part of max_queued it may hold while another tenant has work queued."""
+
+    weight: float = 1.0
+    queue_share: float = 0.5
+
+    def __post_init__(self) -> None:
+        if not (self.weight > 0 and 0 < self.queue_share <= 1):
+            raise ValueError(f"a tenant's weight must be > 0 and its queue_share in (0, 1]: {self}")
+
+    def max_held(self, max_queued: int) -> int:
+        """The entries it may hold while another tenant has work queued (at least one)."""
+        return max(int(self.queue_share * max_queued), 1)
+
+
+@dataclass(frozen=True)
 class AdmissionLimits:
     status_ttl_s: int  # an unfinished request's status
     reply_ttl_s: int  # its reply stream, after the final
@@ -22,6 +40,7 @@ class AdmissionLimits:
     strict: bool = False  # strict durability: an admission is on disk before it is accepted
     fsync_timeout_ms: int = 1000
     wait_replicas: int = 0  # replicas an admission must be on before it is accepted
+    fair_share: bool = True  # tenants take turns on each lane (off: plain FIFO)
 
     @classmethod
     def of(cls, settings: Settings, **changes: Any) -> AdmissionLimits:
@@ -29,7 +48,8 @@ class AdmissionLimits:
         return dataclasses.replace(cls(
             status_ttl_s=settings.status_ttl_s, reply_ttl_s=settings.reply_ttl_s, cancel_ttl_s=settings.cancel_ttl_s,
             result_ttl_s=settings.result_ttl_s, bulk_queue_share=settings.bulk_queue_share,
-            strict=settings.durability == "strict", wait_replicas=settings.redis_wait_replicas), **changes)
+            strict=settings.durability == "strict", wait_replicas=settings.redis_wait_replicas,
+            fair_share=settings.fair_share), **changes)
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ from redis.commands.core import AsyncScript
 from redis.exceptions import NoScriptError
 
 from sluice.broker.connection import is_cluster
+from sluice.broker.keys import GROUP, VTC_TTL_S
 from sluice.broker.webhooks import OUTBOX_MAX_LEN
 from sluice.protocol.states import FINAL_BATCH_STATES, FINAL_STATES
 
@@ -31,13 +32,20 @@ def prelude() -> str:
     lua/_lib.lua's is_final_state (a request) and job_move.lua (a batch) ask."""
     return (f"local FINAL_STATES = {_lua_set(FINAL_STATES)}  -- protocol/states.py\n"
             f"local BATCH_FINAL = {_lua_set(FINAL_BATCH_STATES)}  -- protocol/states.py\n"
-            f"local OUTBOX_MAX_LEN = {OUTBOX_MAX_LEN}  -- broker/webhooks.py\n")
+            f"local OUTBOX_MAX_LEN = {OUTBOX_MAX_LEN}  -- broker/webhooks.py\n"
+            f"local GROUP = '{GROUP}'  -- broker/keys.py\n"
+            f"local VTC_TTL_S = {VTC_TTL_S}  -- broker/keys.py\n")
 
 
 def _source(name: str) -> str:
     """A script with the final states and the shared functions of lua/_lib.lua in front
     (Redis scripts cannot import)."""
     return prelude() + _read("_lib") + "\n" + _read(name)
+
+
+def register_script(redis: Redis, name: str) -> AsyncScript:
+    """One script of lua/ (with the prelude and _lib.lua) on its own, for a store of its own."""
+    return redis.register_script(_source(name))
 
 
 @dataclass(frozen=True)
@@ -51,6 +59,8 @@ class Scripts:
     reply: AsyncScript
     requeue: AsyncScript
     consumer_drop: AsyncScript
+    dispatch: AsyncScript  # fair share: staged entries onto the lane, then a read (the fetch's)
+    settle: AsyncScript  # fair share: a tenant's counter corrected at the final
     expire: AsyncScript  # the housekeeping sweep's (broker/housekeeping.py)
     deploy: AsyncScript  # model deployments (broker/registry.py)
     # bulk jobs (broker/jobs.py)

@@ -26,6 +26,10 @@ class Settings(BaseSettings):
     api_host: str = "127.0.0.1"
     api_port: int = Field(default=8000, ge=0, le=65535)
     api_keys: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    # Tenants and their keys (YAML, config/tenants.py): keys as digests with a scope and a
+    # tenant, tenants with weights, queue shares and limits. SLUICE_API_KEYS' keys join it,
+    # each a tenant of its own.
+    keys_file: Path | None = None
     # An idle keep-alive connection is held this long: longer than clients keep theirs (httpx and
     # the OpenAI SDK: 5 s) and than a load balancer's idle timeout (60 s is common), so the client
     # side always closes first; a server that closes first races a client reusing the connection.
@@ -81,6 +85,9 @@ class Settings(BaseSettings):
     # Engine slots a worker never fills from the bulk lane (batch jobs, low priority): an
     # interactive request arriving behind a flood of them starts at once. At most capacity - 1.
     interactive_reserved_slots: int = Field(default=1, ge=0)
+    # Tenants take turns on each lane of a model, by served tokens over weight (docs/delivery.md,
+    # "Fair share"); false: one FIFO queue per lane, as before tenants.
+    fair_share: bool = True
     request_timeout_s: float = Field(default=600.0, gt=0)
 
     # Workers

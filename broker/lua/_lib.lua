@@ -31,12 +31,87 @@ local function token_counts(status, into)
   return into
 end
 
+-- Tenants' fair share (docs/delivery.md, "Fair share"): a lane stream `<tag>:<lane>` (`req`
+-- or `bulk`) has, in its slot, a staging stream per tenant whose requests wait their turn
+-- (`<tag>:staged:<lane>:<tenant>`), the backlogged tenants by virtual token counter
+-- (`<tag>:backlog:<lane>`, a sorted set), every tenant's counter (`<tag>:vtc:<lane>`, a hash;
+-- field `:floor` holds the counter of the last tenant to leave the backlog) and, per shard, how
+-- many entries each tenant holds, staged or on a lane stream (`<tag>:held`).
+local function tag_of(key)  -- 'sluice:{m:M}' of any of the model's keys on that shard
+  return string.match(key, '^(.-})')
+end
+local function lane_of(stream)  -- 'req' or 'bulk'
+  return string.match(stream, ':(%a+)$')
+end
+local function backlog_key(stream)
+  return tag_of(stream) .. ':backlog:' .. lane_of(stream)
+end
+local function staged_key(stream, tenant)
+  return tag_of(stream) .. ':staged:' .. lane_of(stream) .. ':' .. tenant
+end
+
+-- Entries of a lane waiting in its tenants' staging streams.
+local function staged_len(stream)
+  local n = 0
+  for _, tenant in ipairs(redis.call('ZRANGE', backlog_key(stream), 0, -1)) do
+    n = n + redis.call('XLEN', staged_key(stream, tenant))
+  end
+  return n
+end
+
 -- The queue bound (admission's and `dlq retry`'s): whether `n` more entries on `stream` would
--- take the model's two lanes together past max_queued (entries waiting plus pending: entries
--- are deleted once acknowledged), or this lane past its own bound.
+-- take the model's two lanes together past max_queued (entries waiting, staged or on the lane
+-- stream, plus pending: entries are deleted once acknowledged), or this lane past its own bound.
 local function over_bound(stream, other, n, max_queued, lane_max)
-  local here = redis.call('XLEN', stream)
-  return here + redis.call('XLEN', other) + n > max_queued or here + n > lane_max
+  local here = redis.call('XLEN', stream) + staged_len(stream)
+  return here + redis.call('XLEN', other) + staged_len(other) + n > max_queued or here + n > lane_max
+end
+
+-- A tenant holds `by` more (or fewer) entries of the shard of `key`; a tenant holding none
+-- leaves the hash, so it holds only tenants with work queued.
+local function count_held(key, tenant, by)
+  local held = tag_of(key) .. ':held'
+  if redis.call('HINCRBY', held, tenant, by) <= 0 then
+    redis.call('HDEL', held, tenant)
+  end
+end
+
+-- A staging stream that has become empty is deleted and its tenant leaves the backlog; the
+-- floor (what a tenant joining an empty backlog is lifted to) keeps the highest counter that left.
+local function unstage_if_empty(staged)
+  if redis.call('XLEN', staged) > 0 then
+    return
+  end
+  redis.call('DEL', staged)
+  local tag, lane, tenant = string.match(staged, '^(.-}):staged:(%a+):(.*)$')
+  local backlog = tag .. ':backlog:' .. lane
+  local score = redis.call('ZSCORE', backlog, tenant)
+  if score then
+    redis.call('ZREM', backlog, tenant)
+    local vtc = tag .. ':vtc:' .. lane
+    if tonumber(score) > tonumber(redis.call('HGET', vtc, ':floor') or '0') then
+      redis.call('HSET', vtc, ':floor', score)
+    end
+  end
+end
+
+-- Delete a request entry (of a lane or a staging stream) and uncount it from its tenant (the
+-- entry's `tenant` field; an entry without one was never counted).
+local function delete_entry(stream, id)
+  local got = redis.call('XRANGE', stream, id, id)
+  if #got == 0 then
+    return
+  end
+  redis.call('XDEL', stream, id)
+  local fields = got[1][2]
+  for i = 1, #fields, 2 do
+    if fields[i] == 'tenant' then
+      count_held(stream, fields[i + 1], -1)
+    end
+  end
+  if string.find(stream, ':staged:', 1, true) then
+    unstage_if_empty(stream)
+  end
 end
 
 -- Whether the runner whose lock token is `token` holds a job's lock (bulk jobs: a runner that
@@ -61,7 +136,7 @@ end
 
 local function ack_and_delete(stream, group, id)
   redis.call('XACK', stream, group, id)
-  redis.call('XDEL', stream, id)
+  delete_entry(stream, id)
 end
 
 -- The one place that decides whether a request already has its final result: every script
@@ -82,6 +157,48 @@ local function append_event(status, rid, state, now)
   local got = redis.call('HMGET', status, 'owner', 'model')
   redis.call('XADD', outbox, 'MAXLEN', '~', OUTBOX_MAX_LEN, '*', 'id', rid, 'state', state,
              'owner', got[1] or '', 'model', got[2] or '', 'at', now)
+end
+
+-- Tenants' token buckets (broker/quotas.py, quota.lua): a bucket is a string holding its
+-- theoretical arrival time in ms (GCRA), `interval` ms per unit; moving it by `units` (negative:
+-- a refund) never takes it below now, and it expires when full. Redis' own clock, never a caller's.
+local function now_ms()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+local function move_bucket(bucket, units, interval, now)
+  local tat = math.max(tonumber(redis.call('GET', bucket)) or now, now) + units * interval
+  if tat > now then
+    redis.call('SET', bucket, string.format('%.0f', tat), 'PX', math.ceil(tat - now))
+  else
+    redis.call('DEL', bucket)
+  end
+  return tat
+end
+-- The charge quota.lua recorded for request `rid` (`<bucket>\n<tokens>\n<interval>`) settled:
+-- the bucket corrected from the tokens charged to `used`, the record gone. Idempotent: a second
+-- settlement finds no record.
+local function settle_charge(record, used)
+  local charge = redis.call('GET', record)
+  if not charge then
+    return
+  end
+  redis.call('DEL', record)
+  local bucket, charged, interval = string.match(charge, '^(.*)\n(%d+)\n([%d.]+)$')
+  move_bucket(bucket, used - tonumber(charged), tonumber(interval), now_ms())
+end
+-- At the final (write_final): the tokens used, from the final's usage (none: nothing ran).
+local function settle_final_charge(status, final)
+  local prefix, rid = string.match(status, '^(.*):status:(.*)$')
+  local record = prefix .. ':charge:' .. rid
+  if redis.call('EXISTS', record) == 1 then
+    local usage = cjson.decode(final).usage
+    local used = 0
+    if type(usage) == 'table' then
+      used = (tonumber(usage.prompt_tokens) or 0) + (tonumber(usage.completion_tokens) or 0)
+    end
+    settle_charge(record, used)
+  end
 end
 
 -- The final event on the reply stream, the status hash, both with their TTLs, and the
@@ -107,6 +224,7 @@ local function write_final(status, reply, state, final, now, result_ttl, reply_t
   end
   redis.call('XADD', reply, '*', 'kind', 'final', 'data', final)
   redis.call('EXPIRE', reply, reply_ttl)
+  settle_final_charge(status, final)  -- a tenant's tokens per minute, charged at admission
   local dropped = {'entry', 'stream', 'charges', 'cancel'}
   if rows then
     for row = 0, rows - 1 do
@@ -142,9 +260,10 @@ end
 -- acknowledged deltas its replica never had, and the writer, told the index the stream now ends
 -- at, sends them again from there. `known`: the status's `state`, `attempt` and `next:<row>`
 -- fields read already (updated here). Returns {row, next index, ...} for the refused rows (the
--- others are written), and the new `next:<row>` values as HSET arguments (the caller writes them).
+-- others are written), the new `next:<row>` values as HSET arguments (the caller writes them), and
+-- whether a write created the stream (it was not there: the caller gives it its TTL).
 local function write_deltas(status, reply, deltas, known)
-  local refused, gaps, moved = {}, {}, {}
+  local refused, gaps, moved, created = {}, {}, {}, false
   for _, data in ipairs(deltas) do
     local delta = cjson.decode(data)
     local row = delta.row or 0
@@ -166,7 +285,11 @@ local function write_deltas(status, reply, deltas, known)
           gaps[#gaps + 1] = row
           gaps[#gaps + 1] = next_index
         elseif delta.i == next_index then
-          redis.call('XADD', reply, '*', 'kind', 'delta', 'data', data)
+          -- (NOMKSTREAM: whether the stream was there costs no command of its own)
+          if not redis.call('XADD', reply, 'NOMKSTREAM', '*', 'kind', 'delta', 'data', data) then
+            redis.call('XADD', reply, '*', 'kind', 'delta', 'data', data)
+            created = true
+          end
           known[field] = ends
           moved[field] = ends
         end
@@ -178,5 +301,5 @@ local function write_deltas(status, reply, deltas, known)
     fields[#fields + 1] = field
     fields[#fields + 1] = ends
   end
-  return gaps, fields
+  return gaps, fields, created
 end

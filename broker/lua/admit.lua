@@ -9,22 +9,32 @@
 -- that it was admitted, kept `keep_s` (as long as the key): a repeat that finds the mark and no
 -- status knows the result expired, and never runs the request again under its id; a repeat that
 -- finds neither knows this admission never happened (or a failover lost it with its mark).
+-- Tenants (docs/delivery.md, "Fair share"): while another tenant has work queued on this shard,
+-- a tenant may hold at most share_max entries (staged or on a stream, both lanes); within that
+-- share it is admitted even where the model's bounds are reached, up to share_max past them, so
+-- one tenant never refuses another. With fair share on, a request goes to its tenant's staging
+-- stream whenever work is waiting (the lane has entries no worker has read, or a tenant has
+-- staged ones: dispatch.lua moves them onto the lane in fair order); when nothing waits it goes
+-- straight onto the lane, and a worker blocked on it wakes at once. Either way the tenant's
+-- virtual token counter is charged (here, or by dispatch.lua as it moves the entry).
 -- KEYS: stream, the other lane's stream, then one status hash per request, then (keep_s > 0)
 --       one admitted mark per request
 -- ARGV: max_queued, lane_max, status_ttl, now, model, lane, owner ('' for none), retain_s,
 --       keep_s, hook ('1' when the owner has a webhook endpoint: each status carries the mark,
---       and write_final appends its event to the outbox; '' for none), then rid, data for each
---       request
--- Returns the entry ids ('' for one final already; the first ones on a re-run), or false when
--- the bound refuses them.
+--       and write_final appends its event to the outbox; '' for none), tenant, share_max,
+--       fair ('1': fair share on; '' for plain FIFO), weight, then rid, data, cost (its
+--       expected tokens over the tenant's weight) for each request
+-- Returns the entry ids ('' for one final already; the first ones on a re-run), false when
+-- the bound refuses them, or 'share' when the tenant's share of it does.
 local stream, other = KEYS[1], KEYS[2]
 local max_queued, lane_max, status_ttl, now = tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3], ARGV[4]
 local model, lane, owner, retain_s, keep_s = ARGV[5], ARGV[6], ARGV[7], ARGV[8], tonumber(ARGV[9])
-local hook = ARGV[10]
-local n = (#ARGV - 10) / 2
+local hook, tenant, share_max, fair, weight = ARGV[10], ARGV[11], tonumber(ARGV[12]), ARGV[13] == '1', ARGV[14]
+local n = (#ARGV - 14) / 3
 local FIRST_STATUS, FIRST_MARK = 3, 3 + n  -- KEYS[3 .. 2 + n]: statuses; KEYS[3 + n ...]: marks
-local function rid_of(i) return ARGV[9 + 2 * i] end  -- ARGV[11...]: rid, data pairs
-local function data_of(i) return ARGV[10 + 2 * i] end
+local function rid_of(i) return ARGV[12 + 3 * i] end  -- ARGV[15...]: rid, data, cost triples
+local function data_of(i) return ARGV[13 + 3 * i] end
+local function cost_of(i) return tonumber(ARGV[14 + 3 * i]) end
 
 local entries = {}
 if redis.call('EXISTS', KEYS[FIRST_STATUS]) == 1 then
@@ -33,15 +43,63 @@ if redis.call('EXISTS', KEYS[FIRST_STATUS]) == 1 then
   end
   return entries
 end
-if over_bound(stream, other, n, max_queued, lane_max) then
+local mine = tonumber(redis.call('HGET', tag_of(stream) .. ':held', tenant) or '0')
+local others = redis.call('HLEN', tag_of(stream) .. ':held') - (mine > 0 and 1 or 0)
+local within = mine + n <= share_max
+if not within and others > 0 then
+  return 'share'
+end
+-- (past the bounds, a tenant within its share is admitted while another tenant's entries fill them)
+if over_bound(stream, other, n, max_queued, lane_max) and
+    (not within or others == 0 or over_bound(stream, other, n, max_queued + share_max, lane_max + share_max)) then
   return false
 end
+
+local backlog, vtc = backlog_key(stream), tag_of(stream) .. ':vtc:' .. lane_of(stream)
+-- Whether work waits on this lane: a tenant's staged entries, or entries no worker has read
+-- (a lane without its group yet: no worker has read any).
+local function waiting()
+  if redis.call('ZCARD', backlog) > 0 then
+    return true
+  end
+  local len = redis.call('XLEN', stream)
+  if len == 0 then
+    return false
+  end
+  local pending = redis.pcall('XPENDING', stream, GROUP)
+  return pending.err ~= nil or len > tonumber(pending[1])
+end
+-- The tenant's counter as it joins the backlog, or is served while nobody waits: lifted to the
+-- smallest backlogged tenant's (the floor when none is), so that an idle tenant banks no credit.
+local function lifted()
+  local own = tonumber(redis.call('HGET', vtc, tenant) or '0')
+  local low = redis.call('ZRANGE', backlog, 0, 0, 'WITHSCORES')
+  local floor = tonumber(low[2] or redis.call('HGET', vtc, ':floor') or '0')
+  return math.max(own, floor)
+end
+
 for i = 1, n do
   local status = KEYS[FIRST_STATUS + i - 1]
-  local entry = redis.call('XADD', stream, '*', 'id', rid_of(i), 'data', data_of(i))
+  local staged, entry = nil, nil
+  if fair and waiting() then  -- its turn comes by dispatch.lua
+    staged = staged_key(stream, tenant)
+    entry = redis.call('XADD', staged, '*', 'id', rid_of(i), 'data', data_of(i), 'tenant', tenant,
+                       'cost', cost_of(i))
+    if not redis.call('ZSCORE', backlog, tenant) then
+      redis.call('ZADD', backlog, lifted(), tenant)
+    end
+  else
+    entry = redis.call('XADD', stream, '*', 'id', rid_of(i), 'data', data_of(i), 'tenant', tenant)
+    if fair then
+      redis.call('HSET', vtc, tenant, lifted() + cost_of(i))
+    end
+  end
   -- retain_s: how long the result is kept once final (write_final reads it)
   redis.call('HSET', status, 'state', 'queued', 'model', model, 'enqueued_at', now,
-             'lane', lane, 'entry', entry, 'stream', stream, 'retain_s', retain_s)
+             'lane', lane, 'entry', entry, 'stream', staged or stream, 'retain_s', retain_s, 'tenant', tenant)
+  if fair then  -- what the final's actual token count corrects (settle.lua)
+    redis.call('HSET', status, 'charged', cost_of(i), 'weight', weight)
+  end
   if owner ~= '' then
     redis.call('HSET', status, 'owner', owner)
   end
@@ -53,5 +111,9 @@ for i = 1, n do
     redis.call('SET', KEYS[FIRST_MARK + i - 1], '1', 'EX', keep_s)
   end
   entries[i] = entry
+end
+count_held(stream, tenant, n)
+if fair then
+  redis.call('EXPIRE', vtc, VTC_TTL_S)
 end
 return entries

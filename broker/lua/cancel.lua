@@ -1,6 +1,7 @@
 -- Cancel: set the flag the worker watches; a request still queued ends cancelled at once, and
 -- its entry is acknowledged and deleted, so that it stops counting against the queue bound (a
--- worker that fetched it and starts it later finds it final and runs nothing).
+-- worker that fetched it and starts it later finds it final and runs nothing). A request
+-- staged for its tenant's turn (fair share) leaves its staging stream.
 -- KEYS: status, cancel, reply, the request's shard's interactive stream, its bulk stream
 -- ARGV: now, cancel_ttl, result_ttl, reply_ttl, done_channel, rid, group
 local status, flag, reply, interactive, bulk = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
@@ -22,7 +23,9 @@ if state == 'queued' then
   local stream = known[3]
   if known[2] and (stream == interactive or stream == bulk) then
     redis.pcall('XACK', stream, group, known[2])  -- no group yet: no worker of the model ever started
-    redis.call('XDEL', stream, known[2])
+    delete_entry(stream, known[2])
+  elseif known[2] and stream and string.find(stream, tag_of(interactive) .. ':staged:', 1, true) == 1 then
+    delete_entry(stream, known[2])  -- staged (fair share): it leaves its tenant's staging stream
   end
   return 'cancelled'
 end

@@ -7,6 +7,7 @@
 -- too); a worker that still commits it is refused by the final already written.
 -- A leftover entry (its request final already, or superseded by another entry) is acknowledged
 -- and deleted; one whose status is gone (expired, lost) too: nothing can be told about it.
+-- The stream may be a tenant's staging stream (fair share): its entries are all queued.
 -- KEYS: stream, status, reply
 -- ARGV: group, entry_id, now, deadline, lease_ms, result_ttl, reply_ttl, done_channel, rid
 -- Returns 'expired', 'running' (left to its worker), 'early' (not past its deadline), or
@@ -17,7 +18,7 @@ local lease_ms, result_ttl, reply_ttl, channel, rid = tonumber(ARGV[5]), ARGV[6]
 
 local function remove()  -- the group may not exist yet: no worker of the model ever started
   redis.pcall('XACK', stream, group, entry_id)
-  redis.call('XDEL', stream, entry_id)
+  delete_entry(stream, entry_id)
 end
 
 local known = redis.call('HMGET', status, 'state', 'entry', 'attempt')

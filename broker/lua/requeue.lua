@@ -27,7 +27,11 @@ end
 if over_bound(stream, other, 1, max_queued, lane_max) then
   return false
 end
-local entry = redis.call('XADD', stream, '*', 'id', rid, 'data', data)
+-- Straight onto the lane (an operator's retry does not wait for its tenant's turn), counted to its tenant
+local ok, request = pcall(cjson.decode, data)
+local tenant = ok and type(request) == 'table' and type(request.tenant) == 'string' and request.tenant or 'default'
+local entry = redis.call('XADD', stream, '*', 'id', rid, 'data', data, 'tenant', tenant)
+count_held(stream, tenant, 1)
 redis.call('DEL', reply)
 local dropped = {'result', 'finished_at', 'started_at', 'worker', 'charges', 'attempt', 'fence'}
 redis.call('HDEL', status, unpack(token_counts(status, dropped)))  -- with the cleared stream's counts

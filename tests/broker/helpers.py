@@ -163,3 +163,17 @@ def replica_of(cluster: LocalCluster, primary: Node) -> Node:
     """The node that replicates `primary`, as its ROLE says."""
     return next(n for n in cluster.nodes if n is not primary and
                 redis_sync.Redis(port=n.port, decode_responses=True).execute_command("ROLE")[2] == primary.port)
+
+
+async def queued_ids(redis: Redis, stream: str = KEYS.requests) -> list[str]:
+    """The ids of the requests queued on a lane: on its stream, and staged for their tenants'
+    turns (fair share), in the order they were admitted (entry ids are times)."""
+    from sluice.broker.fair_share import staged_streams
+
+    entries = [e for s in [stream, *await staged_streams(redis, stream)] for e in await redis.xrange(s)]
+    return [f["id"] for _, f in sorted(entries, key=lambda e: tuple(int(x) for x in e[0].split("-")))]
+
+
+async def queued_len(redis: Redis, stream: str = KEYS.requests) -> int:
+    """Entries queued on a lane: on its stream and staged (fair share)."""
+    return len(await queued_ids(redis, stream))

@@ -27,6 +27,7 @@ from tests.broker.helpers import (
     fetch_one,
     message,
     pending,
+    queued_len,
     ready_consumer,
     replies,
     running_request,
@@ -67,7 +68,7 @@ async def test_submit_refuses_at_the_bound(redis: Redis, settings: Settings) -> 
     refused = message()
     with pytest.raises(QueueFull):
         await adm.submit(refused, max_queued=3)
-    assert await redis.xlen(KEYS.requests) == 3
+    assert await queued_len(redis) == 3
     assert await adm.status(MODEL, refused.id) is None
 
 
@@ -162,7 +163,7 @@ async def test_cancelled_requests_stop_counting_against_the_bound(
             await c.commit(d, done_result())
             running.remove(d.message.id)
             live[:] = [x for x in live if x.id != d.message.id]
-        assert await redis.xlen(KEYS.requests) + await redis.xlen(KEYS.bulk) == len(live), (seed, step)
+        assert await queued_len(redis) + await queued_len(redis, KEYS.bulk) == len(live), (seed, step)
 
 
 async def test_cancel_of_a_running_request_sets_the_flag(redis: Redis, settings: Settings) -> None:

@@ -13,7 +13,7 @@ from redis.asyncio import Redis
 from sluice.broker.housekeeping import expire_overdue
 from sluice.broker.scripts import Scripts
 from sluice.config.settings import Settings
-from tests.broker.helpers import KEYS, admission, done_result, ready_consumer, replies, submit_n
+from tests.broker.helpers import KEYS, admission, done_result, queued_len, ready_consumer, replies, submit_n
 
 LATER = 1000.0  # the sweep's clock, moved past every deadline (60 s) of the requests below
 
@@ -40,7 +40,7 @@ async def test_a_queued_request_of_a_model_without_workers_expires(redis: Redis,
         assert status.state.value == "expired" and "deadline" in status.result.error
         assert [f["status"] for f in await finals(redis, m.id)] == ["expired"]
     assert (await adm.status(KEYS.model, fresh.id)).state.value == "queued"
-    assert await redis.xlen(KEYS.requests) == 1 and await redis.xlen(KEYS.bulk) == 0
+    assert await queued_len(redis) == 1 and await queued_len(redis, KEYS.bulk) == 0
     assert await sweep(redis, now=time.time()) == []  # once
 
 

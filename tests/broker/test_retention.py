@@ -21,6 +21,7 @@ from tests.broker.helpers import (
     assert_request_keys_expire,
     fetch_one,
     message,
+    queued_len,
     ready_consumer,
 )
 
@@ -97,7 +98,7 @@ async def test_bulk_cannot_take_the_interactive_share(redis: Redis, settings: Se
         await adm.submit(message(), max_queued=10)
     with pytest.raises(QueueFull):  # both lanes count against the one bound
         await adm.submit(message(), max_queued=10)
-    assert (await redis.xlen(KEYS.requests), await redis.xlen(KEYS.bulk)) == (5, 5)
+    assert (await queued_len(redis), await queued_len(redis, KEYS.bulk)) == (5, 5)
 
 
 async def test_several_requests_are_admitted_whole_or_refused_whole(redis: Redis, settings: Settings) -> None:
@@ -106,10 +107,10 @@ async def test_several_requests_are_admitted_whole_or_refused_whole(redis: Redis
     many = [message() for _ in range(4)]
     with pytest.raises(QueueFull):
         await adm.submit_many(many, max_queued=4)
-    assert await redis.xlen(KEYS.requests) == 1
+    assert await queued_len(redis) == 1
     assert not any([await redis.exists(KEYS.status(m.id)) for m in many])
     entries = await adm.submit_many(many[:3], max_queued=4)
-    assert len(entries) == 3 and await redis.xlen(KEYS.requests) == 4
+    assert len(entries) == 3 and await queued_len(redis) == 4
     assert await adm.submit_many(many[:3], max_queued=4) == entries  # a re-run admits nothing twice
 
 

@@ -24,7 +24,7 @@ from sluice.broker.urls import celery_broker, parse_url
 from sluice.config.settings import Settings
 from sluice.protocol.messages import FinalResult, State
 from sluice.supervisor.topologies import LocalSentinel
-from tests.broker.helpers import KEYS, MODEL, admission, message
+from tests.broker.helpers import KEYS, MODEL, admission, message, queued_ids
 
 pytestmark = pytest.mark.skipif(not shutil.which("redis-sentinel"), reason="redis-sentinel is not installed")
 
@@ -84,8 +84,7 @@ async def test_clients_follow_a_failover(tmp_path: Path, settings: Settings) -> 
         # ...and the client's retry (the same id) enqueues nothing twice
         adm.limits = dataclasses.replace(adm.limits, wait_replicas=0)
         await adm.submit(after, max_queued=100)
-        entries = await client.xrange(KEYS.requests)
-        assert [f["id"] for _, f in entries] == [before.id, after.id]
+        assert await queued_ids(client) == [before.id, after.id]
         info = await client.info("server")
         assert int(info["tcp_port"]) == topology.replica.port != old_port  # the promoted replica
 

@@ -19,7 +19,7 @@ from sluice.broker.notifications import DoneListener
 from sluice.broker.queues import queue_figures
 from sluice.config.settings import Settings
 from sluice.protocol.ids import new_request_id, request_created_at, request_shard
-from tests.broker.helpers import KEYS, MODEL, admission, done_result, message
+from tests.broker.helpers import KEYS, MODEL, admission, done_result, message, queued_len
 
 K = 3
 
@@ -50,7 +50,7 @@ async def test_every_shard_is_read_committed_and_announced(redis: Redis, setting
     for m in msgs:
         await adm.submit(m, max_queued=100, shards=K)
     for k in range(K):
-        assert await redis.xlen(KEYS.at(k).requests) == 2
+        assert await queued_len(redis, KEYS.at(k).requests) == 2
     assert {lane: f.waiting for lane, f in (await queue_figures(redis, MODEL, K)).items()} == \
         {"interactive": 2 * K, "bulk": 0}
 

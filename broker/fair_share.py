@@ -1,0 +1,48 @@
+"""Tenants' fair share of a model's engine (docs/delivery.md, "Fair share"): what a request is
+expected to cost its tenant's virtual token counter at admission, what it really cost at its
+final, and where a lane's staged requests wait.
+
+The counter is the Virtual Token Counter's (Sheng et al., "Fairness in Serving Large Language
+Models", OSDI 2024): prompt tokens plus twice the output tokens, over the tenant's weight.
+At admission the output is not known: max_tokens stands in for it, and the prompt's tokens are
+estimated from its characters (the api does not tokenize every prompt); the final corrects the
+counter by the difference (lua/settle.lua), so a tenant that asks for long outputs and gets
+short ones is charged what it got."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from redis.asyncio import Redis
+
+from sluice.broker import keys
+from sluice.protocol.messages import RequestMessage, Usage
+
+OUTPUT_WEIGHT = 2  # an output token costs two prompt tokens (the VTC paper's weights)
+CHARS_PER_TOKEN = 4  # a prompt's estimated tokens, until its final counts them
+
+
+def prompt_tokens(row: dict[str, Any]) -> int:
+    """A row's prompt tokens, estimated: token ids as they are, text by its characters."""
+    prompt = row.get("prompt")
+    if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+        return len(prompt)
+    text = prompt if isinstance(prompt, str) else json.dumps(prompt if prompt is not None else row.get("messages", ""))
+    return -(-len(text) // CHARS_PER_TOKEN)
+
+
+def expected_cost(message: RequestMessage) -> int:
+    """The tokens a request is charged at admission: per row its prompt plus twice max_tokens."""
+    return sum(prompt_tokens(row) + OUTPUT_WEIGHT * int(row.get("max_tokens") or message.sampling.max_tokens)
+               for row in message.rows)
+
+
+def actual_cost(usage: Usage) -> int:
+    """The tokens it really cost, from its final's usage."""
+    return usage.prompt_tokens + OUTPUT_WEIGHT * usage.completion_tokens
+
+
+async def staged_streams(redis: Redis, stream: str) -> list[str]:
+    """The staging streams of a lane's backlogged tenants (one slot: the lane's)."""
+    return [keys.staged(stream, tenant) for tenant in await redis.zrange(keys.backlog(stream), 0, -1)]
