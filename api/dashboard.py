@@ -3,8 +3,8 @@
 
 Everything comes from Redis, so every api replica shows the same: per model its queues (waiting
 and running apart, broker/queues.py), live workers, throughput and latency minute by minute
-(api/activity.py), recent failures (a client's own cancel is none) and dead letters; and the
-bulk jobs being run. Each read is bounded, whatever the traffic (the inference
+(api/activity.py), recent failures (a client's own cancel is none) and dead letters; the
+bulk jobs being run; and the webhook deliveries. Each read is bounded, whatever the traffic (the inference
 log is read in samples, see api/activity.py).
 """
 
@@ -27,6 +27,8 @@ from sluice.api.state import ApiState, state
 from sluice.broker.dead_letters import DeadLetters
 from sluice.broker.queues import queue_figures
 from sluice.broker.registry import WorkerInfo
+from sluice.broker.webhook_deliveries import OUTCOME_MINUTES, Deliveries
+from sluice.broker.webhooks import DEAD, ENDPOINTS
 from sluice.config.model import ModelConfig
 
 router = APIRouter(tags=["dashboard"])
@@ -121,4 +123,15 @@ async def dashboard(request: Request, s: ApiState = Depends(state)) -> dict[str,
         "models": list(models),
         "other_workers": [_worker(w, now) for w in live if w.model not in deployed],
         "batches": [_batch(b) for b in batches],
+        "webhooks": await _webhooks(s),
     }
+
+
+async def _webhooks(s: ApiState) -> dict[str, Any]:
+    """Webhook deliveries (docs/webhooks.md): settled over the last minutes by outcome, the backlog
+    (first attempts in flight and retries waiting), its oldest event's age, the dead-lettered."""
+    deliveries = Deliveries(s.redis)
+    (backlog, oldest), outcomes, dead, endpoints = await asyncio.gather(
+        deliveries.backlog(), deliveries.outcomes(), s.redis.llen(DEAD), s.redis.hlen(ENDPOINTS))
+    return {"endpoints": endpoints, "minutes": OUTCOME_MINUTES, "outcomes": outcomes, "backlog": backlog,
+            "oldest_pending_s": round(oldest, 1), "dead": dead}

@@ -33,6 +33,7 @@ from rich.console import Console
 from sluice.bench.chaos_audit import audit, broken, table
 from sluice.bench.chaos_faults import WORKER_TTL_S, Chaos
 from sluice.bench.chaos_load import Load
+from sluice.bench.chaos_webhooks import HookReceiver, audit_webhooks, table_rows, wait_delivered
 from sluice.broker.keys import ModelKeys
 from sluice.supervisor.processes import free_port, wait_ready
 from sluice.supervisor.stack import LocalStack
@@ -48,11 +49,12 @@ MODEL_NAMES = ["chaos-cont", "chaos-dyn"]
 
 
 class ChaosStack:
-    """Redis, two apis and `workers_per_model` workers per model; every process can be killed
-    and started again. Process output goes to `logs/` (one file per api or worker slot)."""
+    """Redis, two apis, `workers_per_model` workers per model and (`webhooks`) a webhook sender;
+    every process can be killed and started again. Process output goes to `logs/` (one file per
+    api or worker slot, `webhooks.log`)."""
 
     def __init__(self, tmp: Path, logs: Path, *, workers_per_model: int, token_delay_s: float, strict: bool,
-                 cluster: bool = False):
+                 cluster: bool = False, webhooks: bool = False):
         self.logs, self.strict = logs, strict
         self.rng = random.Random(1)
         self.cluster = LocalCluster(tmp / "cluster").start() if cluster else None
@@ -62,6 +64,9 @@ class ChaosStack:
                "SLUICE_NULL_TOKEN_DELAY_S": str(token_delay_s), "SLUICE_NULL_COMPOSITION": "1",
                # Ten deliveries: a request killed three times by bad luck is no finding.
                "SLUICE_LOG_LEVEL": "WARNING", "SLUICE_MAX_DELIVERIES": "10",
+               # The receiver is on loopback; retries and a killed sender's leases come round fast.
+               "SLUICE_WEBHOOKS_ALLOW_PRIVATE": "1", "SLUICE_WEBHOOKS_RETRY_BASE_S": "0.2",
+               "SLUICE_WEBHOOKS_TIMEOUT_S": "2", "SLUICE_WEBHOOKS_LEASE_S": "3",
                **({"SLUICE_DURABILITY": "strict"} if strict and not cluster else {}),
                # On a cluster: an admission is answered once it is on a replica, so that the
                # replica that takes over has it (no bulk jobs here: their broker is never used).
@@ -77,6 +82,7 @@ class ChaosStack:
         self.slots = [f"{m}-w{k}" for m in MODEL_NAMES for k in range(workers_per_model)]
         self.generation = 0
         self.unexpected_exits: list[str] = []
+        self.webhooks = webhooks
 
     @property
     def urls(self) -> list[str]:
@@ -93,9 +99,14 @@ class ChaosStack:
         model = slot.rsplit("-w", 1)[0]
         self.workers[slot] = self.local.start_worker(model, self.names[slot], engine="null", log=slot)
 
+    def start_webhooks(self) -> subprocess.Popen:
+        return self.local.start_webhooks()
+
     def start(self) -> None:
         for slot in self.slots:
             self.start_worker(slot)
+        if self.webhooks:
+            self.start_webhooks()
         for i in range(len(self.ports)):
             self.start_api(i)
         for url in self.urls:
@@ -132,6 +143,10 @@ class ChaosStack:
             if p.poll() is not None and p.pid not in expected:
                 self.unexpected_exits.append(f"{slot} ({self.names[slot]}) exited with {p.returncode}")
                 self.start_worker(slot)
+        sender = self.local.webhooks
+        if sender is not None and sender.poll() is not None and sender.pid not in expected:
+            self.unexpected_exits.append(f"webhook sender exited with {sender.returncode}")
+            self.start_webhooks()
 
     def reclaims(self) -> int:
         """Entries reclaimed from expired leases, as the workers logged them."""
@@ -153,8 +168,8 @@ def chaos(
     seconds: float = typer.Option(60, help="Seconds of load and kills (more until the minimums below are met)."),
     min_accepted: int = typer.Option(0, help="Keep the load and the kills going past --seconds until this many "
                                      "requests are accepted: a loaded machine runs longer, not less."),
-    min_kills: str = typer.Option("0,0,0", help="The same for kills: at least this many worker, api and Redis kills "
-                                  "(workers,apis,redis)."),
+    min_kills: str = typer.Option("0,0,0", help="The same for kills: at least this many worker, api, Redis (and "
+                                  "webhook sender) kills (workers,apis,redis[,webhooks])."),
     max_seconds: float = typer.Option(600, help="The longest the load and kills run, whatever --min-accepted and "
                                       "--min-kills ask."),
     clients: int = typer.Option(12, help="Concurrent clients (each: submit, follow to the end, again)."),
@@ -168,6 +183,10 @@ def chaos(
     redis_cluster: bool = typer.Option(False, "--redis-cluster", help="Run on a local Redis Cluster (3 primaries, "
                                        "3 replicas; admissions wait for a replica)."),
     redis_kill_every: float = typer.Option(20.0, help="Mean seconds between Redis kills (with --kill-redis)."),
+    webhooks: bool = typer.Option(True, "--webhooks/--no-webhooks",
+                                  help="Run a webhook sender and a loopback receiver that fails a third of first "
+                                       "attempts; audit every final's event (bench/chaos_webhooks.py)."),
+    webhook_kill_every: float = typer.Option(4.0, help="Mean seconds between webhook sender kills (with --webhooks)."),
     workers_per_model: int = typer.Option(2, help="Null-engine workers per model."),
     token_delay: float = typer.Option(0.02, help="Seconds per streamed token of the null engine."),
     max_tokens: str = typer.Option("8,128", help="max_tokens range per request and row (128 outlast the lease)."),
@@ -183,24 +202,31 @@ def chaos(
     data_dir: Path = typer.Option(None, help="Keep the stack's data (Redis's AOF, the apis' data) in a temporary "
                                   "folder under this one (e.g. /dev/shm) instead of the system's temporary folder."),
 ) -> None:
-    """Kill workers, apis and Redis under load; exit 1 if any accepted request is lost, duplicated
-    or not done (nothing in this load cancels, and ten deliveries are allowed), or if any reader,
-    answer or reply stream shows a text other than the final."""
+    """Kill workers, apis, Redis and the webhook sender under load; exit 1 if any accepted request
+    is lost, duplicated or not done (nothing in this load cancels, and ten deliveries are allowed),
+    if any reader, answer or reply stream shows a text other than the final, or (--webhooks) if a
+    final's event never arrived, an event named a request not final, or a duplicate differs."""
     rng = random.Random(seed)
     with tempfile.TemporaryDirectory(dir=data_dir) as tmp:
         stack = ChaosStack(Path(tmp), logs or Path(tmp) / "logs", workers_per_model=workers_per_model,
-                           token_delay_s=token_delay, strict=strict, cluster=redis_cluster)
+                           token_delay_s=token_delay, strict=strict, cluster=redis_cluster, webhooks=webhooks)
+        receiver = HookReceiver(stack.redis_url, seed=seed) if webhooks else None
         try:
             stack.start()
+            if receiver is not None:
+                receiver.register(stack.urls[0])
             t0 = time.monotonic()
             # The kills stop with the load; clients then follow their last requests to the end.
             chaos_thread = Chaos(stack, rng, math.inf, kill_every, api_kill_every,
-                                 redis_kill_every if kill_redis else None)
+                                 redis_kill_every if kill_redis else None, webhook_kill_every if webhooks else None)
             load = Load(stack.urls, MODEL_NAMES, clients=clients, seed=seed, max_tokens=_pair(max_tokens),
                         hangups=hangups, late_readers=late_readers, structured=structured, multi_row=multi_row,
                         redis_url=None if redis_cluster else stack.redis_url, rows_model="chaos-dyn")
             chaos_thread.start()
-            wanted = dict(zip(("workers", "apis", "redis"), (int(k) for k in min_kills.split(",")), strict=True))
+            counts = [int(k) for k in min_kills.split(",")]
+            if len(counts) not in (3, 4):
+                raise typer.BadParameter("workers,apis,redis[,webhooks]", param_hint="--min-kills")
+            wanted = dict(zip(("workers", "apis", "redis", "webhooks"), counts))
 
             def enough() -> bool:
                 now = time.monotonic() - t0
@@ -216,26 +242,40 @@ def chaos(
             chaos_thread.done.set()
             chaos_thread.join()
             result = audit(stack.redis_url, loaded.tracked)
+            hooks = None
+            if receiver is not None:  # the sender (alive again) delivers the rest, then the audit
+                waited = wait_delivered(stack.redis_url, receiver, loaded.tracked, drain_timeout)
+                hooks = audit_webhooks(stack.redis_url, receiver, loaded.tracked)
+                hooks["figures"]["wait_s"] = waited
             f = {"seconds": seconds, "clients": clients, **result["figures"], "kills": chaos_thread.kills,
                  "reclaims": stack.reclaims(), "queue_full": loaded.queue_full, "submit_retries": loaded.submit_retries,
                  "submit_gave_up": loaded.submit_gave_up, "rows_unknown": loaded.rows_unknown,
                  "retry_reasons": dict(loaded.retry_reasons.most_common(10)),
                  "unexpected_exits": stack.unexpected_exits, "client_errors": loaded.client_errors[:20],
                  "strict_durability": strict, "redis": "cluster" if redis_cluster else "single",
-                 "aof_window": {**chaos_thread.aof, "postponed_logged": stack.aof_postponed_logged()}}
+                 "aof_window": {**chaos_thread.aof, "postponed_logged": stack.aof_postponed_logged()},
+                 "webhooks": hooks["figures"] if hooks else None}
             f["requests_per_s"] = f["done"] / seconds
         finally:
             stack.stop()
-    Console().print(table(f, MODEL_NAMES))
+            if receiver is not None:
+                receiver.stop()
+    shown = table(f, MODEL_NAMES)
+    for name, value in table_rows({**f["webhooks"], "kills": f["kills"]["webhooks"]}) if hooks else []:
+        shown.add_row(name, str(value))
+    Console().print(shown)
     for row in result["broken"][:20]:
         typer.echo(f"broken: {json.dumps(row)}")
+    for line in hooks["broken"] if hooks else []:
+        typer.echo(f"webhook broken: {line}")
     for row in result["not_done"][:10]:
         typer.echo(f"not done: {json.dumps(row)}")
     if f["unexpected_exits"] or f["client_errors"]:
         typer.echo(f"unexpected exits: {f['unexpected_exits']}; client errors: {f['client_errors']}")
     if json_out:
         json_out.write_text(json.dumps({**f, "broken": result["broken"], "not_done": result["not_done"],
+                                        "webhooks_broken": hooks["broken"] if hooks else [],
                                         "gaps": result["gaps"],
                                         "chaos_log": chaos_thread.log}, indent=2))
-    if broken(f):
+    if broken(f) or (hooks and hooks["broken"]):
         raise typer.Exit(1)

@@ -20,7 +20,8 @@ WORKER_TTL_S = 3.0
 class Chaos(threading.Thread):
     """Every `worker_every` s (jittered) SIGKILL a random worker: half restart at once under a
     new name, half under their own name once its lock has expired (to get their pending entries
-    back). Every `api_every` s an api, every `redis_every` s (if set) Redis.
+    back). Every `api_every` s an api, every `redis_every` s (if set) Redis, every `webhooks_every`
+    s (if set) the webhook sender.
 
     A worker or api kill waits until the system is back from the last one: every model has a live
     worker (an api's /readyz), every api answers (/healthz). On a loaded machine, where a process
@@ -28,11 +29,11 @@ class Chaos(threading.Thread):
     and no worker live most of the time, and the load would make no progress."""
 
     def __init__(self, stack: ChaosStack, rng: random.Random, calm_at: float, worker_every: float,
-                 api_every: float, redis_every: float | None):
+                 api_every: float, redis_every: float | None, webhooks_every: float | None = None):
         super().__init__(daemon=True, name="chaos")
         self.stack, self.rng, self.calm_at = stack, rng, calm_at
-        self.every = {"worker": worker_every, "api": api_every, "redis": redis_every}
-        self.kills = {"workers": 0, "apis": 0, "redis": 0}
+        self.every = {"worker": worker_every, "api": api_every, "redis": redis_every, "webhooks": webhooks_every}
+        self.kills = {"workers": 0, "apis": 0, "redis": 0, "webhooks": 0}
         self.done = threading.Event()
         self.pending: list[tuple[float, str]] = []  # (monotonic time, worker slot) restarts due
         self.killed_pids: set[int] = set()
@@ -89,6 +90,17 @@ class Chaos(threading.Thread):
         self._note(f"killed api{i}")
         time.sleep(1.0)
         self.stack.start_api(i)
+
+    def _kill_webhooks(self) -> None:
+        """SIGKILL the webhook sender mid-delivery and start a new one (a new consumer name: what
+        the killed one held comes back by lease)."""
+        proc = self.stack.local.webhooks
+        assert proc is not None
+        self.killed_pids.add(proc.pid)
+        self.stack.kill(proc)
+        self.kills["webhooks"] += 1
+        self._note("killed the webhook sender")
+        self.stack.start_webhooks()
 
     def _kill_redis(self) -> None:
         self._sample_aof()

@@ -11,7 +11,7 @@ from typing import Literal
 from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
-from sluice.broker import consumer_names
+from sluice.broker import consumer_names, webhooks
 from sluice.broker.connection import copied
 from sluice.broker.dead_letters import unreadable
 from sluice.broker.fair_share import actual_cost
@@ -21,7 +21,6 @@ from sluice.broker.limits import ConsumerLimits
 from sluice.broker.quarantine import SUSPECT_ATTEMPT, Quarantine, group_cap, history
 from sluice.broker.replies import Sent
 from sluice.broker.scripts import Scripts
-from sluice.broker.webhooks import SubscribedOwners
 from sluice.protocol.messages import FinalResult, RequestMessage
 
 log = logging.getLogger(__name__)
@@ -69,7 +68,7 @@ class StreamConsumer:
         self.quarantine = Quarantine()  # suspects held until the engine is empty
         self.reserved_slots = 0  # of a fetch's count, what the bulk lane leaves to interactive work
         self.reclaimed = self.dead_lettered = 0  # running totals, for the worker's metrics
-        self.webhook_owners = SubscribedOwners(redis)  # a dead letter whose status expired keeps its event
+        self.webhook_owners = webhooks.SubscribedOwners(redis)  # a dead letter whose status expired keeps its event
         # Own pending entries are re-read once after a (re)start, following a cursor.
         self._pending_cursor: dict[str, str] = {s: "0" for s in self.streams}
         # Entries idle past the lease: looked for at every read while some are found, else this often.
@@ -193,16 +192,14 @@ class StreamConsumer:
 
     async def dead_letter(self, stream: str, entry_id: str, rid: str, data: str, error: str, attempts: int,
                           message: RequestMessage | None = None) -> bool:
-        """`message`: the request (None: its entry cannot be read), whose owner, model, lane and
-        age a status that expired meanwhile gets back with its failed final, and its webhook mark
-        when its owner has an endpoint (admission's rule: a job's row has none)."""
-        about = [message.model, message.lane, message.owner or "", message.enqueued_at] if message else [""] * 4
-        hook = message is not None and message.lane != "bulk" and await self.webhook_owners.has(message.owner)
+        """`message`: the request (None: its entry cannot be read), whose owner, model, lane, age
+        and webhook mark a status that expired meanwhile gets back with its failed final."""
+        about = [message.model, message.lane, message.owner or "", message.enqueued_at,
+                 await self.webhook_owners.mark(message.owner, message.lane)] if message else [""] * 5
         written = await self.scripts.dead_letter(
             keys=[stream, self.keys.for_request(rid).dead_letters, self.keys.status(rid), self.keys.reply(rid)],
             args=[GROUP, self.consumer, entry_id, rid, data, error, attempts, time.time(), self.limits.result_ttl_s,
-                  self.limits.reply_ttl_s, self.keys.for_request(rid).done, self.limits.dlq_max_len, *about,
-                  "1" if hook else ""],
+                  self.limits.reply_ttl_s, self.keys.for_request(rid).done, self.limits.dlq_max_len, *about],
         )
         if written == 1:
             self.dead_lettered += 1

@@ -14,9 +14,11 @@ from redis.asyncio import Redis
 from redis.commands.core import AsyncScript
 
 from sluice.broker.scripts import _read
-from sluice.broker.webhooks import DEAD, DUE, delivery
+from sluice.broker.webhooks import DEAD, DUE, delivery, outcomes
 
 DEAD_MAX = 10_000  # dead deliveries kept for `sluice webhooks dead`
+OUTCOME_MINUTES = 10  # the dashboard's deliveries by outcome: over this many minutes
+COUNTED = {"ok": "delivered", "retry": "retried", "dead": "dead"}  # 'later' counts no attempt
 
 
 def event_id(stream: str, entry_id: str) -> str:
@@ -66,9 +68,28 @@ class Deliveries:
         return [Delivery(i, d["endpoint"], d["event_id"], d["body"], int(d.get("attempts", 0)),
                          float(d.get("first_at", 0))) for i, d in zip(ids, found) if d]
 
-    async def settle(self, d: Delivery, outcome: str, *, next_at: float = 0, error: str = "") -> bool:
-        return bool(await self._settle(keys=[DUE, d.id, DEAD],
-                                       args=[outcome, next_at, error[:500], time.time(), DEAD_MAX]))
+    async def settle(self, d: Delivery, outcome: str, *, next_at: float = 0, error: str = "",
+                     counted: str | None = None) -> bool:
+        """`counted`: the outcome the dashboard counts it as (by default `outcome`'s: delivered,
+        retried, dead; 'dropped' for a delivery whose endpoint was deleted)."""
+        now = time.time()
+        counted = COUNTED.get(outcome, "") if counted is None else counted
+        return bool(await self._settle(keys=[DUE, d.id, DEAD, outcomes(int(now // 60))],
+                                       args=[outcome, next_at, error[:500], now, DEAD_MAX, counted,
+                                             (OUTCOME_MINUTES + 1) * 60]))
+
+    async def outcomes(self) -> dict[str, int]:
+        """Deliveries settled over the last OUTCOME_MINUTES minutes, by outcome."""
+        minute = int(time.time() // 60)
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for m in range(minute - OUTCOME_MINUTES + 1, minute + 1):
+                pipe.hgetall(outcomes(m))
+            found = await pipe.execute()
+        totals = dict.fromkeys(("delivered", "retried", "dead", "dropped"), 0)
+        for counts in found:
+            for k, v in counts.items():
+                totals[k] = totals.get(k, 0) + int(v)
+        return totals
 
     async def backlog(self) -> tuple[int, float]:
         """Deliveries not done (first attempts in flight and retries), and the age of the oldest
@@ -77,7 +98,10 @@ class Deliveries:
         oldest = 0.0
         if count:
             ids = await self.redis.zrange(DUE, 0, 99)
-            firsts = [float(f) for f in [await self.redis.hget(i, "first_at") for i in ids] if f]
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for i in ids:
+                    pipe.hget(i, "first_at")
+                firsts = [float(f) for f in await pipe.execute() if f]
             oldest = time.time() - min(firsts) if firsts else 0.0
         return count, max(oldest, 0.0)
 

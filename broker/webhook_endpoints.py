@@ -1,9 +1,11 @@
 """Webhook endpoints in Redis (`sluice:{webhooks}:endpoints`): an owner's URL, the event types it
 wants and its signing secret. Every change rebuilds the owners' count (`webhooks.OWNERS`) in the
-same transaction: admission marks the requests of the owners it lists."""
+same transaction: admission marks the requests of the owners it lists. A change that adds an
+owner's endpoint returns once every api process has seen it (`settle`)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
@@ -12,7 +14,7 @@ from dataclasses import asdict, dataclass, field
 from redis.asyncio import Redis
 from redis.exceptions import WatchError
 
-from sluice.broker.webhooks import ENDPOINTS, OWNERS
+from sluice.broker.webhooks import ENDPOINTS, OWNERS, OWNERS_REFRESH_S
 from sluice.protocol.webhooks import new_secret
 
 ROTATION_GRACE_S = 24 * 3600  # a rotated secret still signs (beside the new one) this long
@@ -57,7 +59,14 @@ class EndpointStore:
         endpoint = Endpoint(id=f"we_{uuid.uuid4().hex}", url=url, events=sorted(set(events)), owner=owner,
                             secret=new_secret(), description=description)
         await self._save(endpoint)
+        await self.settle()
         return endpoint
+
+    async def settle(self) -> None:
+        """Wait until every api process's list of owners with endpoints was read after the last
+        write (broker/webhooks.py SubscribedOwners): a request admitted after this returns has
+        its event. A tenth more for clocks that run at slightly different rates."""
+        await asyncio.sleep(OWNERS_REFRESH_S * 1.1)
 
     async def get(self, endpoint_id: str) -> Endpoint | None:
         raw = await self.redis.hget(ENDPOINTS, endpoint_id)
@@ -82,6 +91,8 @@ class EndpointStore:
             return None
         endpoint.enabled = enabled
         await self._save(endpoint)
+        if enabled:
+            await self.settle()
         return endpoint
 
     async def delete(self, endpoint_id: str) -> bool:

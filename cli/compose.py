@@ -22,6 +22,7 @@ from sluice.config.model import SHIPPED_MODELS_FILE, ConfigError, ModelConfig, l
 
 MODELS_FILE_IN_CONTAINER = "/etc/sluice/models.yaml"
 WORKER_METRICS_PORT = "9400"
+WEBHOOKS_METRICS_PORT = "9401"  # deploy/prometheus.yml scrapes every webhook sender replica here
 VARIANTS = ("gpu", "cpu")
 # The folder of the Dockerfile when sluice runs from a checkout (absent in an installed wheel).
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
@@ -168,7 +169,8 @@ def render_compose(models: list[ModelConfig], *, variant: str = "gpu", models_fi
         else:
             services[service_name(model)] = _worker(model, base, variant)
     services["jobs"] = {**copy.deepcopy(base), "command": ["jobs"], "depends_on": copy.deepcopy(_API_HEALTHY)}
-    services["webhooks"] = {**copy.deepcopy(base), "command": ["webhooks", "send"],  # docs/webhooks.md
+    services["webhooks"] = {**copy.deepcopy(base),  # docs/webhooks.md
+                            "command": ["webhooks", "send", "--metrics-port", WEBHOOKS_METRICS_PORT],
                             "depends_on": copy.deepcopy(_API_HEALTHY)}
     return {"services": services, "volumes": {"redis-data": None, "files": None}}
 

@@ -20,17 +20,17 @@ from sluice.broker import webhooks
 from sluice.broker.connection import is_cluster
 from sluice.broker.keys import PREFIX, ModelKeys
 from sluice.broker.registry import ModelRegistry
+from sluice.broker.webhook_breaker import BREAKER_FAILURES, Breakers
 from sluice.broker.webhook_deliveries import Deliveries, Delivery, event_id
 from sluice.broker.webhook_endpoints import Endpoint, EndpointStore
 from sluice.config.settings import Settings
-from sluice.protocol.openai_responses import RESPONSE_PREFIX
+from sluice.protocol.openai_responses import response_id
 from sluice.protocol.webhooks import UnsafeUrl, event_type, payload
 from sluice.workers import webhook_metrics as metrics
 from sluice.workers.webhook_post import post
 
 log = logging.getLogger(__name__)
 MAX_BACKOFF_S = 6 * 3600.0
-BREAKER_FAILURES, BREAKER_MAX_S = 5, 600.0  # an endpoint's circuit opens after 5 failures in a row
 BUSY_RETRY_S = 0.5  # an endpoint at its concurrency limit: the delivery is due again this soon
 
 
@@ -47,7 +47,8 @@ class WebhookSender:
         self._inflight: set[asyncio.Task] = set()
         self._limits: dict[str, asyncio.Semaphore] = {}  # per endpoint: webhooks_concurrency
         self._waiting: dict[str, int] = {}  # per endpoint: deliveries waiting for a slot
-        self._broken: dict[str, tuple[int, float, bool]] = {}  # per endpoint: failures in a row, open until, probing
+        # Per endpoint, shared by every sender: a probe waits out its attempt's timeout.
+        self.breakers = Breakers(redis, base_s=settings.webhooks_retry_base_s, probe_s=settings.webhooks_timeout_s + 1)
         self._known: tuple[float, dict[str, Endpoint]] = (float("-inf"), {})
         self._outboxes: tuple[float, list[str]] = (float("-inf"), [])
         self._grouped: set[str] = set()
@@ -150,32 +151,38 @@ class WebhookSender:
 
     async def fan_out(self, stream: str, entry_id: str, fields: dict[str, str], family: str | None = None) -> None:
         rid, state, owner, model = fields["id"], fields["state"], fields.get("owner", ""), fields.get("model", "")
-        family = family or ("response" if rid.startswith(RESPONSE_PREFIX) else "request")
+        if family is None:  # a request, or the request behind a Responses API response
+            family, object_id, metadata = await self._request_or_response(model, rid)
+        else:
+            object_id, metadata = rid, await self._batch_metadata(rid)
         kind = event_type(family, state)
         wanted = [e for e in (await self.known()).values() if e.owner == owner and e.wants(kind)]
         if not wanted:
             return
         ev = event_id(stream, entry_id)
         extra = {"model": model} if model else {}
-        metadata = await self._metadata(family, model, rid)
         if metadata:  # the client's own metadata, echoed (OpenAI's at most 16 short pairs)
             extra["metadata"] = metadata
-        body = payload(ev, family, state, rid, float(fields.get("at", time.time())), extra)
+        body = payload(ev, family, state, object_id, float(fields.get("at", time.time())), extra)
         created = await self.deliveries.enqueue([(e.id, ev, body) for e in wanted], self.lease_s)
         now = time.time()
         for d in created:
             endpoint = d.split(":delivery:", 1)[1].split(":", 1)[0]
             self._spawn(Delivery(d, endpoint, ev, body, 0, now))
 
-    async def _metadata(self, family: str, model: str, rid: str) -> dict | None:
-        """A response's or a batch's `metadata` (requests have none), read while it is kept."""
-        if family == "response":
-            raw = await self.redis.get(ModelKeys(model).response(rid))
-            return (json.loads(raw) or {}).get("metadata") if raw else None
-        if family == "batch":
-            raw = await self.redis.hget(f"{PREFIX}:batch:{rid}", "metadata")
-            return json.loads(raw) if raw else None
-        return None
+    async def _request_or_response(self, model: str, rid: str) -> tuple[str, str, dict | None]:
+        """(family, the id the event names, metadata): a request made through /v1/responses has
+        its response's record (saved before its admission, kept as long as its result), and its
+        event names the response (`resp_...`) with the client's metadata; a plain request has
+        neither."""
+        raw = await self.redis.get(ModelKeys(model).response(rid)) if model else None
+        if raw is None:
+            return "request", rid, None
+        return "response", response_id(rid), (json.loads(raw) or {}).get("metadata")
+
+    async def _batch_metadata(self, job_id: str) -> dict | None:
+        raw = await self.redis.hget(f"{PREFIX}:batch:{job_id}", "metadata")
+        return json.loads(raw) if raw else None
 
     # -- deliveries -----------------------------------------------------------------------------
     async def known(self) -> dict[str, Endpoint]:
@@ -205,15 +212,15 @@ class WebhookSender:
     async def attempt(self, d: Delivery) -> None:
         endpoint = (await self.known()).get(d.endpoint) or await self.endpoints.get(d.endpoint)
         if endpoint is None:  # deleted: nobody to tell
-            await self.deliveries.settle(d, "ok")
+            await self.deliveries.settle(d, "ok", counted="dropped")
             metrics.DELIVERIES.labels(d.endpoint, "dropped").inc()
             return
         if not endpoint.enabled:  # disabled: later, no attempt counted (its retry period still runs)
             await self.deliveries.settle(d, "later", next_at=time.time() + 60 * random.uniform(1, 2))
             return
-        shut = self._shut_until(endpoint.id)
-        if shut:  # its circuit is open: later, no attempt counted (a probe goes first)
-            await self.deliveries.settle(d, "later", next_at=shut + random.uniform(0, 1))
+        verdict = await self.breakers.check(endpoint.id)
+        if not verdict.go:  # its circuit is open: later, no attempt counted (a probe goes first)
+            await self.deliveries.settle(d, "later", next_at=verdict.until + random.uniform(0, 1))
             return
         if not await self._slot(endpoint.id):  # at its concurrency limit for long: later, no attempt counted
             await self.deliveries.settle(d, "later", next_at=time.time() + BUSY_RETRY_S * random.uniform(1, 2))
@@ -226,7 +233,9 @@ class WebhookSender:
             delivered, what = False, str(err)
         finally:
             self._limits[endpoint.id].release()
-        self._circuit(endpoint.id, delivered)
+        if await self.breakers.record(endpoint.id, delivered, verdict.probe) == BREAKER_FAILURES:
+            log.warning("webhook endpoint %s failed %d times in a row: its circuit is open", endpoint.id,
+                        BREAKER_FAILURES)
         if delivered:
             await self.deliveries.settle(d, "ok")
             metrics.DELIVERIES.labels(endpoint.id, "delivered").inc()
@@ -239,34 +248,6 @@ class WebhookSender:
         else:
             await self.deliveries.settle(d, "retry", next_at=time.time() + delay, error=what)
             metrics.DELIVERIES.labels(endpoint.id, "retried").inc()
-
-    def _shut_until(self, endpoint_id: str) -> float:
-        """When an endpoint's open circuit lets a delivery try again (0: now). Past that time one
-        delivery goes first, as a probe: the others wait the probe's timeout."""
-        failures, until, _ = self._broken.get(endpoint_id, (0, 0.0, False))
-        now = time.time()
-        if failures < BREAKER_FAILURES:
-            return 0.0
-        if now < until:
-            return until
-        self._broken[endpoint_id] = (failures, now + self.settings.webhooks_timeout_s + 1, True)
-        return 0.0
-
-    def _circuit(self, endpoint_id: str, delivered: bool) -> None:
-        """A circuit breaker per endpoint: after BREAKER_FAILURES failures in a row its deliveries
-        wait (longer at each further failure, at most BREAKER_MAX_S) instead of each trying on its
-        own schedule; a success closes it. Other endpoints are never held up."""
-        if delivered:
-            self._broken.pop(endpoint_id, None)
-            return
-        failures, until, probing = self._broken.get(endpoint_id, (0, 0.0, False))
-        if failures >= BREAKER_FAILURES and not probing:
-            return  # open already: attempts that began before it opened do not stretch it, only a probe's
-        failures += 1
-        wait = min(self.settings.webhooks_retry_base_s * 2 ** min(failures - BREAKER_FAILURES, 20), BREAKER_MAX_S)
-        self._broken[endpoint_id] = (failures, time.time() + wait if failures >= BREAKER_FAILURES else 0.0, False)
-        if failures == BREAKER_FAILURES:
-            log.warning("webhook endpoint %s failed %d times in a row: its circuit is open", endpoint_id, failures)
 
     async def _slot(self, endpoint_id: str) -> bool:
         """One of the endpoint's `webhooks_concurrency` slots, waited for while the delivery's lease

@@ -2,15 +2,20 @@
 -- again at `next_at`, its attempt counted; `later`: due again at `next_at`, no attempt counted
 -- (the endpoint was at its concurrency limit); `dead`: past its retry period, moved to the
 -- dead-letter list (newest first, capped). A delivery already gone (another sender, whose lease
--- had passed to it, settled it) is left gone.
--- KEYS: due, delivery, dead
--- ARGV: outcome, next_at, error, now, dead_max
+-- had passed to it, settled it) is left gone. `counted` (delivered, retried, dead, dropped; ''
+-- for none) is added to the minute's outcome counts (the dashboard's), kept `counts_ttl` s.
+-- KEYS: due, delivery, dead, the minute's outcome counts
+-- ARGV: outcome, next_at, error, now, dead_max, counted, counts_ttl
 -- Returns 1, or 0 when the delivery was gone.
 local due, delivery, dead = KEYS[1], KEYS[2], KEYS[3]
 local outcome, next_at, err, now, dead_max = ARGV[1], ARGV[2], ARGV[3], ARGV[4], tonumber(ARGV[5])
 if redis.call('EXISTS', delivery) == 0 then
   redis.call('ZREM', due, delivery)
   return 0
+end
+if ARGV[6] ~= '' then
+  redis.call('HINCRBY', KEYS[4], ARGV[6], 1)
+  redis.call('EXPIRE', KEYS[4], ARGV[7])
 end
 if outcome == 'ok' then
   redis.call('ZREM', due, delivery)

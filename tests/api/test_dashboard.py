@@ -8,6 +8,7 @@ import base64
 import hashlib
 import json
 import re
+import time
 from pathlib import Path
 
 import httpx
@@ -16,6 +17,8 @@ from redis.asyncio import Redis
 
 from sluice.api.activity import ActivityReader, percentile, recent_failures, window_stats
 from sluice.broker.activity import LogWindow
+from sluice.broker.webhook_deliveries import Deliveries
+from sluice.broker.webhook_endpoints import EndpointStore
 from sluice.config.settings import Settings
 from sluice.workers.worker import Worker
 from tests.api.keyed_app import ADMIN, ALICE, client, keyed_app
@@ -129,6 +132,26 @@ async def test_running_bulk_jobs_are_listed_with_their_progress(app: FastAPI, ap
     assert shown["id"] == batch["id"] and shown["status"] == "validating" and shown["progress"] is None
     await jobs.move(batch["id"], "cancelled", ["validating"])
     assert (await dashboard(api))["batches"] == []  # final: not shown
+
+
+async def test_webhook_deliveries_by_outcome_backlog_and_dead_letters(api: httpx.AsyncClient, redis: Redis) -> None:
+    """Deliveries settled through Deliveries (as a sender settles them): counted by outcome over
+    the last minutes; what is not done is the backlog, with its oldest event's age."""
+    assert (await dashboard(api))["webhooks"] == {"endpoints": 0, "minutes": 10, "backlog": 0, "dead": 0,
+                                                  "oldest_pending_s": 0.0, "outcomes": {
+                                                      "delivered": 0, "retried": 0, "dead": 0, "dropped": 0}}
+    endpoint = await EndpointStore(redis).create("http://127.0.0.1:9/hooks", [], owner="")
+    deliveries = Deliveries(redis)
+    await deliveries.enqueue([(endpoint.id, f"msg_{i}", "{}") for i in range(4)], lease_s=0)
+    ok, retried, dead, dropped = await deliveries.claim(4, 30)
+    await deliveries.settle(ok, "ok")
+    await deliveries.settle(retried, "retry", next_at=time.time() + 60, error="HTTP 500")
+    await deliveries.settle(dead, "dead", error="HTTP 500")
+    await deliveries.settle(dropped, "ok", counted="dropped")
+    await deliveries.settle(ok, "ok")  # settled already (another sender): not counted twice
+    w = (await dashboard(api))["webhooks"]
+    assert w["outcomes"] == {"delivered": 1, "retried": 1, "dead": 1, "dropped": 1}
+    assert w["endpoints"] == 1 and w["backlog"] == 1 and w["dead"] == 1 and w["oldest_pending_s"] >= 0
 
 
 async def test_only_an_admin_key_reads_the_data(settings: Settings, tmp_path: Path, redis: Redis) -> None:

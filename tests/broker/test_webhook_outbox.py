@@ -4,6 +4,7 @@ writes the final; a request of an owner without one appends nothing and costs no
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections import Counter
 
@@ -13,6 +14,7 @@ from redis.asyncio import Redis
 from sluice.broker import webhooks
 from sluice.broker.connection import is_cluster
 from sluice.broker.jobs import JobStore
+from sluice.broker.webhook_endpoints import EndpointStore
 from sluice.broker.webhooks import OWNERS, batch_outbox, outbox
 from sluice.config.settings import Settings
 from tests.broker.helpers import KEYS, admission, done_result, fetch_one, message, ready_consumer
@@ -67,6 +69,22 @@ async def test_cancel_expire_and_dead_letter_each_append_their_final(redis: Redi
         (cancelled.id, "cancelled"), (expired.id, "expired"), (failed.id, "failed")]
 
 
+async def test_a_dead_letter_whose_status_expired_keeps_its_event(redis: Redis, settings: Settings) -> None:
+    """dead_letter.lua re-creates a status that expired (or was lost) before its final: the
+    re-created one carries the webhook mark when the owner has an endpoint, so the failed final
+    still appends its event; an owner without one still gets none."""
+    adm = await subscribed(redis, settings)
+    hooked, plain = await submit(adm), await submit(adm, owner="cd" * 32)
+    c = await ready_consumer(redis, settings)
+    for d in await c.fetch(2, 1000):
+        await redis.delete(KEYS.status(d.message.id))  # its status expired while it ran
+        assert await c.dead_letter(d.stream, d.entry_id, d.message.id, d.message.model_dump_json(), "boom", 3,
+                                   d.message)
+        assert await redis.hget(KEYS.status(d.message.id), "state") == "failed"
+    assert [(e["id"], e["state"], e["owner"]) for e in await events(redis)] == [(hooked.id, "failed", OWNER)]
+    assert await redis.hget(KEYS.status(plain.id), "hook") is None
+
+
 async def test_a_start_that_finds_the_request_cancelled_appends_the_cancel(redis: Redis, settings: Settings) -> None:
     adm = await subscribed(redis, settings)
     m = await submit(adm)
@@ -95,6 +113,34 @@ async def test_the_owners_are_read_at_most_once_per_refresh(redis: Redis, settin
     assert not await owners.has(OWNER)  # cached: no read per request
     owners.refresh_s = 0
     assert await owners.has(OWNER)
+
+
+async def test_a_request_admitted_once_an_endpoint_creation_returned_is_always_marked(redis: Redis,
+                                                                                     settings: Settings) -> None:
+    """Adversarial: one api process read the owners just before the endpoint's write, another
+    re-reads them at every moment around it; a request is admitted through each the moment the
+    creation returns, twelve times over. Every one carries the mark (its final has its event)."""
+    first, second, store = admission(redis, settings), admission(redis, settings), EndpointStore(redis)
+    stop = asyncio.Event()
+
+    async def churn() -> None:  # the second api's list is read at arbitrary moments
+        while not stop.is_set():
+            await second.webhook_owners.has("nobody")
+            await asyncio.sleep(0.005)
+
+    task = asyncio.create_task(churn())
+    try:
+        for i in range(12):
+            owner = f"{i:064x}"
+            before = await submit(first, owner=owner)  # read its owners now: without this one
+            await store.create("http://127.0.0.1:9/hooks", [], owner=owner)
+            for adm in (first, second):
+                m = await submit(adm, owner=owner)
+                assert await redis.hget(KEYS.status(m.id), "hook") == "1", f"round {i}: admitted unmarked"
+            assert await redis.hget(KEYS.status(before.id), "hook") is None
+    finally:
+        stop.set()
+        await task
 
 
 async def test_a_batch_final_appends_its_event_to_its_own_outbox(redis: Redis, settings: Settings) -> None:

@@ -148,6 +148,18 @@ def test_the_worker_command_is_one_the_cli_has(models_file: Path) -> None:
     assert {w for w in command if w.startswith("--")} <= options
 
 
+def test_the_services_without_a_model_run_as_the_hand_written_compose_file_runs_them(models_file: Path) -> None:
+    """The webhook sender serves its metrics where deploy/prometheus.yml scrapes them (as in
+    docker-compose.yml), and its command is one the cli has."""
+    rendered = render_compose(load_models(models_file))["services"]
+    shipped = yaml.load((ROOT / "docker-compose.yml").read_text(), Loader=_ComposeLoader)["services"]
+    assert rendered["webhooks"]["command"] == shipped["webhooks"]["command"] == \
+        ["webhooks", "send", "--metrics-port", "9401"]
+    assert rendered["jobs"]["command"] == shipped["jobs"]["command"]
+    send = typer.main.get_command(app).commands["webhooks"].commands["send"]  # type: ignore[attr-defined]
+    assert "--metrics-port" in {opt for p in send.params for opt in p.opts}
+
+
 @pytest.mark.parametrize("files", [["docker-compose.yml"], ["docker-compose.cpu.yml"]])
 def test_the_hand_written_compose_files_follow_the_schema(files: list[str]) -> None:
     for name in files:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
@@ -20,11 +19,13 @@ from standardwebhooks.webhooks import WebhookVerificationError
 from sluice.broker import webhooks
 from sluice.broker.jobs import JobStore
 from sluice.broker.registry import ModelRegistry
+from sluice.broker.webhook_breaker import BREAKER_TTL_S, breaker
 from sluice.broker.webhook_deliveries import Deliveries
 from sluice.broker.webhook_endpoints import EndpointStore
 from sluice.broker.webhooks import DUE
 from sluice.config.model import ModelConfig
 from sluice.config.settings import Settings
+from sluice.protocol.openai_responses import response_id
 from sluice.protocol.webhooks import probe_payload
 from sluice.workers.webhook_sender import WebhookSender
 from tests.broker.helpers import KEYS, MODEL, admission, done_result, message, ready_consumer
@@ -196,21 +197,27 @@ async def test_a_failing_endpoint_opens_its_circuit_and_holds_up_no_other(redis:
             await EndpointStore(redis).create(healthy.url, [], owner="")
             rids = await finish(redis, s, 9)
             await until(lambda: len(healthy.got) == len(rids) and len(failing.got) >= 5)
-        sender = WebhookSender(redis, s, "breaker")
-        for _ in range(4):
-            sender._circuit(bad.id, False)
-        assert sender._shut_until(bad.id) == 0  # 4 failures in a row: still closed
-        sender._circuit(bad.id, False)
-        opened = sender._shut_until(bad.id)
-        assert opened > time.time() + 20  # open: its deliveries wait
-        sender._circuit(bad.id, False)  # an attempt begun before it opened fails: the wait is not stretched
-        assert sender._shut_until(bad.id) == opened
-        sender._broken[bad.id] = (5, time.time() - 1, False)
-        assert sender._shut_until(bad.id) == 0 and sender._shut_until(bad.id) > time.time()  # one probe, the rest wait
-        sender._circuit(bad.id, False)  # the probe failed: open twice as long
-        assert sender._shut_until(bad.id) > time.time() + 50
-        sender._circuit(bad.id, True)
-        assert sender._shut_until(bad.id) == 0  # a success closes it
+        # Two senders share the endpoint's circuit (Redis): failures seen by either count together.
+        one, two = WebhookSender(redis, s, "breaker-1").breakers, WebhookSender(redis, s, "breaker-2").breakers
+        await redis.delete(breaker(bad.id))
+        for b in (one, two, one, two):
+            assert await b.record(bad.id, False) > 0
+        assert (await two.check(bad.id)).go  # 4 failures in a row: still closed
+        assert await one.record(bad.id, False) == 5
+        shut = await two.check(bad.id)
+        assert not shut.go and shut.until > time.time() + 20  # open, for the other sender too
+        assert await two.record(bad.id, False) == 0  # begun before it opened: the wait is not stretched
+        assert (await one.check(bad.id)).until == shut.until
+        await redis.hset(breaker(bad.id), "open_until", time.time() - 1)  # its wait is over
+        probe = await one.check(bad.id)
+        assert probe.go and probe.probe
+        waits = await two.check(bad.id)  # one probe across the senders: the other waits for it
+        assert not waits.go and waits.until >= time.time() + s.webhooks_timeout_s
+        assert await one.record(bad.id, False, was_probe=True) == 6  # the probe failed: open twice as long
+        assert (await two.check(bad.id)).until > time.time() + 50
+        assert 0 < await redis.ttl(breaker(bad.id)) <= BREAKER_TTL_S  # a forgotten endpoint's breaker goes
+        await two.record(bad.id, True)
+        assert (await one.check(bad.id)).go and not await redis.exists(breaker(bad.id))  # a success closes it
     finally:
         await failing.stop()
 
@@ -219,7 +226,8 @@ async def test_responses_batches_and_test_events_have_their_types(redis: Redis, 
     async with sender_and_receiver(redis, hook_settings) as rec:
         endpoint = await EndpointStore(redis).create(rec.url, [], owner="")
         adm = admission(redis, hook_settings)
-        response = message().model_copy(update={"id": f"resp_{int(time.time() * 1000)}-{uuid.uuid4().hex}"})
+        # A /v1/responses request: a plain request id, and its response's record saved before it
+        response = message()
         await redis.set(KEYS.response(response.id), json.dumps({"metadata": {"order": "42"}}), ex=60)
         await adm.submit(response, max_queued=1000)
         assert await adm.cancel(KEYS.model, response.id) == "cancelled"
@@ -231,7 +239,7 @@ async def test_responses_batches_and_test_events_have_their_types(redis: Redis, 
         await until(lambda: len(rec.got) == 3)
     events = {e["type"]: e for e in (got.verify(endpoint.secret) for got in rec.got)}
     assert set(events) == {"response.cancelled", "batch.completed", "webhook.test"}
-    assert events["response.cancelled"]["data"]["id"] == response.id
+    assert events["response.cancelled"]["data"]["id"] == response_id(response.id)  # the response, as OpenAI's
     assert events["response.cancelled"]["data"]["metadata"] == {"order": "42"}  # the client's, echoed
     assert events["batch.completed"]["data"]["id"] == batch["id"]
     assert events["batch.completed"]["data"]["metadata"] == {"team": "a"}
