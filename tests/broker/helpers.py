@@ -17,6 +17,7 @@ from redis.asyncio import Redis
 from sluice.broker.admission import Admission
 from sluice.broker.connection import is_cluster
 from sluice.broker.consumer import Delivery, StreamConsumer
+from sluice.broker.fair_share import staged_streams
 from sluice.broker.keys import GROUP, ModelKeys
 from sluice.broker.limits import AdmissionLimits, ConsumerLimits
 from sluice.broker.readers import Readers
@@ -168,8 +169,6 @@ def replica_of(cluster: LocalCluster, primary: Node) -> Node:
 async def queued_ids(redis: Redis, stream: str = KEYS.requests) -> list[str]:
     """The ids of the requests queued on a lane: on its stream, and staged for their tenants'
     turns (fair share), in the order they were admitted (entry ids are times)."""
-    from sluice.broker.fair_share import staged_streams
-
     entries = [e for s in [stream, *await staged_streams(redis, stream)] for e in await redis.xrange(s)]
     return [f["id"] for _, f in sorted(entries, key=lambda e: tuple(int(x) for x in e[0].split("-")))]
 
