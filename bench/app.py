@@ -6,7 +6,21 @@ import os
 
 import typer
 
-from sluice.bench import chaos, durability, hostile, queue, serve, simulate, soak, streams, throughput, tokens, webhooks
+from sluice.bench import (
+    chaos,
+    durability,
+    fairness,
+    hostile,
+    prefix,
+    queue,
+    serve,
+    simulate,
+    soak,
+    streams,
+    throughput,
+    tokens,
+    webhooks,
+)
 
 bench_app = typer.Typer(no_args_is_help=True, help="Measure Sluice against a baseline in the same run.",
                         callback=lambda: os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING"))
@@ -27,6 +41,8 @@ COMMANDS = {
     "simulate": simulate.simulate,
     "hostile": hostile.hostile,
     "webhooks": webhooks.webhooks,
+    "prefix": prefix.prefix,
+    "fairness": fairness.fairness,
 }
 for name, command in COMMANDS.items():
     bench_app.command(name)(command)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from prometheus_client import Counter, Gauge, Histogram, start_http_server
 
 from sluice.protocol.messages import FinalResult
+from sluice.workers.engines.prefix_cache import PrefixCacheCounters
 
 _LATENCY = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320, 640)
 _TOKEN_TIME = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1, 2.5)
@@ -53,3 +54,23 @@ def observe_final(model: str, final: FinalResult) -> None:
         tokens = final.usage.completion_tokens if final.usage else 0
         if t.first_token is not None and tokens > 1:
             TPOT.labels(model).observe((t.finished - t.first_token) / (tokens - 1))
+
+
+class PrefixCacheExport:
+    """One worker's engine prefix-cache counters (cumulative in the engine) into the metrics, by
+    what each sync adds, and into its heartbeat (the dashboard's hit rate per worker)."""
+
+    def __init__(self) -> None:
+        self._counted = (0, 0)
+
+    def sync(self, model: str, worker: str, counters: PrefixCacheCounters | None) -> None:
+        if counters is None:
+            return
+        PREFIX_CACHE_QUERIES.labels(model, worker).inc(counters.queries - self._counted[0])
+        PREFIX_CACHE_HITS.labels(model, worker).inc(counters.hits - self._counted[1])
+        self._counted = (counters.queries, counters.hits)
+
+    @staticmethod
+    def heartbeat(counters: PrefixCacheCounters | None) -> dict[str, int]:
+        return {} if counters is None else {"prefix_cache_queries": counters.queries,
+                                            "prefix_cache_hits": counters.hits}

@@ -63,7 +63,7 @@ class Worker:
         self._batches = 0
         # the consumer's reclaims and dead letters already in the metrics; when the next heartbeat is due
         self._counted, self._next_beat = (0, 0), 0.0
-        self._prefix_counted = (0, 0)  # the engine's prefix-cache queries and hits already in the metrics
+        self._prefix_cache = metrics.PrefixCacheExport()
         self._background: list[asyncio.Task] = []
 
     async def _read_shards(self) -> None:
@@ -230,12 +230,7 @@ class Worker:
         metrics.RECLAIMS.labels(self.model.name).inc(reclaimed - self._counted[0])
         metrics.DEAD_LETTERS.labels(self.model.name).inc(dead - self._counted[1])
         self._counted = (reclaimed, dead)
-        prefix = self.engine.prefix_cache_counters()
-        if prefix is not None:
-            queries, hits = prefix.queries, prefix.hits
-            metrics.PREFIX_CACHE_QUERIES.labels(self.model.name, self.name).inc(queries - self._prefix_counted[0])
-            metrics.PREFIX_CACHE_HITS.labels(self.model.name, self.name).inc(hits - self._prefix_counted[1])
-            self._prefix_counted = (queries, hits)
+        self._prefix_cache.sync(self.model.name, self.name, self.engine.prefix_cache_counters())
 
     async def _heartbeat(self) -> None:
         if time.monotonic() < self._next_beat and self.pace.admitted > 0.75 * self.pace.told:
@@ -249,15 +244,10 @@ class Worker:
             started_at=self.started_at, heartbeat_at=0.0,
             state="draining" if self.stopping.is_set() else "running", metrics_url=self.metrics_url,
             admitted=self.pace.admitted, service_rate=round(self.pace.service_rate(self._expected_tokens()), 3),
-            **self._prefix_figures(),
+            **self._prefix_cache.heartbeat(self.engine.prefix_cache_counters()),
         ))
         await self.consumer.refresh_name(self.settings.worker_ttl_s)
         await self._check_version()
-
-    def _prefix_figures(self) -> dict[str, int]:
-        """The engine's prefix-cache counters for the heartbeat (the dashboard's hit rate per worker)."""
-        prefix = self.engine.prefix_cache_counters()
-        return {} if prefix is None else {"prefix_cache_queries": prefix.queries, "prefix_cache_hits": prefix.hits}
 
     def _expected_tokens(self) -> float | None:
         """The output tokens a running request asks for, on average (None with none running)."""
