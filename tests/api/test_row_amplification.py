@@ -17,7 +17,7 @@ from sluice.api import intake
 from sluice.broker.keys import ModelKeys
 from sluice.protocol.tokens import Measured
 from tests.api.conftest import StartApi
-from tests.broker.helpers import MODEL
+from tests.broker.helpers import MODEL, queued_len
 
 CAP = 64
 MAX_QUEUED = 40
@@ -45,8 +45,9 @@ def rows_checked(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 
 
 async def queued(redis: Redis) -> int:
+    """Entries queued on both lanes, staged ones (fair share) included."""
     keys = ModelKeys(MODEL)
-    return await redis.xlen(keys.requests) + await redis.xlen(keys.bulk)
+    return await queued_len(redis, keys.requests) + await queued_len(redis, keys.bulk)
 
 
 def completion(prompts: int, n: int = 1, **extra: object) -> dict:
