@@ -16,12 +16,13 @@ from typing import Any, Protocol
 
 from fastapi import APIRouter, Depends
 from fastapi.responses import JSONResponse
-from sse_starlette.sse import EventSourceResponse, ServerSentEvent
+from sse_starlette.sse import EventSourceResponse
 
 from sluice.api.auth import Caller, require_key
 from sluice.api.errors import ApiError
 from sluice.api.intake import Sampling
 from sluice.api.schemas import MAX_TOKENS, require_unicode
+from sluice.api.sse import chunk, sse
 from sluice.api.state import ApiState, state
 from sluice.api.streams import Slot, SlotStream
 from sluice.config.model import ModelConfig
@@ -121,8 +122,8 @@ def _stream(s: ApiState, slot: Slot, model: str, messages: list[RequestMessage],
                                                       "type": "inference_failed"}})
                                 reason = "abort"
                             out += chunks.end(index, f, reason)
-                    if out:
-                        yield b"".join(ServerSentEvent(data=json.dumps(c)).encode() for c in out)
+                    if out:  # one write for what arrived together (api/sse.py)
+                        yield chunk([sse(json.dumps(c)) for c in out])
             if include_usage:
                 usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
                 yield {"data": json.dumps(chunks.usage(usage))}
@@ -143,9 +144,9 @@ async def _merged(s: ApiState, model: str, messages: list[RequestMessage]) -> As
     stream ends; what arrived together comes as one list (one write). One choice is followed
     directly; several through a reader task each."""
     if len(messages) == 1:
-        async with contextlib.aclosing(s.replies.follow(model, messages[0].id)) as events:
-            async for ev in events:
-                yield [(0, ev)]
+        async with contextlib.aclosing(s.replies.follow_reads(model, messages[0].id)) as reads:
+            async for read in reads:
+                yield [(0, ev) for ev in read]
         yield [(0, None)]
         return
     queue: asyncio.Queue = asyncio.Queue()

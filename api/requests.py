@@ -13,6 +13,7 @@ from sluice.api.auth import Caller, require_key
 from sluice.api.errors import ApiError, ErrorResponse, error_body
 from sluice.api.intake import Sampling, request_id
 from sluice.api.schemas import RequestView, SubmitRequest, Submitted
+from sluice.api.sse import chunk, sse
 from sluice.api.state import ApiState, state
 from sluice.api.streams import SlotStream
 from sluice.broker.reply_router import resume_index
@@ -195,16 +196,21 @@ async def events(
                        param="Last-Event-ID") from None
     idle_s = s.settings.sse_idle_timeout_s
 
-    async def stream() -> AsyncIterator[dict]:
-        async for ev in s.replies.follow(model, rid, after=last_id, next_index=next_index,
-                                        idle_timeout_s=idle_s):
-            if ev.delta is not None:
-                yield {"event": "delta", "id": ev.entry_id,
-                       "data": json.dumps({"index": ev.delta.i, "text": ev.delta.text, "row": ev.delta.row})}
-            elif ev.final is not None:
-                final = final_view(rid, model, ev.final)
-                kind = "done" if ev.final.status is State.DONE else "error"
-                yield {"event": kind, "id": ev.entry_id, "data": final.model_dump_json(exclude_none=True)}
+    async def stream() -> AsyncIterator[dict | bytes]:
+        # A read's events in one chunk: one write per read (api/sse.py).
+        async for read in s.replies.follow_reads(model, rid, after=last_id, next_index=next_index,
+                                                 idle_timeout_s=idle_s):
+            out = []
+            for ev in read:
+                if ev.delta is not None:
+                    data = json.dumps({"index": ev.delta.i, "text": ev.delta.text, "row": ev.delta.row})
+                    out.append(sse(data, "delta", ev.entry_id))
+                elif ev.final is not None:
+                    final = final_view(rid, model, ev.final)
+                    kind = "done" if ev.final.status is State.DONE else "error"
+                    out.append(sse(final.model_dump_json(exclude_none=True), kind, ev.entry_id))
+            yield chunk(out)
+            if read[-1].final is not None:
                 return
         # Closed so that an idle reader does not hold the connection (and a proxy's) forever.
         yield {"comment": f"no event for {idle_s:g}s: reconnect with Last-Event-ID to go on"}

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -12,11 +11,13 @@ from typing import TYPE_CHECKING
 from redis.asyncio import Redis
 from redis.exceptions import NoScriptError
 
-from sluice.broker.connection import is_cluster
 from sluice.broker.keys import ModelKeys
+from sluice.broker.reply_events import Delivered as Delivered
+from sluice.broker.reply_events import ReplyDecoder as ReplyDecoder
+from sluice.broker.reply_events import ReplyEvent as ReplyEvent
+from sluice.broker.reply_events import delivered as delivered
 from sluice.broker.scripts import Scripts
-from sluice.protocol.messages import DeltaEvent, FinalResult, TokenLogprob
-from sluice.protocol.states import FINAL_STATES
+from sluice.protocol.messages import DeltaEvent, FinalResult
 
 if TYPE_CHECKING:
     from sluice.broker.consumer import Delivery
@@ -28,17 +29,21 @@ Commit = Callable[["Delivery", FinalResult, "list[int] | None", list[str]], Awai
 
 
 class ReplyWriter:
-    """Buffers token deltas and writes everything ready in one pipeline per flush.
+    """Buffers token deltas and writes everything ready in one script call per flush.
 
-    The engine hands out a token for many requests per step; one round trip per step
-    (instead of one per token) keeps Redis off the engine's critical path. Each request's
-    deltas go through reply.lua, which writes them only while the worker still owns the
-    entry: a worker fenced out while frozen cannot add tokens beside its successor's.
+    The engine hands out a token for many requests per step; one call per step (instead of
+    one per token per request) keeps Redis and this process off the engine's critical path.
+    A flush starts as soon as the one before has returned, with no timer: a lone stream's
+    token leaves at once, and at GPU rates what every request generated while a flush was on
+    its way goes in the next one, so no token waits longer than one flush. A flush is one
+    reply.lua call per slot (a model's shard: its keys share a hash tag, so the call works on a
+    Redis Cluster), carrying every request of that slot, each fenced on its own: a worker
+    fenced out while frozen cannot add tokens beside its successor's, and the other requests
+    of the call are written all the same.
     """
 
-    def __init__(self, redis: Redis, model: str, *, reply_ttl_s: int, min_flush_s: float = 0.005):
+    def __init__(self, redis: Redis, model: str, *, reply_ttl_s: int):
         self.redis = redis
-        self.min_flush_s = min_flush_s
         self.keys = ModelKeys(model)
         self.scripts = Scripts.register(redis)
         self.reply_ttl_s = reply_ttl_s
@@ -68,14 +73,14 @@ class ReplyWriter:
                 if not pending:
                     return
                 batch = _coalesce(pending)
-                # One call per entry and attempt: an earlier attempt's leftovers (a worker that gave
-                # the request up, then took it over again under its name) are fenced on their own.
+                # One request per entry and attempt: an earlier attempt's leftovers (a worker that
+                # gave the request up, then took it over again under its name) are fenced on their own.
                 by_entry: dict[tuple[tuple[str, str], int], tuple[Delivery, list[DeltaEvent]]] = {}
                 for d, ev in batch:
                     by_entry.setdefault((d.key, d.attempt), (d, []))[1].append(ev)
                 try:
                     answers = await self._write([
-                        ([d.stream, self.keys.reply(d.message.id), self.keys.status(d.message.id)],
+                        ([self.keys.reply(d.message.id), self.keys.status(d.message.id)],
                          [d.fence, 0 if d.sent.ttl_set else self.reply_ttl_s,
                           *(ev.model_dump_json(exclude_none=True) for ev in events)])
                         for d, events in by_entry.values()])
@@ -120,33 +125,37 @@ class ReplyWriter:
                     "left for a retry (it resumes from where the stream ends)", d.message.id)
         return False
 
-    async def _write(self, calls: list[tuple[list[str], list[object]]]) -> list[object]:
-        if is_cluster(self.redis):  # redis-py's cluster pipeline refuses scripts: one call each
-            return list(await asyncio.gather(*(self.scripts.reply(keys=k, args=a) for k, a in calls)))
-        # One round trip for the flush. EVALSHA itself: a script registered on the pipeline
-        # makes redis-py ask SCRIPT EXISTS first, a second round trip on every flush.
+    async def _write(self, requests: list[tuple[list[str], list[object]]]) -> list[object]:
+        """Each request's (keys, args) as reply.lua takes them for one request; its answer. The
+        requests of one slot go in one call, the slots' calls side by side."""
+        slots: dict[str, list[int]] = {}
+        for n, (keys, _) in enumerate(requests):
+            slots.setdefault(_hash_tag(keys[0]), []).append(n)
+        calls = [_one_call([requests[n] for n in ns]) for ns in slots.values()]
+        if len(calls) == 1:
+            results = [await self._call(*calls[0])]
+        else:
+            results = list(await asyncio.gather(*(self._call(k, a) for k, a in calls)))
+        answers: list[object] = [None] * len(requests)
+        for ns, got in zip(slots.values(), results):
+            for n, answer in zip(ns, got):
+                answers[n] = answer
+        return answers
+
+    async def _call(self, keys: list[str], args: list[object]) -> list[object]:
+        # EVALSHA itself, on the client (not the script object's retrying call): a Redis that
+        # restarted without the script ran none of the call, which then goes again.
         script = self.scripts.reply
-        for _ in range(2):
-            async with self.redis.pipeline(transaction=False) as pipe:
-                for k, a in calls:
-                    pipe.evalsha(script.sha, len(k), *k, *a)
-                try:
-                    return await pipe.execute()
-                except NoScriptError:  # Redis restarted without it: none of the calls ran
-                    await self.redis.script_load(script.script)
-        raise NoScriptError("reply.lua could not be loaded")
+        try:
+            return await self.redis.evalsha(script.sha, len(keys), *keys, *args)
+        except NoScriptError:
+            await self.redis.script_load(script.script)
+            return await self.redis.evalsha(script.sha, len(keys), *keys, *args)
 
     async def _run(self) -> None:
-        last = 0.0
         while not self._closing:
             await self._ready.wait()
-            # At most one flush per min_flush_s: a token arriving after a quiet spell goes at once
-            # (no latency added at one stream), while at GPU rates each request's deltas of the
-            # interval are joined into one write, so writes per second stay bounded.
-            if (wait := last + self.min_flush_s - time.monotonic()) > 0 and not self._closing:
-                await asyncio.sleep(wait)
             self._ready.clear()
-            last = time.monotonic()
             try:
                 await self.flush()
             except Exception:  # a Redis blip must not kill the writer; the final still lands
@@ -163,6 +172,21 @@ class ReplyWriter:
             for task in late:
                 task.cancel()
         await self.flush()
+
+
+def _hash_tag(key: str) -> str:
+    """The hash tag of a key (`{m:<model>}` or a shard's `{m:<model>:<k>}`): its slot."""
+    return key[key.index("{"):key.index("}") + 1]
+
+
+def _one_call(requests: list[tuple[list[str], list[object]]]) -> tuple[list[str], list[object]]:
+    """Many requests' reply.lua keys and args as one call's (see reply.lua's header)."""
+    keys: list[str] = []
+    args: list[object] = []
+    for k, (fence, ttl, *deltas) in requests:
+        keys += k
+        args += [fence, ttl, len(deltas), *deltas]
+    return keys, args
 
 
 _KEPT = 2048  # deltas kept per row for a resend (a failover loses the last moments, not minutes)
@@ -215,71 +239,3 @@ def _coalesce(buffer: list[tuple[Delivery, DeltaEvent]]) -> list[tuple[Delivery,
             last[(d.entry_id, d.attempt, ev.row)] = len(out)
             out.append((d, ev))
     return out
-
-
-@dataclass
-class Delivered:
-    """What one row's reply stream already holds: a retry continues after it."""
-
-    token_ids: list[int] = field(default_factory=list)
-    text: list[str] = field(default_factory=list)
-    finish: str | None = None
-    logprobs: list[TokenLogprob] = field(default_factory=list)
-    prompt_logprobs: list[TokenLogprob] | None = None
-
-
-async def delivered(redis: Redis, model: str, rid: str) -> dict[int, Delivered]:
-    """Per row, the tokens on the reply stream, contiguous from index 0 (every attempt resumed
-    from the one before, so they form one sequence; an overlap or a gap ends it)."""
-    rows: dict[int, Delivered] = {}
-    after = "-"
-    while True:
-        got = await redis.xrange(ModelKeys(model).reply(rid), min=after, count=1000)
-        for entry_id, fields in got:
-            after = f"({entry_id}"
-            if fields.get("kind") != "delta":
-                continue
-            ev = DeltaEvent.model_validate_json(fields["data"])
-            row = rows.setdefault(ev.row, Delivered())
-            if row.finish is None and ev.i == len(row.token_ids):
-                row.token_ids.extend(ev.token_ids)
-                row.text.append(ev.text)
-                row.finish = ev.finish
-                row.logprobs.extend(ev.logprobs or ())
-                if ev.prompt_logprobs is not None:
-                    row.prompt_logprobs = ev.prompt_logprobs
-        if len(got) < 1000:
-            return rows
-
-
-@dataclass
-class ReplyEvent:
-    entry_id: str
-    kind: str  # "delta" | "final"
-    delta: DeltaEvent | None = None
-    final: FinalResult | None = None
-
-
-class ReplyDecoder:
-    """A reply stream's entries as events, each token once: per row, the next token index not
-    yet delivered. A delta overlapping tokens already delivered is skipped whole: its text cannot
-    be split per token, and a retried structured attempt that replays them writes only past them,
-    having checked that it regenerated the very tokens (or it fails: workers/generation.py)."""
-
-    def __init__(self, next_index: int = 0) -> None:
-        self.seen = {0: next_index}
-
-    def event(self, entry_id: str, fields: dict[str, str]) -> ReplyEvent | None:
-        if fields.get("kind") == "final":
-            return ReplyEvent(entry_id, "final", final=FinalResult.model_validate_json(fields["data"]))
-        ev = DeltaEvent.model_validate_json(fields["data"])
-        if ev.i < self.seen.get(ev.row, 0):
-            return None
-        self.seen[ev.row] = ev.i + len(ev.token_ids)
-        return ReplyEvent(entry_id, "delta", delta=ev)
-
-
-async def final_status(redis: Redis, status_key: str) -> FinalResult | None:
-    """The request's final result from its status hash, or None while it has none."""
-    state, result = await redis.hmget(status_key, ["state", "result"])
-    return FinalResult.model_validate_json(result) if state in FINAL_STATES and result else None

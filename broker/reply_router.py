@@ -17,9 +17,9 @@ replica, readers read from one (`Readers`): what a reader shows, a failover keep
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import random
-import re
 import time
 import zlib
 from collections.abc import AsyncIterator
@@ -31,7 +31,8 @@ from redis.exceptions import RedisError
 
 from sluice.broker.keys import ModelKeys
 from sluice.broker.readers import Readers
-from sluice.broker.replies import ReplyDecoder, ReplyEvent, final_status
+from sluice.broker.reply_events import ReplyDecoder, ReplyEvent, final_status
+from sluice.broker.reply_events import resume_index as resume_index
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +49,7 @@ def _order(entry_id: str) -> tuple[int, int]:
 class _Follower:
     key: str
     after: str
-    entries: asyncio.Queue[Entry] = field(default_factory=asyncio.Queue)
+    entries: asyncio.Queue[list[Entry]] = field(default_factory=asyncio.Queue)  # one list per read
     taken_in: asyncio.Event = field(default_factory=asyncio.Event)
 
 
@@ -113,10 +114,11 @@ class _Shard:
                 for f in list(self.followers.get(key, ())):
                     if _order(f.after) < _order(streams[key]):  # it joined during the read: not its rest
                         continue
-                    for entry in entries:
-                        if _order(entry[0]) > _order(f.after):
-                            f.after = entry[0]
-                            f.entries.put_nowait(entry)
+                    after = _order(f.after)
+                    new = [entry for entry in entries if _order(entry[0]) > after]
+                    if new:  # a read's entries in one hand-over: the reader writes them at once
+                        f.after = new[-1][0]
+                        f.entries.put_nowait(new)
 
     async def _connected(self, connection: Connection) -> None:
         """The reader's connection was made again: redis-py's retry reconnects a read that
@@ -196,10 +198,20 @@ class ReplyRouter:
 
     async def follow(self, model: str, rid: str, *, after: str = "0", next_index: int | dict[int, int] = 0,
                      idle_timeout_s: float | None = None) -> AsyncIterator[ReplyEvent]:
+        """The request's reply events one by one (see follow_reads)."""
+        async with contextlib.aclosing(self.follow_reads(model, rid, after=after, next_index=next_index,
+                                                         idle_timeout_s=idle_timeout_s)) as reads:
+            async for events in reads:
+                for event in events:
+                    yield event
+
+    async def follow_reads(self, model: str, rid: str, *, after: str = "0", next_index: int | dict[int, int] = 0,
+                           idle_timeout_s: float | None = None) -> AsyncIterator[list[ReplyEvent]]:
         """The request's reply events after entry `after` until the final, each token once
-        (ReplyDecoder, from `next_index`: row 0's, or per row as `resume_index` gives it); the
-        final from the status hash when the reply stream holds nothing more (it expired);
-        nothing more after `idle_timeout_s` without an entry."""
+        (ReplyDecoder, from `next_index`: row 0's, or per row as `resume_index` gives it), as
+        they came: one list per read of the shard (a reader sends them in one write); the final
+        from the status hash when the reply stream holds nothing more (it expired); nothing more
+        after `idle_timeout_s` without an entry."""
         keys = ModelKeys(model)
         decoder = ReplyDecoder()
         decoder.seen.update({0: next_index} if isinstance(next_index, int) else next_index)
@@ -210,7 +222,7 @@ class ReplyRouter:
             await self._taken_in(shard, follower)
             lost = await self._lost_final(keys, rid, follower)  # final long ago: its stream is gone
             if lost is not None:
-                yield lost
+                yield [lost]
                 return
             quiet_since = time.monotonic()
             while True:
@@ -220,9 +232,11 @@ class ReplyRouter:
                 try:
                     if follower.entries.empty():  # (asyncio.timeout: wait_for makes a task per entry)
                         async with asyncio.timeout(wait_s):
-                            entry_id, fields = await follower.entries.get()
+                            entries = await follower.entries.get()
                     else:
-                        entry_id, fields = follower.entries.get_nowait()
+                        entries = follower.entries.get_nowait()
+                    while not follower.entries.empty():  # reads that came meanwhile: in the same write
+                        entries = entries + follower.entries.get_nowait()
                 except TimeoutError:
                     try:
                         final = await self._lost_final(keys, rid, follower)
@@ -230,16 +244,22 @@ class ReplyRouter:
                         log.debug("rechecking %s failed (%s)", rid, err)
                         final = None
                     if final is not None:
-                        yield final
+                        yield [final]
                         return
                     if idle_timeout_s is not None and time.monotonic() - quiet_since >= idle_timeout_s:
                         return
                     continue
                 quiet_since = time.monotonic()
-                event = decoder.event(entry_id, fields)
-                if event is not None:
-                    yield event
-                    if event.final is not None:
+                events = []
+                for entry_id, fields in entries:
+                    event = decoder.event(entry_id, fields)
+                    if event is not None:
+                        events.append(event)
+                        if event.final is not None:
+                            break
+                if events:
+                    yield events
+                    if events[-1].final is not None:
                         return
         finally:
             shard.remove(follower)
@@ -269,26 +289,3 @@ class ReplyRouter:
         if await self.redis.xread({follower.key: follower.after}, count=1):
             return None  # entries still to come through the shard
         return LostFinal(follower.after, "final", final=final)
-
-
-_ENTRY_ID = re.compile(r"[0-9]{1,20}(-[0-9]{1,20})?")
-
-
-async def resume_index(redis: Redis, model: str, rid: str, last_id: str) -> dict[int, int]:
-    """Per row, the next token index to show a reader that got every event up to reply entry
-    `last_id` (SSE Last-Event-ID): the stream up to that entry read through the decoder a
-    reader from the start used, so a resumed reader sees exactly the rest, for every row.
-
-    Raises ValueError when `last_id` is not a stream entry id (a client's header, unchecked).
-    """
-    if not _ENTRY_ID.fullmatch(last_id) or any(int(n) >= 2**64 for n in last_id.split("-")):
-        raise ValueError(f"{last_id!r} is not a stream entry id")
-    key = ModelKeys(model).reply(rid)
-    decoder, start = ReplyDecoder(), "-"
-    while True:
-        got = await redis.xrange(key, min=start, max=last_id, count=1000)
-        for entry_id, fields in got:
-            decoder.event(entry_id, fields)
-            start = f"({entry_id}"
-        if len(got) < 1000:
-            return decoder.seen

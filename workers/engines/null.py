@@ -22,8 +22,10 @@ class NullEngine(Engine):
 
     As strict as vLLM where the queue depends on it: a request id that is already running is
     refused. `token_delay_s` streams one token at a time instead (to exercise deltas, cancels
-    and crashes mid-generation); `composition` makes each token depend on how many requests
-    are in the engine when it is produced (" t3.2": token 3, two running; its id 3002), as a real
+    and crashes mid-generation), in steps as a GPU engine makes them: every `token_delay_s`, one
+    token for every request running, handed out together; `composition` makes each token
+    depend on how many requests are in the engine when it is produced (" t3.2": token 3, two
+    running; its id 3002), as a real
     engine's tokens can change with batch composition, so that a retry regenerating tokens
     instead of resuming after them shows (in its text and, as strictly as a real engine, in its
     token ids); `crash_on` kills the process on a prompt containing it, like
@@ -45,6 +47,7 @@ class NullEngine(Engine):
         self.composition = composition
         self._aborted: set[str] = set()
         self._running: set[str] = set()
+        self._steps = _Steps(token_delay_s)
 
     async def start(self) -> None:
         return None
@@ -83,7 +86,7 @@ class NullEngine(Engine):
             yield TokenDelta("".join(texts), ids, "length", prompt_tokens, _logprobs(request, texts), prompt_lp)
             return
         for i in range(first, last):
-            await asyncio.sleep(self.token_delay_s)
+            await self._steps.next()
             if request.request_id in self._aborted:
                 yield TokenDelta("", [], "abort", prompt_tokens if i == first else None)
                 return
@@ -109,6 +112,34 @@ class NullEngine(Engine):
 
     async def shutdown(self) -> None:
         return None
+
+
+class _Steps:
+    """The engine's steps: a waiter gets its token at the next one, together with every other
+    request running (one timer a step, not one a token), so a worker sees the tokens of a step
+    as it would from a GPU engine: all in one turn of its event loop. A step is taken
+    `interval_s` after its first waiter came (none while nothing runs)."""
+
+    def __init__(self, interval_s: float) -> None:
+        self.interval_s = interval_s
+        self._waiting: list[asyncio.Future[None]] = []
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def next(self) -> asyncio.Future[None]:
+        loop = asyncio.get_running_loop()
+        if loop is not self._loop:  # (an engine used again on another loop: its old step never comes)
+            self._loop, self._waiting = loop, []
+        fut = loop.create_future()  # one each: a waiter cancelled leaves the others waiting
+        self._waiting.append(fut)
+        if len(self._waiting) == 1:
+            loop.call_later(self.interval_s, self._step)
+        return fut
+
+    def _step(self) -> None:
+        waiting, self._waiting = self._waiting, []
+        for fut in waiting:
+            if not fut.done():
+                fut.set_result(None)
 
 
 def _logprobs(request: GenerationRequest, texts: list[str]) -> list[TokenLogprob] | None:
