@@ -13,8 +13,8 @@ from redis.asyncio import Redis
 
 from sluice.broker import keys
 from sluice.broker.connection import has_replicas, read_copied, wait_for_copies
-from sluice.broker.keys import GROUP, ModelKeys
 from sluice.broker.fair_share import expected_cost
+from sluice.broker.keys import GROUP, ModelKeys
 from sluice.broker.limits import AdmissionLimits, TenantShare
 from sluice.broker.scripts import Scripts
 from sluice.broker.status import RequestStatus

@@ -14,7 +14,7 @@ from redis.exceptions import ResponseError
 from sluice.broker import consumer_names, webhooks
 from sluice.broker.connection import copied
 from sluice.broker.dead_letters import unreadable
-from sluice.broker.fair_share import actual_cost
+from sluice.broker.fair_share import actual_cost, dispatch
 from sluice.broker.housekeeping import append_log, cancel_flags, prune_consumers
 from sluice.broker.keys import GROUP, ModelKeys
 from sluice.broker.limits import ConsumerLimits
@@ -67,6 +67,7 @@ class StreamConsumer:
         self.held: dict[tuple[str, str], Delivery] = {}
         self.quarantine = Quarantine()  # suspects held until the engine is empty
         self.reserved_slots = 0  # of a fetch's count, what the bulk lane leaves to interactive work
+        self.tenant_reserved_slots, self.capacity = 0, 0  # fair share: dispatch.lua's tenant reserve
         self.reclaimed = self.dead_lettered = 0  # running totals, for the worker's metrics
         self.webhook_owners = webhooks.SubscribedOwners(redis)  # a dead letter whose status expired keeps its event
         # Own pending entries are re-read once after a (re)start, following a cursor.
@@ -130,9 +131,8 @@ class StreamConsumer:
             n = count if stream != self.keys.bulk else count - self.reserved_slots
             if n <= 0:
                 continue
-            got = await self.scripts.dispatch(keys=[stream], args=[self.consumer, n])
-            if got:
-                entries = [(entry_id, dict(zip(fields[::2], fields[1::2]))) for entry_id, fields in got[0][1]]
+            entries = await dispatch(self, stream, n)
+            if entries:
                 return self._hold(await self._deliveries(stream, entries, redelivered=False))
         # Shards are slots of their own (no read spans them): the blocking read takes turns.
         self._blocked = (self._blocked + 1) % self.shards

@@ -12,12 +12,17 @@ short ones is charged what it got."""
 from __future__ import annotations
 
 import json
-from typing import Any
+import time
+from collections import Counter
+from typing import TYPE_CHECKING, Any
 
 from redis.asyncio import Redis
 
 from sluice.broker import keys
 from sluice.protocol.messages import RequestMessage, Usage
+
+if TYPE_CHECKING:
+    from sluice.broker.consumer import StreamConsumer
 
 OUTPUT_WEIGHT = 2  # an output token costs two prompt tokens (the VTC paper's weights)
 CHARS_PER_TOKEN = 4  # a prompt's estimated tokens, until its final counts them
@@ -46,3 +51,12 @@ def actual_cost(usage: Usage) -> int:
 async def staged_streams(redis: Redis, stream: str) -> list[str]:
     """The staging streams of a lane's backlogged tenants (one slot: the lane's)."""
     return [keys.staged(stream, tenant) for tenant in await redis.zrange(keys.backlog(stream), 0, -1)]
+
+
+async def dispatch(c: StreamConsumer, stream: str, count: int) -> list[tuple[str, dict[str, str]]]:
+    """dispatch.lua for consumer `c`: staged requests onto the lane in fair order (keeping `c`'s
+    tenant reserve, told what it runs by tenant), then its read of at most `count` new entries."""
+    running = Counter(d.message.tenant for d in c.held.values())
+    got = await c.scripts.dispatch(keys=[stream], args=[c.consumer, count, c.tenant_reserved_slots, c.capacity,
+                                                       time.time(), *(x for item in running.items() for x in item)])
+    return [(entry_id, dict(zip(fields[::2], fields[1::2]))) for entry_id, fields in got[0][1]] if got else []

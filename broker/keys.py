@@ -12,6 +12,7 @@ GROUP = "workers"
 MODELS = f"{PREFIX}:models"
 WORKERS = f"{PREFIX}:workers"
 VTC_TTL_S = 86_400  # tenants' virtual token counters: kept a day past the lane's last admission or dispatch
+ACTIVE_S = 10  # a tenant admitted within this is active: the tenant reserve is kept for it (dispatch.lua)
 
 
 def idempotency(key: str) -> str:

@@ -14,7 +14,7 @@ from redis.commands.core import AsyncScript
 from redis.exceptions import NoScriptError
 
 from sluice.broker.connection import is_cluster
-from sluice.broker.keys import GROUP, VTC_TTL_S
+from sluice.broker.keys import ACTIVE_S, GROUP, VTC_TTL_S
 from sluice.broker.webhooks import OUTBOX_MAX_LEN
 from sluice.protocol.states import FINAL_BATCH_STATES, FINAL_STATES
 
@@ -34,7 +34,8 @@ def prelude() -> str:
             f"local BATCH_FINAL = {_lua_set(FINAL_BATCH_STATES)}  -- protocol/states.py\n"
             f"local OUTBOX_MAX_LEN = {OUTBOX_MAX_LEN}  -- broker/webhooks.py\n"
             f"local GROUP = '{GROUP}'  -- broker/keys.py\n"
-            f"local VTC_TTL_S = {VTC_TTL_S}  -- broker/keys.py\n")
+            f"local VTC_TTL_S = {VTC_TTL_S}  -- broker/keys.py\n"
+            f"local ACTIVE_S = {ACTIVE_S}  -- broker/keys.py\n")
 
 
 def _source(name: str) -> str:

@@ -88,6 +88,10 @@ class Settings(BaseSettings):
     # Tenants take turns on each lane of a model, by served tokens over weight (docs/delivery.md,
     # "Fair share"); false: one FIFO queue per lane, as before tenants.
     fair_share: bool = True
+    # Engine slots a worker fills only from tenants running fewer than their part of it, while
+    # more than one tenant is active: a light tenant's request starts at once, not when a heavy
+    # tenant's ends. At most capacity - 1; with one tenant active it takes every slot.
+    tenant_reserved_slots: int = Field(default=1, ge=0)
     request_timeout_s: float = Field(default=600.0, gt=0)
 
     # Workers
@@ -137,6 +141,7 @@ class Settings(BaseSettings):
 
     # The null engine (`sluice worker --engine null`), for tests and queue benchmarks
     null_token_delay_s: float = Field(default=0.0, ge=0)
+    null_delay_s: float = Field(default=0.0, ge=0)  # before a request's first token (its prefill)
     null_crash_on: str | None = None  # a prompt containing this kills the worker (fault tests)
     null_composition: bool = False  # tokens depend on how many requests run at once (see NullEngine)
 

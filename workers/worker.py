@@ -74,6 +74,8 @@ class Worker:
     def _policy(self, model: ModelConfig) -> BatchingPolicy:
         policy = make_policy(model)
         self.consumer.reserved_slots = min(self.settings.interactive_reserved_slots, max(0, policy.capacity - 1))
+        self.consumer.capacity = policy.capacity
+        self.consumer.tenant_reserved_slots = min(self.settings.tenant_reserved_slots, max(0, policy.capacity - 1))
         self.pace = Pace(model, policy, self.name)
         return policy
 

@@ -68,11 +68,14 @@ local function over_bound(stream, other, n, max_queued, lane_max)
 end
 
 -- A tenant holds `by` more (or fewer) entries of the shard of `key`; a tenant holding none
--- leaves the hash, so it holds only tenants with work queued.
-local function count_held(key, tenant, by)
+-- leaves the hash, so it holds only tenants with work queued. `ttl` (with an increment: the
+-- status TTL of the entries counted) keeps the hash no longer than they can live.
+local function count_held(key, tenant, by, ttl)
   local held = tag_of(key) .. ':held'
   if redis.call('HINCRBY', held, tenant, by) <= 0 then
     redis.call('HDEL', held, tenant)
+  elseif ttl then
+    redis.call('EXPIRE', held, ttl)
   end
 end
 

@@ -58,16 +58,28 @@ end
 local backlog, vtc = backlog_key(stream), tag_of(stream) .. ':vtc:' .. lane_of(stream)
 -- Whether work waits on this lane: a tenant's staged entries, or entries no worker has read
 -- (a lane without its group yet: no worker has read any).
-local function waiting()
-  if redis.call('ZCARD', backlog) > 0 then
-    return true
-  end
+local function undelivered()
   local len = redis.call('XLEN', stream)
   if len == 0 then
-    return false
+    return 0
   end
   local pending = redis.pcall('XPENDING', stream, GROUP)
-  return pending.err ~= nil or len > tonumber(pending[1])
+  return pending.err and len or len - tonumber(pending[1])
+end
+-- Whether the request waits its turn: the lane holds entries no worker has read, or tenants
+-- have staged ones, unless this tenant would be served next anyway (it has none staged and no
+-- larger counter than the smallest staged one's): then it goes onto the lane and a worker
+-- blocked on it (one keeping its reserve, see dispatch.lua) starts it at once.
+local function waiting()
+  if undelivered() > 0 then
+    return true
+  end
+  local low = redis.call('ZRANGE', backlog, 0, 0, 'WITHSCORES')
+  if #low == 0 then
+    return false
+  end
+  return redis.call('ZSCORE', backlog, tenant) ~= false or
+      tonumber(redis.call('HGET', vtc, tenant) or '0') > tonumber(low[2])
 end
 -- The tenant's counter as it joins the backlog, or is served while nobody waits: lifted to the
 -- smallest backlogged tenant's (the floor when none is), so that an idle tenant banks no credit.
@@ -88,6 +100,9 @@ for i = 1, n do
     if not redis.call('ZSCORE', backlog, tenant) then
       redis.call('ZADD', backlog, lifted(), tenant)
     end
+    -- no longer than the requests it holds can live (their status TTL)
+    redis.call('EXPIRE', staged, status_ttl)
+    redis.call('EXPIRE', backlog, status_ttl)
   else
     entry = redis.call('XADD', stream, '*', 'id', rid_of(i), 'data', data_of(i), 'tenant', tenant)
     if fair then
@@ -112,8 +127,9 @@ for i = 1, n do
   end
   entries[i] = entry
 end
-count_held(stream, tenant, n)
+count_held(stream, tenant, n, status_ttl)
 if fair then
+  redis.call('HSET', vtc, '@' .. tenant, now)  -- active: the tenant reserve counts it (dispatch.lua)
   redis.call('EXPIRE', vtc, VTC_TTL_S)
 end
 return entries

@@ -7,13 +7,56 @@
 -- Each moved request's status names its new entry and stream (when it still names the staged
 -- one), so cancel, expiry and start find it where it is. A moved entry keeps its fields (id,
 -- data, tenant): from here on it is an ordinary lane entry (leases, reclaim, fencing, commit).
+-- The tenant reserve: a worker's last `reserve` free slots go only to a tenant running fewer
+-- than its part of the worker (capacity over the tenants active on the lane: admitted within
+-- ACTIVE_S), while more than one is active: a light tenant's request then starts at once instead
+-- of waiting for a heavy tenant's to end (no request is ever preempted). With one tenant active
+-- it takes every slot.
 -- KEYS: the lane stream
--- ARGV: consumer, count
+-- ARGV: consumer, count, reserve, capacity, now, then tenant, running pairs (what this worker
+--       runs, by tenant)
 -- Returns XREADGROUP's answer (false when nothing was read).
 local stream = KEYS[1]
-local consumer, count = ARGV[1], tonumber(ARGV[2])
+local consumer, count, reserve = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
+local capacity, now = tonumber(ARGV[4]), tonumber(ARGV[5])
+local FIRST_RUNNING = 6  -- ARGV[6 ...]: tenant, running pairs
+local running = {}
+for i = FIRST_RUNNING, #ARGV, 2 do
+  running[ARGV[i]] = tonumber(ARGV[i + 1])
+end
 local tag, backlog = tag_of(stream), backlog_key(stream)
 local vtc = tag .. ':vtc:' .. lane_of(stream)
+
+local active = nil  -- tenants admitted within ACTIVE_S (read once, when the reserve is reached)
+local function active_tenants()
+  if active == nil then
+    active = 0
+    local seen = redis.call('HGETALL', vtc)
+    for i = 1, #seen, 2 do
+      if string.sub(seen[i], 1, 1) == '@' and tonumber(seen[i + 1]) >= now - ACTIVE_S then
+        active = active + 1
+      end
+    end
+  end
+  return active
+end
+
+-- The backlogged tenant to serve next, with its counter: the smallest counter; within the
+-- reserve, the smallest among those running fewer than their part of this worker (none: nil).
+local function next_tenant(room)
+  if room > reserve or active_tenants() <= 1 then
+    local low = redis.call('ZRANGE', backlog, 0, 0, 'WITHSCORES')
+    return low[1], tonumber(low[2])
+  end
+  local part = capacity / active_tenants()
+  local all = redis.call('ZRANGE', backlog, 0, -1, 'WITHSCORES')
+  for i = 1, #all, 2 do
+    if (running[all[i]] or 0) < part then
+      return all[i], tonumber(all[i + 1])
+    end
+  end
+  return nil, nil
+end
 
 local function undelivered()
   local len = redis.call('XLEN', stream)
@@ -25,11 +68,10 @@ end
 
 local room = count - undelivered()
 while room > 0 do
-  local low = redis.call('ZRANGE', backlog, 0, 0, 'WITHSCORES')
-  if #low == 0 then
+  local tenant, counter = next_tenant(room)
+  if not tenant then
     break
   end
-  local tenant, counter = low[1], tonumber(low[2])
   local staged = staged_key(stream, tenant)
   local first = redis.call('XRANGE', staged, '-', '+', 'COUNT', 1)
   if #first == 0 then  -- emptied meanwhile (a cancel, an expiry)
@@ -50,6 +92,7 @@ while room > 0 do
     redis.call('HSET', vtc, tenant, counter)
     redis.call('ZADD', backlog, counter, tenant)
     unstage_if_empty(staged)
+    running[tenant] = (running[tenant] or 0) + 1
     room = room - 1
   end
 end

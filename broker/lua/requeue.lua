@@ -31,7 +31,7 @@ end
 local ok, request = pcall(cjson.decode, data)
 local tenant = ok and type(request) == 'table' and type(request.tenant) == 'string' and request.tenant or 'default'
 local entry = redis.call('XADD', stream, '*', 'id', rid, 'data', data, 'tenant', tenant)
-count_held(stream, tenant, 1)
+count_held(stream, tenant, 1, status_ttl)
 redis.call('DEL', reply)
 local dropped = {'result', 'finished_at', 'started_at', 'worker', 'charges', 'attempt', 'fence'}
 redis.call('HDEL', status, unpack(token_counts(status, dropped)))  -- with the cleared stream's counts

@@ -42,6 +42,7 @@ class Server(Protocol):
 
     def stop(self, kill: bool = False) -> None: ...
     def start(self) -> Any: ...
+TENANTS = ("t0", "t1", "t2")
 MAX_QUEUED = 12
 WORKERS = 3
 OWNER = "owner-digest"
@@ -113,7 +114,7 @@ class World(Lossy):
         await self.router.close()
 
     # -- the api actor
-    def _message(self, idx: int, rows: int, structured: bool, bulk: bool) -> RequestMessage:
+    def _message(self, idx: int, rows: int, structured: bool, bulk: bool, tenant: str) -> RequestMessage:
         digest = hashlib.sha256(f"{self.seed}:{idx}".encode()).hexdigest()[:32]
         now = self.clock.time()
         return RequestMessage(
@@ -122,12 +123,14 @@ class World(Lossy):
             sampling=SamplingSpec(max_tokens=8, seed=idx,
                                   structured=StructuredSpec(regex="t.*") if structured else None),
             enqueued_at=now, deadline=now + 400 + 150 * (idx % 8), lane="bulk" if bulk else "interactive",
-            owner=OWNER if bulk or rows > 1 else None)  # one call, one owner
+            owner=OWNER if bulk or rows > 1 else None,  # one call, one owner
+            tenant=tenant)  # tenants take turns (fair share): dispatch moves entries between the api and a worker
 
     async def admit(self, n: int, rows: int, structured: bool, bulk: bool, idem: int) -> str:
         """One native submit (`idem`: 0 no Idempotency-Key, 1 a new one, 2+ an earlier one again)
         or, with n > 1, one call of n requests (a completion's `n`, all or none)."""
-        messages = [self._message(len(self.requests) + i, rows, structured, bulk) for i in range(n)]
+        tenant = TENANTS[len(self.requests) % len(TENANTS)]  # one call, one tenant
+        messages = [self._message(len(self.requests) + i, rows, structured, bulk, tenant) for i in range(n)]
         reqs = [Req(len(self.requests) + i, m, None) for i, m in enumerate(messages)]
         self.requests += reqs
         if n == 1 and idem:

@@ -14,7 +14,8 @@ EngineKind = Literal["vllm", "null"]
 
 def build_engine(model: ModelConfig, settings: Settings, kind: EngineKind = "vllm") -> Engine:
     if kind == "null":
-        return NullEngine(token_delay_s=settings.null_token_delay_s, crash_on=settings.null_crash_on,
+        return NullEngine(delay_s=settings.null_delay_s, token_delay_s=settings.null_token_delay_s,
+                          crash_on=settings.null_crash_on,
                           composition=settings.null_composition)
     from sluice.workers.model_prep import resolve_model_path
 
