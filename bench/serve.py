@@ -7,16 +7,19 @@ import asyncio
 import json
 import os
 import statistics
+import tempfile
 from pathlib import Path
 
 import typer
 from rich.console import Console
 from rich.table import Table
 
+from sluice.bench.frontend_cpu import Sample, per_level, sampler
 from sluice.bench.loadgen import close, drive, engine_sender, make_requests, openai_sender, sluice_sender, summarize
 from sluice.bench.throughput import direct_engine, local_stack
 from sluice.config.model import load_models
 from sluice.config.settings import Settings
+from sluice.supervisor.stack import LocalStack
 
 
 def _pair(text: str) -> tuple[int, int]:
@@ -29,16 +32,21 @@ def _levels(text: str) -> list[float]:
 
 
 async def _levels_run(send, levels: list[float], by: str, n: int, words, outputs, seed: int, poisson: bool,
-                      slo: tuple[float, float]) -> list[dict]:
+                      slo: tuple[float, float], cpu: Sample | None = None) -> list[dict]:
+    """Each level's figures; with `cpu`, also its frontend processes' CPU (bench/frontend_cpu.py)."""
     results = []
     try:
         await drive(send, make_requests(2, (4, 4), (4, 4), seed + 99), rate=None, poisson=False, concurrency=2,
                     seed=seed)
         for level in levels:
             requests = make_requests(n, words, outputs, seed)
+            before = cpu() if cpu else {}
             records, wall = await drive(send, requests, rate=level if by == "rate" else None, poisson=poisson,
                                         concurrency=int(level) if by == "concurrency" else None, seed=seed)
             results.append({by: level, **summarize(records, wall, slo_ttft_s=slo[0], slo_tpot_s=slo[1])})
+            if cpu:
+                tokens = results[-1]["output_token_throughput"] * wall
+                results[-1]["frontend"] = per_level(before, cpu(), tokens)
     finally:
         await close(send)
     return results
@@ -58,8 +66,10 @@ def _vllm_levels(settings: Settings, model: str | None, name: str, *args) -> lis
     m = next((x for x in models if x.name == model), models[0])
     kwargs, _ = engine_args(resolve_model_path(m.path, settings.cache_dir), m.framework_config)
     log = Path(tempfile.gettempdir()) / f"sluice-bench-vllm-serve-{os.getpid()}.log"
-    with vllm_serve(kwargs.pop("model"), kwargs, served_name=name, port=free_port(), log=log) as url:
-        return asyncio.run(_levels_run(openai_sender(url, name), *args))
+    pids: dict[str, int] = {}
+    with vllm_serve(kwargs.pop("model"), kwargs, served_name=name, port=free_port(), log=log,
+                    on_start=lambda pid: pids.setdefault("vllm api server", pid)) as url:
+        return asyncio.run(_levels_run(openai_sender(url, name), *args, cpu=sampler(pids)))
 
 
 def _ratios(by: str, ours: list[dict], theirs: list[dict]) -> list[dict]:
@@ -69,7 +79,11 @@ def _ratios(by: str, ours: list[dict], theirs: list[dict]) -> list[dict]:
 
     out = []
     for s, t in zip(ours, theirs):
-        out.append({by: s[by], "throughput_ratio": s["output_token_throughput"] / t["output_token_throughput"],
+        cpu = {}
+        if "frontend" in s and "frontend" in t:  # Sluice's api, worker and Redis against vLLM's api server
+            cpu = {"frontend_cpu_ratio": s["frontend"]["cpu_ms_per_1000_tokens"]
+                   / max(t["frontend"]["cpu_ms_per_1000_tokens"], 1e-9)}
+        out.append({by: s[by], "throughput_ratio": s["output_token_throughput"] / t["output_token_throughput"], **cpu,
                     "goodput": [s["goodput"], t["goodput"]],
                     **{f"added_{m}_{p}_s": delta(m, p)
                        for m in ("ttft", "tpot", "itl", "e2e") for p in ("p50", "p99")}})
@@ -82,6 +96,10 @@ async def _engine_levels(settings: Settings, model: str | None, *args) -> list[d
         return await _levels_run(engine_sender(engine), *args)
     finally:
         engine.shutdown()
+
+
+def _parts(frontend: dict) -> str:
+    return ", ".join(f"{name} {sec:.1f} s" for name, sec in frontend["cpu_s"].items())
 
 
 def _fmt(x: float | None, scale: float = 1.0) -> str:
@@ -172,6 +190,12 @@ def serve(
     console.print(_table(f"{requests} requests per level, prompts {prompt_words} words, "
                          f"max_tokens {output_tokens}", by, runs))
     for row in figures.get(f"sluice_vs_{baseline}", []):
+        if "frontend_cpu_ratio" in row:
+            i = levels.index(row[by])
+            ours, theirs = runs["sluice"][i]["frontend"], runs[baseline][i]["frontend"]
+            console.print(f"{by} {row[by]:g}: frontend CPU per 1,000 output tokens: Sluice "
+                          f"{ours['cpu_ms_per_1000_tokens']:.0f} ms ({_parts(ours)}), vLLM's api server "
+                          f"{theirs['cpu_ms_per_1000_tokens']:.0f} ms: ratio {row['frontend_cpu_ratio']:.2f}")
         console.print(f"{by} {row[by]:g} against {baseline}: throughput ratio {row['throughput_ratio']:.3f}, goodput "
                       f"{row['goodput'][0]:.2f} vs {row['goodput'][1]:.2f} req/s; added " + ", ".join(
                           f"{m.upper()} p50 {_ms(row[f'added_{m}_p50_s'])} p99 {_ms(row[f'added_{m}_p99_s'])}"
@@ -184,6 +208,11 @@ def serve(
             figures["median_throughput_ratio"][f"{level:g}"] = statistics.median(ratios)
             console.print(f"{by} {level:g}: throughput ratio per run {', '.join(f'{x:.3f}' for x in ratios)}; "
                           f"median {statistics.median(ratios):.3f}")
+            cpu = [r["sluice_vs_vllm"][i].get("frontend_cpu_ratio") for r in figures["repeats"]]
+            if None not in cpu:
+                figures.setdefault("median_frontend_cpu_ratio", {})[f"{level:g}"] = statistics.median(cpu)
+                console.print(f"{by} {level:g}: frontend CPU ratio per run {', '.join(f'{x:.2f}' for x in cpu)}; "
+                              f"median {statistics.median(cpu):.2f}")
     if out:
         out.write_text(json.dumps(figures, indent=2))
     if plot:
@@ -198,8 +227,12 @@ def _targets(targets: list[str], settings: Settings, model: str | None, name: st
         if t == "vllm":
             runs["vllm"] = _vllm_levels(settings, model, name, *args)
         elif t == "sluice-openai":
-            with local_stack(name) as local:
-                runs["sluice"] = asyncio.run(_levels_run(openai_sender(local, name), *args))
+            with tempfile.TemporaryDirectory() as tmp, LocalStack(Path(tmp)) as stack:
+                stack.up([name], timeout_s=900)
+                cpu = sampler({"api": next(iter(stack.apis.values())).pid,
+                               "worker": next(iter(stack.workers.values())).pid,  # (its own: not its engine core)
+                               "redis": stack.redis.process.pid})
+                runs["sluice"] = asyncio.run(_levels_run(openai_sender(stack.url, name), *args, cpu=cpu))
         elif t == "engine":
             runs["engine"] = asyncio.run(_engine_levels(settings, model, *args))
         elif t == "openai":

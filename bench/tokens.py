@@ -26,17 +26,12 @@ import httpx
 import redis
 import typer
 
+from sluice.bench.frontend_cpu import cpu_s
 from sluice.bench.streams import open_sse
 from sluice.supervisor.stack import LocalStack
 
 MODELS = "models:\n  - name: echo\n    continuous_batching_config: {max_concurrent_batch_size: 256}\n"
 _SCRIPTS_PER_REQUEST = 3  # admit, start, commit: the scripts a request runs besides its token writes
-
-
-def cpu_s(pid: int) -> float:
-    """User plus system CPU seconds of a process so far."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _calls(client: redis.Redis) -> dict[str, int]:

@@ -18,7 +18,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -63,9 +63,10 @@ def serve_flags(model_path: str, kwargs: dict[str, Any], *, served_name: str, po
 
 @contextlib.contextmanager
 def vllm_serve(model_path: str, kwargs: dict[str, Any], *, served_name: str, port: int, log: Path,
-               timeout_s: float = 900) -> Iterator[str]:
+               timeout_s: float = 900, on_start: Callable[[int], None] | None = None) -> Iterator[str]:
     """`vllm serve` with the deployment's engine options on `port`; yields its URL once /health
-    answers, and stops it (and its engine process) on the way out."""
+    answers, and stops it (and its engine process) on the way out. `on_start` is told the pid
+    of its api server process."""
     import httpx
 
     env = {**os.environ, "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING")}
@@ -73,6 +74,8 @@ def vllm_serve(model_path: str, kwargs: dict[str, Any], *, served_name: str, por
         proc = subprocess.Popen([sys.executable, "-m", "sluice.bench.vllm_server",
                                  *serve_flags(model_path, kwargs, served_name=served_name, port=port)],
                                 env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    if on_start is not None:
+        on_start(proc.pid)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + timeout_s
