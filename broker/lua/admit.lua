@@ -67,10 +67,11 @@ local function undelivered()
   return pending.err and len or len - tonumber(pending[1])
 end
 -- Whether the request waits its turn: the lane holds entries no worker has read, or tenants
--- have staged ones, unless this tenant would be served next anyway (it has none staged and no
--- larger counter than the smallest staged one's): then it goes onto the lane and a worker
--- blocked on it (one keeping its reserve, see dispatch.lua) starts it at once.
-local function waiting()
+-- have staged ones, unless this tenant is the one fair share serves first anyway: it has none
+-- staged, and either no larger counter than the smallest staged one's or fewer entries (`held`:
+-- what it runs, here) than every tenant with staged ones. Then it goes onto the lane, and a
+-- worker blocked on it (one keeping its tenant reserve, see dispatch.lua) starts it at once.
+local function waiting(held)
   if undelivered() > 0 then
     return true
   end
@@ -78,8 +79,18 @@ local function waiting()
   if #low == 0 then
     return false
   end
-  return redis.call('ZSCORE', backlog, tenant) ~= false or
-      tonumber(redis.call('HGET', vtc, tenant) or '0') > tonumber(low[2])
+  if redis.call('ZSCORE', backlog, tenant) then
+    return true
+  end
+  if tonumber(redis.call('HGET', vtc, tenant) or '0') <= tonumber(low[2]) then
+    return false
+  end
+  for _, other in ipairs(redis.call('ZRANGE', backlog, 0, -1)) do
+    if tonumber(redis.call('HGET', tag_of(stream) .. ':held', other) or '0') <= held then
+      return true
+    end
+  end
+  return false
 end
 -- The tenant's counter as it joins the backlog, or is served while nobody waits: lifted to the
 -- smallest backlogged tenant's (the floor when none is), so that an idle tenant banks no credit.
@@ -93,7 +104,7 @@ end
 for i = 1, n do
   local status = KEYS[FIRST_STATUS + i - 1]
   local staged, entry = nil, nil
-  if fair and waiting() then  -- its turn comes by dispatch.lua
+  if fair and waiting(mine + i - 1) then  -- its turn comes by dispatch.lua
     staged = staged_key(stream, tenant)
     entry = redis.call('XADD', staged, '*', 'id', rid_of(i), 'data', data_of(i), 'tenant', tenant,
                        'cost', cost_of(i))
