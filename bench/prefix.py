@@ -5,16 +5,18 @@ simulated LRU prefix caches, a prefill cost per uncached token) over one workloa
 prints, per policy, the prefix-cache hit rate and its ratio to the oracle's, TTFT p50/p99,
 throughput and the largest worker's share of the requests against the mean.
 
-`--real` is the run on this machine's real engine: two workers of the default model with a KV
-cache too small for every prefix, the workload of `chat_workload` (8 shared system prompts of
-about 500 tokens, short user turns, Zipf), affinity on against off. It needs the pull side of
-affinity (docs/prefix-affinity.md, "Plan"), which is not built yet: it says so and stops.
+`--real` is the run on this machine's real engine (bench/prefix_real.py): two workers of the
+default model with a KV cache too small for every prefix, the workload of `chat_workload` (8
+shared system prompts of about 500 tokens, short user turns, Zipf), one fresh stack per mode
+(`--mode off --mode on`). Until the pull side of affinity is built (docs/prefix-affinity.md,
+"Plan") both modes pull FIFO: `on` then measures nothing new.
 """
 
 from __future__ import annotations
 
 import json
 from dataclasses import replace
+from pathlib import Path
 
 import typer
 
@@ -23,19 +25,34 @@ from sluice.bench.prefix_workload import SimConfig
 
 
 def prefix(sim: bool = typer.Option(True, "--sim/--real", help="The placement simulator (default), or the real "
-                                    "engine on this machine (not built yet)."),
+                                    "engine on this machine."),
            requests: int = typer.Option(8000, help="Requests per simulated workload."),
            load: list[float] = typer.Option([0.8, 1.3], help="Arrival rate as a share of what the workers finish "
                                             "when every prompt misses (repeat for several)."),
            zipf: list[float] = typer.Option([0.0, 1.0], help="Prefix popularity: 0 uniform, s > 0 Zipf (repeat)."),
            max_wait_ms: float = typer.Option(30.0, help="The bound on the extra wait affinity may add."),
            seed: int = typer.Option(0),
-           as_json: bool = typer.Option(False, "--json", help="One JSON object per line instead of a table.")) -> None:
+           as_json: bool = typer.Option(False, "--json", help="One JSON object per line instead of a table."),
+           mode: list[str] = typer.Option(["off", "on"], help="--real: affinity off and/or on, one stack each."),
+           real_requests: int = typer.Option(96, help="--real: chat requests per mode."),
+           concurrency: int = typer.Option(4, help="--real: requests in flight at once."),
+           max_tokens: int = typer.Option(16, help="--real: output tokens per request (ignore_eos)."),
+           kv_gib: float = typer.Option(0.13, help="--real: each worker's KV cache (cpu_kvcache_space_gib): about "
+                                        "3,000 tokens in float32, under the 8 system prompts' 4,200."),
+           data_dir: Path | None = typer.Option(None, help="--real: keep the stacks' logs here.")) -> None:
     """Prefix affinity: hit rate against an oracle, TTFT, throughput and worker shares per policy."""
     if not sim:
-        typer.echo("sluice bench prefix --real needs the pull side of prefix affinity, which is not built yet "
-                   "(docs/prefix-affinity.md, Plan); --sim runs the placement simulator.", err=True)
-        raise typer.Exit(2)
+        from sluice.bench.prefix_real import run_mode
+
+        for m in mode:
+            if m not in ("off", "on"):
+                raise typer.BadParameter("off or on", param_hint="--mode")
+            zipf_real = zipf[-1] if zipf else 1.0
+            figures = run_mode(m == "on", requests=real_requests, concurrency=concurrency, max_tokens=max_tokens,
+                               kv_gib=kv_gib, zipf=zipf_real, seed=seed,
+                               data_dir=data_dir / f"affinity-{m}" if data_dir else None)
+            typer.echo(json.dumps(figures))
+        return
     base = SimConfig(requests=requests, max_wait_s=max_wait_ms / 1000, seed=seed)
     for lo in load:
         for z in zipf:

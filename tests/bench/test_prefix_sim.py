@@ -5,19 +5,15 @@ No timing is asserted: the simulator's clock is its own."""
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
-from sluice.bench.prefix_sim import (
-    POLICIES,
-    SimConfig,
-    Simulation,
-    bounded_owners,
-    rendezvous_ranks,
-    simulate,
-    workload,
-)
-from sluice.bench.prefix_workload import chat_workload, system_prompt
+from sluice.bench.prefix_placement import bounded_owners, rendezvous_ranks
+from sluice.bench.prefix_real import models_yaml
+from sluice.bench.prefix_sim import POLICIES, Simulation, simulate
+from sluice.bench.prefix_workload import SimConfig, chat_workload, system_prompt, workload
+from sluice.config.model import load_models
 
 SMALL = SimConfig(workers=6, prefixes=16, requests=1500, cache_blocks=4 * 36, seed=3)
 
@@ -109,3 +105,14 @@ def test_the_real_workload_shares_eight_system_prompts() -> None:
     assert systems.count(system_prompt(0)) > systems.count(system_prompt(7))
     assert len({c[1]["content"] for c in chats}) == 200  # every user turn its own
     assert 300 < len(system_prompt(0).split()) < 450
+
+
+def test_the_real_run_s_deployment_is_valid_and_sized_under_the_prompts(tmp_path: Path) -> None:
+    """Two workers' caches hold the 8 system prompts between them; one alone cannot."""
+    for affinity in (True, False):
+        (tmp_path / "models.yaml").write_text(models_yaml(affinity, 0.13, 4))
+        (model,) = load_models(tmp_path / "models.yaml")
+        assert model.prefix_affinity is affinity and model.framework_config.dtype == "float32"
+    per_token = 2 * 30 * 3 * 64 * 4  # K and V, 30 layers, 3 KV heads of 64, float32: SmolLM2-135M
+    tokens = (model.framework_config.cpu_kvcache_space_gib or 0) * 2**30 / per_token
+    assert 2_000 < tokens < 8 * 500 < 2 * tokens

@@ -26,13 +26,14 @@ transformers = pytest.importorskip("transformers")
 class FakeAsyncLLM:
     """AsyncLLMEngine's generate(): one token with its log probabilities, then finished."""
 
-    def __init__(self) -> None:
+    def __init__(self, stat_loggers: list[object] | None = None) -> None:
         self.requests: list[tuple[str, object]] = []
         self.finished: list[str] = []
+        self.stat_loggers = stat_loggers or []
 
     @classmethod
-    def from_engine_args(cls, _args: object) -> FakeAsyncLLM:
-        return cls()
+    def from_engine_args(cls, _args: object, stat_loggers: list[object] | None = None) -> FakeAsyncLLM:
+        return cls(stat_loggers)
 
     async def generate(self, prompt, params, request_id: str, priority: int = 0):
         self.requests.append((request_id, params))
@@ -77,6 +78,15 @@ async def test_logprobs_are_loaded_before_the_first_request(engine: vllm_engine.
                                                                  logprobs=1))]
     assert deltas[0].logprobs[0].logprob == -0.1
     assert [rid for rid, _ in fake.requests] == [request_id, "r1"]
+
+
+async def test_the_engine_is_given_the_prefix_cache_stat_logger(engine: vllm_engine.VLLMEngine) -> None:
+    """Its counters are the worker's (issue 34): the logger vLLM is handed adds to them."""
+    await engine.start()
+    (factory,) = engine._engine.stat_loggers
+    assert issubclass(factory, vllm.v1.metrics.loggers.StatLoggerBase)
+    assert engine.prefix_cache_counters() is engine.prefix_counters
+    assert vllm_engine.VLLMEngine("/m", VLLMConfig(enable_prefix_caching=False)).prefix_cache_counters() is None
 
 
 def test_the_warm_up_is_for_a_kernel_the_installed_vllm_compiles_lazily() -> None:
