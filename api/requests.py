@@ -203,7 +203,7 @@ async def events(
             out = []
             for ev in read:
                 if ev.delta is not None:
-                    data = json.dumps({"index": ev.delta.i, "text": ev.delta.text, "row": ev.delta.row})
+                    data = f'{{"index": {ev.delta.i}, "text": {json.dumps(ev.delta.text)}, "row": {ev.delta.row}}}'
                     out.append(sse(data, "delta", ev.entry_id))
                 elif ev.final is not None:
                     final = final_view(rid, model, ev.final)

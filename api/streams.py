@@ -5,10 +5,10 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
-from sse_starlette.sse import EventSourceResponse
 from starlette.types import Receive, Scope, Send
 
 from sluice.api.errors import ApiError
+from sluice.api.sse import EventStream
 
 
 class StreamSlots:
@@ -44,7 +44,7 @@ class Slot:
                 del self.slots.open[self.owner]  # type: ignore[arg-type]
 
 
-class SlotStream(EventSourceResponse):
+class SlotStream(EventStream):
     """An SSE response that gives its slot back when it ends, however it ends."""
 
     def __init__(self, slot: Slot, *args: Any, **kwargs: Any) -> None:
