@@ -11,9 +11,10 @@ from fastapi import Depends, FastAPI
 from sluice.api import batches, dashboard, errors, health, requests, responses, tokenize, webhooks
 from sluice.api import models as model_routes
 from sluice.api import openai as openai_routes
-from sluice.api.auth import KeyBeforeBody, require_key
+from sluice.api.auth import KeyBeforeBody, load_keys, require_key
 from sluice.api.limits import BodySizeLimit
 from sluice.api.state import build_state
+from sluice.api.tenant_limits import RateLimitHeaders
 from sluice.config.model import load_models
 from sluice.config.settings import Settings
 from sluice.protocol import structured
@@ -27,6 +28,7 @@ def app_from_environment() -> FastAPI:
 def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or Settings()
     models = load_models(settings.models_file)
+    _, tenants = load_keys(settings)  # a bad keys file stops the start here, with its message
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -47,6 +49,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     # No trailing-slash redirect: Starlette's built its Location from the Host header, so
     # `GET /v1/requests/` with `Host: evil.example` answered 307 to http://evil.example/...
     app = FastAPI(title="Sluice", version="0.1.0", lifespan=lifespan, redirect_slashes=False)
+    app.state.tenants = tenants  # the tenants registry: get(name) → weight, queue_share, limits
+    app.add_middleware(RateLimitHeaders)  # a tenant's x-ratelimit-* headers on a submitting route's answers
     app.add_middleware(KeyBeforeBody)  # inside BodySizeLimit: a body over the limit is refused by its length first
     # /tokenize's body holds one prompt of at most max_prompt_chars: a larger one is refused from its headers
     tokenize_cap = min(settings.max_body_bytes, tokenize.max_body_bytes(settings.max_prompt_chars))

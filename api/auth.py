@@ -10,6 +10,11 @@ anything else answers 404, exactly as a missing id does, so ids cannot be probed
 does everything, including model configuration, the inference log and the live workers.
 Without keys everything is open (the caller is anonymous), and `sluice api` then listens only
 on a loopback address unless told `--allow-anonymous`.
+
+Keys may also come from a keys file (SLUICE_KEYS_FILE, config/tenants.py), each with its
+tenant. Every caller has a tenant: a SLUICE_API_KEYS key is one of its own, an anonymous
+caller is `default`. A tenant configured to `share` lets its keys see and cancel each other's
+requests, files and batches.
 """
 
 from __future__ import annotations
@@ -31,7 +36,10 @@ from starlette.types import ASGIApp, Receive, Send
 from starlette.types import Scope as ASGIScope
 
 from sluice.api.errors import ApiError, ErrorResponse, error_body
+from sluice.broker.keys import tenant_index
 from sluice.config.model import ConfigError
+from sluice.config.settings import Settings
+from sluice.config.tenants import DEFAULT_TENANT, Tenants, build_tenants, read_keys_file
 
 log = logging.getLogger(__name__)
 
@@ -44,14 +52,30 @@ _HEX_DIGEST = re.compile(r"[0-9a-f]{64}")
 class Caller:
     digest: str | None  # the key's digest; None when no keys are configured
     scope: Scope
+    tenant: str = DEFAULT_TENANT
+    peers: frozenset[str] = frozenset()  # the keys of its tenant, when the tenant shares (else empty)
 
     @property
     def admin(self) -> bool:
         return self.scope == "admin"
 
+    @property
+    def shares(self) -> bool:
+        return bool(self.peers)
+
+    @property
+    def lists(self) -> str | None:
+        """Whose files and batches a listing shows: everyone's (None) to an admin, its tenant's
+        when the tenant shares, else its own."""
+        if self.admin:
+            return None
+        return tenant_index(self.tenant) if self.shares else self.digest
+
     def owns(self, owner: str | None) -> bool:
-        """Whether this caller may see and change what the key with digest `owner` made."""
-        return self.admin or (self.digest is not None and owner == self.digest)
+        """Whether this caller may see and change what the key with digest `owner` made: its
+        own, or a key's of its tenant when the tenant shares."""
+        return self.admin or (self.digest is not None and owner is not None
+                              and (owner == self.digest or owner in self.peers))
 
 
 ANONYMOUS = Caller(None, "admin")
@@ -90,6 +114,29 @@ def key_digests(keys: list[str]) -> dict[str, Scope]:
     return scopes
 
 
+def load_keys(settings: Settings) -> tuple[dict[str, Scope], Tenants]:
+    """Digest → scope of every key (SLUICE_API_KEYS' and the keys file's), and the tenants.
+    A malformed entry, a bad keys file or a key given two scopes is a ConfigError naming it."""
+    scopes = key_digests(settings.api_keys)
+    keys_file = None
+    if settings.keys_file is not None:
+        try:
+            keys_file = read_keys_file(settings.keys_file)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
+        for entry in keys_file.keys:
+            if scopes.setdefault(entry.digest, entry.scope) != entry.scope:
+                raise ConfigError(f"SLUICE_KEYS_FILE {settings.keys_file}: a key is {entry.scope} there and "
+                                  f"{scopes[entry.digest]} in SLUICE_API_KEYS")
+    return scopes, build_tenants(list(scopes), keys_file)  # (a key of the file keeps its tenant)
+
+
+def configured_keys(settings: Settings) -> list[str]:
+    """What says keys are configured (for the anonymous-listen check): SLUICE_API_KEYS' entries
+    and the keys file."""
+    return [*settings.api_keys, *([str(settings.keys_file)] if settings.keys_file else [])]
+
+
 def is_loopback(host: str) -> bool:
     if host == "localhost":
         return True
@@ -114,9 +161,9 @@ def anonymous_listen_error(host: str, keys: list[str], allow_anonymous: bool) ->
 bearer = HTTPBearer(auto_error=False, description="an API key from SLUICE_API_KEYS, when keys are set")
 
 
-def caller_for(scopes: dict[str, Scope], authorization: str) -> Caller:
-    """The caller that an Authorization header names (anonymous when no keys are configured);
-    401 for a missing or unknown key."""
+def caller_for(scopes: dict[str, Scope], authorization: str, tenants: Tenants | None = None) -> Caller:
+    """The caller that an Authorization header names (anonymous when no keys are configured),
+    with its tenant; 401 for a missing or unknown key."""
     if not scopes:
         return ANONYMOUS
     scheme, _, token = authorization.partition(" ")
@@ -132,13 +179,16 @@ def caller_for(scopes: dict[str, Scope], authorization: str) -> Caller:
     if found is None:
         raise ApiError(401, "invalid API key", code="authentication_error",
                        headers={"WWW-Authenticate": "Bearer"})
-    return Caller(presented, found)
+    tenants = tenants or Tenants()
+    tenant = tenants.tenant_of(presented)
+    return Caller(presented, found, tenant, tenants.peers(tenant))
 
 
 async def require_key(request: Request,
                       _: HTTPAuthorizationCredentials | None = Depends(bearer)) -> Caller:
     """The caller (anonymous when no keys are configured); 401 for a missing or unknown key."""
-    return caller_for(request.app.state.sluice.key_digests, request.headers.get("authorization", ""))
+    s = request.app.state.sluice
+    return caller_for(s.key_digests, request.headers.get("authorization", ""), getattr(s, "tenants", None))
 
 
 async def require_admin(caller: Caller = Depends(require_key)) -> Caller:

@@ -25,8 +25,8 @@ def _file_error(err: FileError) -> ApiError:
 
 
 def _public(meta: dict[str, Any]) -> dict[str, Any]:
-    """The OpenAI file object: which key owns it stays inside."""
-    return {k: v for k, v in meta.items() if k != "owner"}
+    """The OpenAI file object: which key (and tenant) owns it stays inside."""
+    return {k: v for k, v in meta.items() if k not in ("owner", "tenant")}
 
 
 async def _own_file(s: ApiState, caller: Caller, file_id: str) -> dict[str, Any]:
@@ -53,7 +53,7 @@ async def upload(
         # Starlette has spooled the upload to a temporary file: it is copied in chunks, off the loop.
         return _public(await s.files.create_from(file.filename or "upload.jsonl", purpose, file.file,
                                                  expires_after_s=expires_seconds, owner=caller.digest,
-                                                 upload=True))
+                                                 upload=True, tenant=caller.tenant))
     except FileError as err:
         raise _file_error(err) from None
 
@@ -70,7 +70,7 @@ async def list_files(purpose: str | None = None, limit: int = Query(10_000, ge=1
                      after: str | None = Query(None, max_length=128), s: ApiState = Depends(state),
                      caller: Caller = Depends(require_key)) -> dict:
     """Newest first, as OpenAI lists files; a key's listing reads only its own files."""
-    data = await s.files.list(purpose, owner=None if caller.admin else caller.digest, after=after, limit=limit + 1)
+    data = await s.files.list(purpose, owner=caller.lists, after=after, limit=limit + 1)
     return _page([_public(m) for m in data], limit)
 
 
@@ -128,7 +128,7 @@ async def create_batch(body: CreateBatch, s: ApiState = Depends(state),
                             "not 'batch'", param="input_file_id")
     await _within_limits(s, body.input_file_id)
     batch = await s.jobs.create(body.input_file_id, body.endpoint, body.completion_window, body.metadata,
-                                   owner=caller.digest)
+                                   owner=caller.digest, tenant=caller.tenant)
     # kombu publishes synchronously: keep it off the event loop.
     await asyncio.to_thread(s.celery.send_task, JOB_TASK, [batch["id"]], queue=JOB_QUEUE)
     return batch
@@ -154,7 +154,7 @@ async def _within_limits(s: ApiState, file_id: str) -> None:
 @router.get("/batches")
 async def list_batches(limit: int = Query(20, ge=1, le=100), after: str | None = None,
                        s: ApiState = Depends(state), caller: Caller = Depends(require_key)) -> dict:
-    return _page(await s.jobs.list(limit + 1, after, owner=None if caller.admin else caller.digest), limit)
+    return _page(await s.jobs.list(limit + 1, after, owner=caller.lists), limit)
 
 
 async def _batch(s: ApiState, caller: Caller, batch_id: str) -> dict[str, Any]:

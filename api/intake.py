@@ -13,12 +13,15 @@ from typing import Any
 from pydantic import ConfigDict
 
 from sluice.api.errors import ApiError
-from sluice.api.metrics import ADMITTED, REJECTED
+from sluice.api.metrics import ADMITTED, REJECTED, TENANT_ADMITTED, TENANT_REFUSED
 from sluice.api.rows import RowsRefused, checked_rows, prompt_text, where
 from sluice.api.slo import SloBounds
-from sluice.broker.admission import Admission, NotDurable, QueueFull, SloRefused
+from sluice.api.tenant_limits import TenantLimits
+from sluice.broker.admission import Admission, NotDurable, QueueFull, SloRefused, TenantQueueFull
+from sluice.broker.limits import TenantShare
 from sluice.config.model import ModelConfig
 from sluice.config.settings import Settings
+from sluice.config.tenants import DEFAULT_TENANT
 from sluice.protocol.ids import new_request_id, request_shard
 from sluice.protocol.messages import RequestMessage, SamplingExtras, SamplingSpec, StructuredSpec
 from sluice.protocol.rows import INT32_MAX, sampling_problem
@@ -65,24 +68,27 @@ def request_id(model: ModelConfig, priority: int = 0) -> str:
 
 class Intake:
     def __init__(self, settings: Settings, admission: Admission, prompt_limits: PromptLimits,
-                 slo: SloBounds | None = None) -> None:
+                 slo: SloBounds | None = None, tenant_limits: TenantLimits | None = None) -> None:
         self.settings = settings
         self.admission = admission
         self.prompt_limits = prompt_limits
         self.slo = slo
+        self.tenant_limits = tenant_limits  # tenants' requests and tokens per minute
 
     async def enqueue(self, model: ModelConfig, rows: Rows, sampling: Sampling = Sampling(), *,
-                      rid: str | None = None, owner: str | None = None, keyed: bool = False) -> RequestMessage:
+                      rid: str | None = None, owner: str | None = None, keyed: bool = False,
+                      tenant: str = DEFAULT_TENANT) -> RequestMessage:
         """Admit one request of `rows` for `model` (503 with Retry-After when its queue is full).
-        `owner`: the digest of the api key that made it (recorded in its status hash). `keyed`: an
-        Idempotency-Key names it (its admission leaves a mark that outlives its result)."""
+        `owner`: the digest of the api key that made it (recorded in its status hash), `tenant`
+        that key's tenant (429 over its limits). `keyed`: an Idempotency-Key names it (its
+        admission leaves a mark that outlives its result)."""
         (message,) = await self.enqueue_many(model, [rows], sampling, rids=[rid] if rid else None, owner=owner,
-                                             keyed=keyed)
+                                             keyed=keyed, tenant=tenant)
         return message
 
     async def enqueue_many(self, model: ModelConfig, requests: Sequence[Rows], sampling: Sampling = Sampling(), *,
                            rids: list[str] | None = None, owner: str | None = None,
-                           keyed: bool = False) -> list[RequestMessage]:
+                           keyed: bool = False, tenant: str = DEFAULT_TENANT) -> list[RequestMessage]:
         """Admit several requests (each a list of rows; the choices of one completion call)
         all at once or none of them: one admission against the queue bound, so a call is never
         left half-admitted and never counted one by one. Request i gets seed + i.
@@ -115,15 +121,19 @@ class Intake:
                 enqueued_at=now,
                 deadline=now + timeout_s,
                 owner=owner,
+                tenant=tenant,
                 priority=sampling.priority,
                 lane=lane,
                 prefix=list(prefixes[i]),
             ))
-        bound = {"max_queued": max_queued, "shards": model.shards,
-                 "result_ttl_s": model.result_ttl_s or self.settings.result_ttl_s, "keyed": keyed}
+        config = self.tenant_limits.tenants.get(tenant) if self.tenant_limits else None  # its fair share
+        bound = {"max_queued": max_queued, "shards": model.shards, "keyed": keyed,
+                 "result_ttl_s": model.result_ttl_s or self.settings.result_ttl_s,
+                 "share": TenantShare(config.weight, config.queue_share) if config else TenantShare()}
         slo = await self.slo.bound(model) if self.slo and messages[0].lane == "interactive" else None
         if slo is not None:
             bound["slo_max"] = slo.max_in_lane
+        charged = await self.tenant_limits.charge(model, messages) if self.tenant_limits else False
         try:
             if len(messages) == 1:
                 await self.admission.submit(messages[0], **bound)
@@ -131,19 +141,34 @@ class Intake:
                 await self.admission.submit_many(messages, **bound)
         except SloRefused as refused:
             assert slo is not None and model.slo is not None
+            await self._give_back(charged, model, messages)
             REJECTED.labels(model.name, "slo").inc(len(messages))
             raise ApiError(503, f"model {model.name!r} cannot start this request within its time-to-first-token "
                                 f"target ({model.slo.ttft_ms:g} ms, slo.ttft_ms): {refused.depth} requests are ahead "
                                 f"of it and its workers finish about {slo.rate:.1f}/s; retry later",
                            code="overloaded", headers={"Retry-After": str(slo.retry_after_s(refused.depth,
                                                                                          len(messages)))}) from None
+        except TenantQueueFull as full:  # over its share of the queue while others wait: the tenant's limit
+            await self._give_back(charged, model, messages)
+            TENANT_REFUSED.labels(tenant, "queue_share").inc(len(messages))
+            raise ApiError(429, f"tenant {tenant!r} holds its share of model {model.name!r}'s queue ({full.held} "
+                                f"requests) while other tenants have work queued; retry later",
+                           code="rate_limit_exceeded", headers={"Retry-After": "1"}) from None
         except QueueFull:
+            await self._give_back(charged, model, messages)
+            TENANT_REFUSED.labels(tenant, "queue_full").inc(len(messages))
             raise self._queue_full(model, len(messages)) from None
         except NotDurable as err:  # strict durability: not known to be on disk, so not accepted
             raise ApiError(503, f"{err}; retry with the same Idempotency-Key", code="not_durable",
                            headers={"Retry-After": "1"}) from None
         ADMITTED.labels(model.name, messages[0].lane).inc(len(messages))
+        TENANT_ADMITTED.labels(tenant, model.name).inc(len(messages))
         return messages
+
+    async def _give_back(self, charged: bool, model: ModelConfig, messages: list[RequestMessage]) -> None:
+        """A call charged to its tenant's limits and then refused admission is given back."""
+        if charged and self.tenant_limits:
+            await self.tenant_limits.release(model, messages)
 
     def check_call_size(self, count: int, param: str) -> None:
         """413 when one call asks for more than max_choices_per_call requests (prompts × n)."""

@@ -14,6 +14,11 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 
 ADMITTED = Counter("sluice_requests_admitted", "Requests put on a model's stream", ["model", "lane"])
 REJECTED = Counter("sluice_requests_rejected", "Requests refused at admission, by reason", ["model", "reason"])
+# Per tenant: the label values are the configured tenants' names (config/tenants.py) and `default`.
+TENANT_ADMITTED = Counter("sluice_tenant_requests_admitted", "Requests a tenant put on a model's stream",
+                          ["tenant", "model"])
+TENANT_REFUSED = Counter("sluice_tenant_requests_refused", "Requests of a tenant refused at admission, by reason "
+                         "(a limit's name, or queue_full)", ["tenant", "reason"])
 QUEUE_DEPTH = Gauge("sluice_queue_depth", "Requests waiting for a worker on a model's lane (running ones apart)",
                     ["model", "lane"], multiprocess_mode="mostrecent")
 QUEUE_RUNNING = Gauge("sluice_queue_running", "Requests a worker has taken from a model's lane and not finished",

@@ -42,7 +42,7 @@ from sluice.protocol.states import State
 router = APIRouter(prefix="/v1", tags=["openai"])
 
 async def _enqueue_choices(s: ApiState, model: ModelConfig, body: SamplingBody,
-                           rows: list[dict[str, Any]], owner: str | None) -> tuple[Slot, list[RequestMessage]]:
+                           rows: list[dict[str, Any]], caller: Caller) -> tuple[Slot, list[RequestMessage]]:
     """The call's choices admitted, and (for a stream) its slot among its key's open streams,
     taken first: a stream refused by the cap queues nothing."""
     problems = await asyncio.to_thread(body.problems)  # compiles a structured-output constraint: off the loop
@@ -57,9 +57,10 @@ async def _enqueue_choices(s: ApiState, model: ModelConfig, body: SamplingBody,
     seed = body.seed if body.seed is not None else secrets.randbits(31)
     # All choices admitted at once, or none (one admission against the queue bound).
     sampling = Sampling(seed=seed, **body.sampling_fields())
-    slot = s.streams.reserve(owner if body.stream else None)
+    slot = await s.streams.reserve(caller if body.stream else None)
     try:
-        return slot, await s.intake.enqueue_many(model, [[row] for row in rows], sampling, owner=owner)
+        return slot, await s.intake.enqueue_many(model, [[row] for row in rows], sampling, owner=caller.digest,
+                                                 tenant=caller.tenant)
     except BaseException:
         slot.release()
         raise
@@ -242,7 +243,7 @@ async def completions(body: CompletionRequest, s: ApiState = Depends(state),
     model = await s.deployments.get(body.model)
     s.intake.check_call_size(len(body.prompt) * body.n, "prompt")  # before a row is built
     rows = [{"prompt": p, "max_tokens": body.max_tokens} for p in body.prompt for _ in range(body.n)]
-    slot, messages = await _enqueue_choices(s, model, body, rows, caller.digest)
+    slot, messages = await _enqueue_choices(s, model, body, rows, caller)
     cid, shape = completion_id(messages[0].id, chat=False), body.shape()
     prompts = [row["prompt"] for row in rows]
     if body.stream:
@@ -258,7 +259,7 @@ async def chat_completions(body: ChatCompletionRequest, s: ApiState = Depends(st
     model = await s.deployments.get(body.model)
     body.with_parser(model.tool_call_parser)
     rows = [{**body.rows(), "max_tokens": body.max_tokens} for _ in range(body.n)]
-    slot, messages = await _enqueue_choices(s, model, body, rows, caller.digest)
+    slot, messages = await _enqueue_choices(s, model, body, rows, caller)
     cid, shape, rids = completion_id(messages[0].id, chat=True), body.shape(), [m.id for m in messages]
     if body.stream:
         include = bool(body.stream_options and body.stream_options.include_usage)

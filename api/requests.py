@@ -94,7 +94,8 @@ async def _submit(body: SubmitRequest, s: ApiState, caller: Caller, idempotency_
         sampling = Sampling(temperature=body.temperature, top_p=body.top_p, stop=tuple(body.stop or ()),
                             seed=body.seed, timeout_s=body.timeout_s, priority=body.priority, **body.extras())
         message = await s.intake.enqueue(model, [{"prompt": body.prompt, "max_tokens": body.max_tokens}],
-                                         sampling, rid=rid, owner=caller.digest, keyed=key is not None)
+                                         sampling, rid=rid, owner=caller.digest, keyed=key is not None,
+                                         tenant=caller.tenant)
     except ApiError as err:
         if key and (err.status != 503 or err.code == "overloaded"):  # refused: nothing was enqueued
             await s.admission.release_idempotency(key)
@@ -216,5 +217,5 @@ async def events(
         yield {"comment": f"no event for {idle_s:g}s: reconnect with Last-Event-ID to go on"}
 
     # On SIGTERM, open streams run to their end for up to the shutdown timeout (see `sluice api`).
-    return SlotStream(s.streams.reserve(caller.digest), stream(), ping=15,
+    return SlotStream(await s.streams.reserve(caller), stream(), ping=15,
                       shutdown_grace_period=s.settings.shutdown_timeout_s)

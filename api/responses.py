@@ -93,14 +93,14 @@ async def create(body: ResponseRequest, s: ApiState = Depends(state), caller: Ca
     require_unicode([body.instructions, *[m["content"] for m in body.messages()]], "input")
     model = await s.deployments.get(body.model)
     rid, meta = new_id(model), body.meta(int(time.time()))
-    slot = s.streams.reserve(caller.digest if body.stream else None)  # a refused stream queues nothing
+    slot = await s.streams.reserve(caller if body.stream else None)  # a refused stream queues nothing
     try:
         await s.responses.save(model.name, rid, meta)  # before the request: a worker may finish it at once
         sampling = Sampling(temperature=body.temperature, top_p=body.top_p, seed=body.seed,
                             structured=body.structured(), **body.extras())
         rows = [{"messages": body.messages(), "max_tokens": body.max_output_tokens}]
         try:
-            await s.intake.enqueue(model, rows, sampling, rid=rid, owner=caller.digest)
+            await s.intake.enqueue(model, rows, sampling, rid=rid, owner=caller.digest, tenant=caller.tenant)
         except ApiError:
             await s.responses.delete(model.name, rid)
             raise
@@ -120,7 +120,7 @@ async def retrieve(response: str, s: ApiState = Depends(state), caller: Caller =
                    starting_after: int = Query(-1, ge=-1, description="resume after this sequence number")):
     rid, model, meta = await _find(s, caller, response)
     if stream:
-        return _events(s, s.streams.reserve(caller.digest), rid, model, meta, starting_after, owned=False)
+        return _events(s, await s.streams.reserve(caller), rid, model, meta, starting_after, owned=False)
     return JSONResponse(await _object(s, rid, model, meta))
 
 

@@ -15,7 +15,7 @@ from celery import Celery
 from fastapi import Request
 from redis.asyncio import Redis
 
-from sluice.api.auth import Scope, key_digests
+from sluice.api.auth import Scope, load_keys
 from sluice.api.cancels import BackgroundCancels
 from sluice.api.deployments import Deployments, ModelsFileSync
 from sluice.api.expiry import ExpirySweep
@@ -23,19 +23,23 @@ from sluice.api.intake import Intake
 from sluice.api.lookup import RequestLookup
 from sluice.api.slo import SloBounds
 from sluice.api.streams import StreamSlots
+from sluice.api.tenant_limits import TenantLimits
 from sluice.broker.admission import Admission
 from sluice.broker.connection import connect
 from sluice.broker.files import FileStore
 from sluice.broker.jobs import JobStore
 from sluice.broker.limits import AdmissionLimits
 from sluice.broker.notifications import DoneListener
+from sluice.broker.quotas import Quotas
 from sluice.broker.readers import Readers
 from sluice.broker.registry import ModelRegistry, WorkerRegistry
 from sluice.broker.reply_router import ReplyRouter
 from sluice.broker.response_records import ResponseRecords
+from sluice.broker.tenant_streams import TenantStreams
 from sluice.broker.urls import celery_broker
 from sluice.config.model import ModelConfig
 from sluice.config.settings import Settings
+from sluice.config.tenants import Tenants
 from sluice.protocol.tokens import PromptLimits
 
 log = logging.getLogger(__name__)
@@ -59,6 +63,7 @@ class ApiState:
     cancels: BackgroundCancels
     workers: WorkerRegistry
     key_digests: dict[str, Scope]  # digest → scope of each configured key (api/auth.py)
+    tenants: Tenants  # each key's tenant, and each tenant's weight, queue share and limits
     files: FileStore
     jobs: JobStore  # OpenAI batches being run
     celery: Celery  # a client only: sends jobs to `sluice jobs` workers
@@ -76,6 +81,8 @@ class ApiState:
         self.replies.start()
         self._tasks.append(asyncio.create_task(self.models_sync.run(), name="models-file-sync"))
         self._tasks.append(asyncio.create_task(self.expiry.run(), name="expiry-sweep"))
+        if self.streams.leases is not None:
+            self._tasks.append(asyncio.create_task(self.streams.leases.run(), name="tenant-stream-leases"))
 
     async def preload_tokenizers(self) -> None:
         """Read the deployed models' tokenizers in a thread before the api takes requests (one
@@ -92,6 +99,8 @@ class ApiState:
         await self.cancels.drain(CANCEL_DRAIN_S)
         self.models_sync.stop()
         self.expiry.stop()
+        if self.streams.leases is not None:
+            self.streams.leases.stop()
         for task in self._tasks:
             task.cancel()
         if self._tasks:
@@ -110,6 +119,7 @@ def celery_client(settings: Settings) -> Celery:
 
 
 def build_state(settings: Settings, models: list[ModelConfig]) -> ApiState:
+    scopes, tenants = load_keys(settings)
     readers = max(1, min(8, settings.api_redis_connections // 8))
     redis = connect(settings.redis_url, name="sluice-api", max_connections=settings.api_redis_connections - readers - 1)
     admission = Admission(redis, AdmissionLimits.of(settings))
@@ -124,19 +134,22 @@ def build_state(settings: Settings, models: list[ModelConfig]) -> ApiState:
         models_sync=ModelsFileSync(deployments, models),
         expiry=ExpirySweep(redis, deployments, settings),
         intake=Intake(settings, admission, PromptLimits(settings.cache_dir),
-                      SloBounds(workers, settings.worker_ttl_s)),
+                      SloBounds(workers, settings.worker_ttl_s),
+                      TenantLimits(Quotas(redis, record_ttl_s=settings.status_ttl_s), tenants)),
         lookup=RequestLookup(admission, DoneListener(redis), deployments, settings.result_ttl_s),
         replies=ReplyRouter(redis, Readers(settings.redis_url, redis, name="sluice-api-replies",
                                                replicas=settings.redis_wait_replicas > 0), shards=readers),
         responses=ResponseRecords(redis, ttl_s=settings.status_ttl_s + settings.result_ttl_s),
         cancels=BackgroundCancels(admission),
         workers=workers,
-        key_digests=key_digests(settings.api_keys),
+        key_digests=scopes,
+        tenants=tenants,
         files=FileStore(redis, settings.files_path, settings.max_file_bytes, settings.file_ttl_s,
                         max_files=settings.max_files_per_key),
         jobs=JobStore(redis, settings.batch_ttl_s, settings.result_ttl_s),
         celery=celery_client(settings),
-        streams=StreamSlots(settings.max_streams_per_key),
+        streams=StreamSlots(settings.max_streams_per_key, tenants,
+                            TenantStreams(redis) if any(tenants.get(t).max_streams for t in tenants.names()) else None),
     )
 
 

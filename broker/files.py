@@ -16,7 +16,7 @@ from typing import Any, BinaryIO
 
 from redis.asyncio import Redis
 
-from sluice.broker.keys import PREFIX
+from sluice.broker.keys import PREFIX, tenant_index
 from sluice.broker.pages import newest_first
 from sluice.protocol.ids import new_file_id
 
@@ -122,7 +122,7 @@ class FileStore:
 
     async def create_from(self, filename: str, purpose: str, source: BinaryIO,
                           owner: str | None = None, expires_after_s: int | None = None,
-                          upload: bool = False) -> dict[str, Any]:
+                          upload: bool = False, tenant: str | None = None) -> dict[str, Any]:
         """`owner`: the digest of the api key that made it (the api leaves it out of answers).
         `source` is read in chunks: an upload is never whole in memory. An `upload` counts
         against its owner's `max_files` (a job's output files do not)."""
@@ -137,13 +137,15 @@ class FileStore:
         now = int(time.time())
         meta = {"id": file_id, "object": "file", "bytes": size, "created_at": now, "expires_at": now + ttl,
                 "filename": filename, "purpose": purpose, "status": "processed", "owner": owner}
+        if tenant:
+            meta["tenant"] = tenant
         await self.redis.set(_key(file_id), json.dumps(meta), ex=ttl)
         # Scored to the microsecond: listed in the order they were made. An index outlives
         # every file it lists, no longer; past the longest retention its ids are trimmed, and
         # ids of files gone before are dropped as listings and the quota read them.
         longest = max(self.ttl_s, _LONGEST_TTL_S, ttl)
         async with self.redis.pipeline(transaction=False) as pipe:
-            for index in (_INDEX, _owned(owner)) if owner else (_INDEX,):
+            for index in [_INDEX, *(_owned(o) for o in (owner, tenant and tenant_index(tenant)) if o)]:
                 pipe.zadd(index, {file_id: time.time()})
                 pipe.zremrangebyscore(index, "-inf", now - longest)
                 pipe.expire(index, longest)
@@ -266,6 +268,7 @@ class FileStore:
         meta = await self.get(file_id)
         await self.redis.delete(_key(file_id))
         await self.redis.zrem(_INDEX, file_id)
-        if meta.get("owner"):
-            await self.redis.zrem(_owned(meta["owner"]), file_id)
+        for o in (meta.get("owner"), meta.get("tenant") and tenant_index(meta["tenant"])):
+            if o:
+                await self.redis.zrem(_owned(o), file_id)
         await asyncio.to_thread(self.path(file_id).unlink, missing_ok=True)

@@ -17,7 +17,7 @@ from typing import Any
 from redis.asyncio import Redis
 
 from sluice.broker import webhooks
-from sluice.broker.keys import PREFIX
+from sluice.broker.keys import PREFIX, tenant_index
 from sluice.broker.pages import newest_first
 from sluice.broker.scripts import Scripts
 from sluice.broker.webhooks import SubscribedOwners
@@ -63,14 +63,17 @@ class JobStore:
         self.webhook_owners = SubscribedOwners(redis)  # a batch of an owner with an endpoint: `hook`
 
     async def create(self, input_file_id: str, endpoint: str, completion_window: str,
-                     metadata: dict[str, str] | None, owner: str | None = None) -> dict[str, Any]:
-        """`owner`: the digest of the api key that made it; kept in the hash, not in the object."""
+                     metadata: dict[str, str] | None, owner: str | None = None,
+                     tenant: str | None = None) -> dict[str, Any]:
+        """`owner`: the digest of the api key that made it, `tenant` that key's tenant (its rows
+        are the tenant's requests); kept in the hash, not in the object. A batch is listed in its
+        owner's index and its tenant's (`tenant_index`: for a tenant whose keys share)."""
         job_id = new_batch_id()
         now = int(time.time())
         fields = {"id": job_id, "endpoint": endpoint, "input_file_id": input_file_id,
                   "completion_window": completion_window, "status": "validating", "created_at": now,
                   "expires_at": now + 24 * 3600, "total": 0, "completed": 0, "failed": 0, "output_tokens": 0,
-                  "metadata": json.dumps(metadata or {}), "owner": owner or ""}
+                  "metadata": json.dumps(metadata or {}), "owner": owner or "", "tenant": tenant or ""}
         if await self.webhook_owners.has(owner):  # its final appends an event (job_move.lua)
             fields["hook"] = "1"
         # Not a transaction: the index is another slot. The hash is written first; a listing
@@ -81,10 +84,11 @@ class JobStore:
             pipe.zadd(_INDEX, {job_id: now})
             pipe.zremrangebyscore(_INDEX, "-inf", now - self.lifetime_s)
             pipe.expire(_INDEX, self.lifetime_s)
-            if owner:  # scored to the microsecond: one key's batches listed in the order it made them
-                pipe.zadd(_owned(owner), {job_id: time.time()})
-                pipe.zremrangebyscore(_owned(owner), "-inf", now - self.lifetime_s)
-                pipe.expire(_owned(owner), self.lifetime_s)
+            for index in [_owned(o) for o in (owner, tenant and tenant_index(tenant)) if o]:
+                # scored to the microsecond: one key's batches listed in the order it made them
+                pipe.zadd(index, {job_id: time.time()})
+                pipe.zremrangebyscore(index, "-inf", now - self.lifetime_s)
+                pipe.expire(index, self.lifetime_s)
             await pipe.execute()
         return await self.get(job_id)  # type: ignore[return-value]
 
@@ -94,6 +98,9 @@ class JobStore:
 
     async def owner(self, job_id: str) -> str | None:
         return await self.redis.hget(_key(job_id), "owner") or None
+
+    async def tenant(self, job_id: str) -> str | None:
+        return await self.redis.hget(_key(job_id), "tenant") or None
 
     async def list(self, limit: int = 20, after: str | None = None,
                    owner: str | None = None) -> list[dict[str, Any]]:

@@ -49,6 +49,12 @@ def held(stream: str) -> str:
     return f"{_tag_and_lane(stream)[0]}:held"
 
 
+def tenant_index(tenant: str) -> str:
+    """What stands for a tenant where an owner is named (the index of its batches or files, for
+    a tenant whose keys share): a key's digest is hex, so the two never meet."""
+    return f"tenant:{tenant}"
+
+
 def tenant_streams(tenant: str) -> str:
     """The SSE streams a tenant holds open on every api process: a ZSET of stream → lease expiry
     (ms), each refreshed while its stream is open (broker/tenant_streams.py)."""

@@ -48,17 +48,16 @@ def api(
     import uvicorn
 
     from sluice.api.app import create_app
-    from sluice.api.auth import anonymous_listen_error, parse_key
+    from sluice.api.auth import anonymous_listen_error, configured_keys, load_keys
     from sluice.api.connections import guarded, raise_fd_limit
 
     setup_logging()
     settings = settings_with(redis_url=redis_url, api_host=host, api_port=port, models_file=models_file)
-    refused = anonymous_listen_error(settings.api_host, settings.api_keys, allow_anonymous)
+    refused = anonymous_listen_error(settings.api_host, configured_keys(settings), allow_anonymous)
     if refused:
         typer.echo(f"error: {refused}", err=True)
         raise typer.Exit(2)
-    for entry in settings.api_keys:  # a malformed entry stops here with its message, not in a traceback
-        parse_key(entry)
+    load_keys(settings)  # a malformed entry or keys file stops here with its message, not in a traceback
     # SIGTERM closes the listening socket at once; open SSE streams run on for up to
     # shutdown_timeout_s (their own grace), and uvicorn waits a little longer so the streams,
     # not uvicorn, end what is left (an OpenAI stream then aborts its request).

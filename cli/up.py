@@ -17,7 +17,7 @@ from pathlib import Path
 
 import httpx
 
-from sluice.api.auth import anonymous_listen_error
+from sluice.api.auth import anonymous_listen_error, configured_keys
 from sluice.cli.replicas import DeploymentError, Replica, plan_replicas
 from sluice.cli.running import DataDirBusy, UpLock
 from sluice.config.model import DEFAULT_MODEL_PATH, ModelConfig, load_models
@@ -147,7 +147,7 @@ def run_up(redis_url: str | None, host: str, port: int, models_file: Path | None
     t0 = time.monotonic()
     settings = Settings(**({"models_file": models_file} if models_file else {}))
     # The api would refuse too, but only after Redis and the model were started for nothing.
-    refused = anonymous_listen_error(host, settings.api_keys, allow_anonymous)
+    refused = anonymous_listen_error(host, configured_keys(settings), allow_anonymous)
     if refused:
         log.error("%s", refused)
         return 2

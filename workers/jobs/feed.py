@@ -20,6 +20,7 @@ from sluice.broker.jobs import JobStore
 from sluice.broker.notifications import DoneListener, Inbox
 from sluice.broker.status import RequestStatus
 from sluice.config.settings import Settings
+from sluice.config.tenants import DEFAULT_TENANT
 from sluice.protocol.ids import new_request_id
 from sluice.protocol.messages import RequestMessage
 from sluice.protocol.states import BatchState, State
@@ -125,7 +126,7 @@ class LineFeed:
     async def _submit(self, line: Line, rid: str) -> None:
         message = RequestMessage(id=rid, model=line.model, rows=[line.row], sampling=line.sampling,
                                  enqueued_at=time.time(), deadline=float(self.batch["expires_at"]), lane="bulk",
-                                 owner=self.batch.get("owner"))
+                                 owner=self.batch.get("owner"), tenant=self.batch.get("tenant") or DEFAULT_TENANT)
         await self.admission.submit(message, max_queued=self.limits.max_queued)
 
     async def _collect(self, inbox: Inbox, only: set[str] | None) -> None:

@@ -116,6 +116,7 @@ class JobRunner:
             return
         # Its rows and output files belong to whoever made the batch (the object does not show it).
         batch["owner"] = await self.store.owner(self.job_id)
+        batch["tenant"] = await self.store.tenant(self.job_id)  # (each row is its tenant's request)
         with await self.files.open(batch["input_file_id"]) as source:
             total = await self._validate(source, batch["endpoint"], rules)
             if total is None:
@@ -188,7 +189,8 @@ class JobRunner:
                 if n:
                     await asyncio.to_thread(spooled.seek, 0)
                     fields[field] = (await self.files.create_from(
-                        f"{name}_{suffix}.jsonl", "batch_output", spooled, owner=batch.get("owner")))["id"]
+                        f"{name}_{suffix}.jsonl", "batch_output", spooled, owner=batch.get("owner"),
+                        tenant=batch.get("tenant")))["id"]
         final = (BatchState.CANCELLED if status == BatchState.CANCELLING
                  else BatchState.EXPIRED if expired else BatchState.COMPLETED)
         try:
