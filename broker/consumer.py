@@ -14,7 +14,7 @@ from redis.exceptions import ResponseError
 from sluice.broker import consumer_names, webhooks
 from sluice.broker.connection import copied
 from sluice.broker.dead_letters import unreadable
-from sluice.broker.fair_share import actual_cost, dispatch
+from sluice.broker.fair_share import actual_cost, blocking_ms, dispatch
 from sluice.broker.housekeeping import append_log, cancel_flags, prune_consumers
 from sluice.broker.keys import GROUP, ModelKeys
 from sluice.broker.limits import ConsumerLimits
@@ -138,7 +138,7 @@ class StreamConsumer:
         self._blocked = (self._blocked + 1) % self.shards
         stream = self.keys.at(self._blocked).requests
         got = await self.redis.xreadgroup(GROUP, self.consumer, {stream: ">"}, count=count,
-                                          block=block_ms if self.shards == 1 else max(block_ms // self.shards, 10))
+                                          block=blocking_ms(self, count, block_ms))
         return self._hold(await self._deliveries(stream, got[0][1], redelivered=False) if got else [])
 
     def _hold(self, deliveries: list[Delivery]) -> list[Delivery]:

@@ -26,6 +26,7 @@ if TYPE_CHECKING:
 
 OUTPUT_WEIGHT = 2  # an output token costs two prompt tokens (the VTC paper's weights)
 CHARS_PER_TOKEN = 4  # a prompt's estimated tokens, until its final counts them
+RESERVE_BLOCK_MS = 50  # a worker keeping its tenant reserve reads again this soon (see blocking_ms)
 
 
 def prompt_tokens(row: dict[str, Any]) -> int:
@@ -60,3 +61,13 @@ async def dispatch(c: StreamConsumer, stream: str, count: int) -> list[tuple[str
     got = await c.scripts.dispatch(keys=[stream], args=[c.consumer, count, c.tenant_reserved_slots, c.capacity,
                                                        time.time(), *(x for item in running.items() for x in item)])
     return [(entry_id, dict(zip(fields[::2], fields[1::2]))) for entry_id, fields in got[0][1]] if got else []
+
+
+def blocking_ms(c: StreamConsumer, count: int, block_ms: int) -> int:
+    """How long `c`'s blocking read of one interactive stream waits: its part of `block_ms`
+    (sharded streams take turns), and at most RESERVE_BLOCK_MS while its free slots are within
+    its tenant reserve. A worker that kept its reserve may have left a heavy tenant's requests
+    staged: a slot its own requests free meanwhile must not wait out a long read to be filled
+    (a light tenant's request, put straight onto the lane, wakes the read at once either way)."""
+    block = block_ms if c.shards == 1 else max(block_ms // c.shards, 10)
+    return min(block, RESERVE_BLOCK_MS) if 0 < count <= c.tenant_reserved_slots else block

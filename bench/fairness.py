@@ -1,0 +1,305 @@
+"""`sluice bench fairness`: tenants' fair share of one model, against plain FIFO, through the api.
+
+A local stack (Redis, api, one worker of `--slots` continuous-batching slots) serves model
+`echo` with the null engine at a realistic pace: `--prefill-ms` before a request's first token,
+then one token every `--token-ms`. Its capacity, in requests of tenant a's shape, is slots over a
+request's duration. Tenants are keys of a keys file (SLUICE_KEYS_FILE), so every request goes
+the api's way: key -> tenant -> admission (queue share) -> staging -> dispatch -> worker.
+
+Runs, each on a fresh stack, each for `--seconds` of open-loop (Poisson) arrivals:
+- `b alone`: tenant b offers 10 % of capacity with short outputs (`--b-tokens`);
+- `fair`: tenant a offers 10 x capacity with long outputs (`--a-tokens`) beside b;
+- `fifo`: the same with SLUICE_FAIR_SHARE=false (one FIFO queue: a's backlog is ahead of b);
+- `equal` and `3:1`: a and b both offer 5 x capacity with long outputs, weights 1:1 and 3:1.
+
+Printed per run and tenant: served tokens/s (prompt + output, counted as they are generated),
+its share of the service (prompt + 2 x output, the Virtual Token Counter's units) overall and
+its least and most over every 30 s window, TTFT p50/p99 (first token less admission), requests
+refused (429/503); then b's TTFT p99 against b alone and total throughput against FIFO. Targets
+(issue 31): b's p99 within 1.5 x of b alone; equal weights 45-55 % in every window; 3:1
+70-80 %; total throughput at least 0.97 of FIFO's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import random
+import secrets
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import redis
+import typer
+
+from sluice.broker.keys import ModelKeys
+from sluice.supervisor.stack import LocalStack
+
+MODEL = "echo"
+WINDOW_S = 30.0
+PROMPT = "fair share " * 8  # 16 words: the null engine counts words as prompt tokens
+
+
+@dataclass(frozen=True)
+class Offer:
+    tenant: str
+    rate: float  # requests per second (Poisson)
+    max_tokens: int
+    weight: float = 1.0
+
+
+@dataclass
+class Sent:
+    tenant: str
+    at: float
+    rid: str | None = None
+    refused: int = 0  # the status code of a refusal
+
+
+@dataclass
+class TenantFigures:
+    tokens_per_s: float = 0.0
+    share: float = 0.0
+    window_shares: list[float] = field(default_factory=list)
+    ttft_p50: float | None = None
+    ttft_p99: float | None = None
+    sent: int = 0
+    done: int = 0
+    refused: int = 0
+
+
+def _quantile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+async def _offer(url: str, key: str, offer: Offer, seconds: float, rng: random.Random, out: list[Sent]) -> None:
+    """Open-loop arrivals of one tenant for `seconds`: each request is sent when its time comes,
+    whatever the earlier ones are doing."""
+    async with httpx.AsyncClient(base_url=url, timeout=30, headers={"Authorization": f"Bearer {key}"},
+                                 limits=httpx.Limits(max_connections=64)) as http:
+        async def one(sent: Sent) -> None:
+            try:
+                r = await http.post("/v1/requests", json={"model": MODEL, "prompt": PROMPT,
+                                                         "max_tokens": offer.max_tokens})
+            except httpx.HTTPError:
+                sent.refused = -1
+                return
+            if r.status_code == 202:
+                sent.rid = r.json()["id"]
+            else:
+                sent.refused = r.status_code
+
+        tasks, start = [], time.monotonic()
+        due = start
+        while True:
+            due += rng.expovariate(offer.rate)
+            if due - start > seconds:
+                break
+            await asyncio.sleep(max(0.0, due - time.monotonic()))
+            sent = Sent(offer.tenant, time.time())
+            out.append(sent)
+            tasks.append(asyncio.create_task(one(sent)))
+        await asyncio.gather(*tasks)
+
+
+def _keys_file(path: Path, offers: list[Offer]) -> dict[str, str]:
+    """A keys file with one key per tenant (their weights); returns tenant -> key."""
+    keys = {o.tenant: f"sk-bench-{o.tenant}-{secrets.token_hex(8)}" for o in offers}
+    path.write_text(json.dumps({  # YAML is a superset of JSON
+        "tenants": {o.tenant: {"weight": o.weight} for o in offers},
+        "keys": [{"key": "sha256:" + hashlib.sha256(k.encode()).hexdigest(), "tenant": t} for t, k in keys.items()],
+    }))
+    return keys
+
+
+def _results(client: redis.Redis, sent: list[Sent]) -> dict[str, dict]:
+    """The final results (timings, usage) of the admitted requests that finished."""
+    keys = ModelKeys(MODEL)
+    admitted = [s for s in sent if s.rid]
+    pipe = client.pipeline(transaction=False)
+    for s in admitted:
+        pipe.hget(keys.status(s.rid), "result")
+    return {s.rid: json.loads(raw) for s, raw in zip(admitted, pipe.execute()) if raw}
+
+
+def _service(result: dict, start: float, end: float) -> tuple[float, float]:
+    """Tokens of a request served within [start, end): (prompt + output, prompt + 2 x output),
+    the prompt at its first token, the output spread evenly up to its final."""
+    t = result.get("timings") or {}
+    usage = result.get("usage") or {}
+    first, finished = t.get("first_token"), t.get("finished")
+    if first is None or finished is None:
+        return 0.0, 0.0
+    prompt, output = usage.get("prompt_tokens", 0), usage.get("completion_tokens", 0)
+    inside = prompt if start <= first < end else 0
+    span = max(finished - first, 1e-9)
+    part = max(0.0, min(end, finished) - max(start, first)) / span
+    return inside + output * part, inside + 2 * output * part
+
+
+def _figures(sent: list[Sent], results: dict[str, dict], start: float, end: float) -> dict[str, TenantFigures]:
+    tenants = sorted({s.tenant for s in sent})
+    out = {t: TenantFigures() for t in tenants}
+    windows = [(w, min(w + WINDOW_S, end)) for w in _frange(start, end, WINDOW_S)
+               if min(w + WINDOW_S, end) - w >= WINDOW_S / 2]  # a last window under half of one is left out
+    served: dict[str, float] = dict.fromkeys(tenants, 0.0)
+    weighted: dict[str, float] = dict.fromkeys(tenants, 0.0)
+    per_window = [dict.fromkeys(tenants, 0.0) for _ in windows]
+    for s in sent:
+        f = out[s.tenant]
+        f.sent += 1
+        f.refused += s.refused != 0
+        result = results.get(s.rid or "")
+        if result is None or result.get("status") != "done":
+            continue
+        f.done += 1
+        plain, vtc = _service(result, start, end)
+        served[s.tenant] += plain
+        weighted[s.tenant] += vtc
+        for i, (w0, w1) in enumerate(windows):
+            per_window[i][s.tenant] += _service(result, w0, w1)[1]
+    ttfts = {t: [] for t in tenants}
+    for s in sent:
+        result = results.get(s.rid or "")
+        timings = (result or {}).get("timings") or {}
+        if s.at >= start and timings.get("first_token") and timings.get("enqueued"):
+            ttfts[s.tenant].append(timings["first_token"] - timings["enqueued"])
+    total = sum(weighted.values()) or 1.0
+    for t, f in out.items():
+        f.tokens_per_s = served[t] / (end - start)
+        f.share = weighted[t] / total
+        f.window_shares = [w[t] / (sum(w.values()) or 1.0) for w in per_window]
+        f.ttft_p50, f.ttft_p99 = _quantile(ttfts[t], 0.5), _quantile(ttfts[t], 0.99)
+    return out
+
+
+def _frange(start: float, end: float, step: float) -> list[float]:
+    out, x = [], start
+    while x < end:
+        out.append(x)
+        x += step
+    return out
+
+
+def _run(offers: list[Offer], *, fair: bool, seconds: float, warm_s: float, slots: int, token_ms: float,
+         prefill_ms: float, reserve: int, engine: str, drain_s: float) -> dict[str, TenantFigures]:
+    models = (f"models:\n  - name: {MODEL}\n    continuous_batching_config: {{max_concurrent_batch_size: {slots}}}\n"
+              f"    request_timeout_s: 3600\n")
+    if engine == "vllm":
+        models = models.replace(f"  - name: {MODEL}\n", f"  - name: {MODEL}\n    default_max_tokens: 64\n")
+    with tempfile.TemporaryDirectory() as tmp:
+        keys = _keys_file(Path(tmp) / "keys.yaml", offers)
+        env = {"SLUICE_LOG_LEVEL": "WARNING", "SLUICE_KEYS_FILE": str(Path(tmp) / "keys.yaml"),
+               "SLUICE_FAIR_SHARE": "true" if fair else "false", "SLUICE_TENANT_RESERVED_SLOTS": str(reserve),
+               "SLUICE_NULL_TOKEN_DELAY_S": str(token_ms / 1000), "SLUICE_NULL_DELAY_S": str(prefill_ms / 1000)}
+        with LocalStack(Path(tmp) / "stack", models, appendonly=False, env=env, output="logs") as stack:
+            try:
+                stack.up(["echo"], engine=engine, timeout_s=600)
+            except RuntimeError:
+                for log in sorted((Path(tmp) / "stack" / "logs").glob("*")):
+                    typer.echo(f"--- {log.name}\n" + "\n".join(log.read_text(errors="replace").splitlines()[-15:]))
+                raise
+            client = redis.Redis.from_url(stack.redis_url, decode_responses=True)
+            sent: list[Sent] = []
+
+            async def load() -> None:
+                rng = random.Random(7)
+                await asyncio.gather(*(_offer(stack.url, keys[o.tenant], o, seconds, random.Random(rng.random()), sent)
+                                       for o in offers))
+
+            t0 = time.time()
+            asyncio.run(load())
+            t_end = time.time()
+            time.sleep(drain_s)  # what ran at the end finishes (its tokens inside the run count)
+            results = _results(client, sent)
+            client.close()
+    return _figures(sent, results, t0 + warm_s, t_end)
+
+
+def _show(label: str, figures: dict[str, TenantFigures]) -> None:
+    typer.echo(f"\n{label}")
+    typer.echo(f"  {'tenant':6} {'tokens/s':>9} {'share':>6} {'30s min':>8} {'30s max':>8} {'TTFT p50':>9} "
+               f"{'TTFT p99':>9} {'sent':>6} {'done':>6} {'refused':>7}")
+    for t, f in figures.items():
+        def ms(v: float | None) -> str:
+            return f"{v * 1000:.0f} ms" if v is not None else "-"
+        wmin = min(f.window_shares) if f.window_shares else f.share
+        wmax = max(f.window_shares) if f.window_shares else f.share
+        typer.echo(f"  {t:6} {f.tokens_per_s:9.0f} {f.share:6.1%} {wmin:8.1%} {wmax:8.1%} {ms(f.ttft_p50):>9} "
+                   f"{ms(f.ttft_p99):>9} {f.sent:6} {f.done:6} {f.refused:7}")
+
+
+def fairness(
+    seconds: float = typer.Option(90.0, help="Arrivals per run (30 s windows inside it)."),
+    warm_s: float = typer.Option(15.0, help="Left out of the figures at the start of each run."),
+    slots: int = typer.Option(128, help="The worker's continuous-batching slots."),
+    token_ms: float = typer.Option(50.0, help="Null engine: time per output token, per request."),
+    prefill_ms: float = typer.Option(200.0, help="Null engine: time before a request's first token."),
+    a_tokens: int = typer.Option(200, help="Tenant a's output tokens (long)."),
+    b_tokens: int = typer.Option(8, help="Tenant b's output tokens (short)."),
+    reserve: int = typer.Option(3, help="SLUICE_TENANT_RESERVED_SLOTS of the fair runs."),
+    real: bool = typer.Option(False, "--real", help="Also one short fair run with the real default model (vLLM)."),
+    only: str = typer.Option("", help="Comma-separated runs: b-alone,fair,fifo,equal,3:1 (default: all)."),
+    out: Path = typer.Option(None, help="Write the figures as JSON here."),
+) -> None:
+    """Tenant a floods a model, tenant b asks for a little: fair share against FIFO, and weights."""
+    duration_s = (prefill_ms + a_tokens * token_ms) / 1000
+    capacity = slots / duration_s  # requests of a's shape per second
+    common = {"seconds": seconds, "warm_s": warm_s, "slots": slots, "token_ms": token_ms, "prefill_ms": prefill_ms,
+              "reserve": reserve, "engine": "null", "drain_s": duration_s + 2}
+    light = Offer("b", 0.1 * capacity, b_tokens)
+    runs = {
+        "b-alone": ([light], True),
+        "fair": ([Offer("a", 10 * capacity, a_tokens), light], True),
+        "fifo": ([Offer("a", 10 * capacity, a_tokens), light], False),
+        "equal": ([Offer("a", 5 * capacity, a_tokens), Offer("b", 5 * capacity, a_tokens)], True),
+        "3:1": ([Offer("a", 5 * capacity, a_tokens, 3.0), Offer("b", 5 * capacity, a_tokens)], True),
+    }
+    chosen = [r.strip() for r in only.split(",") if r.strip()] or list(runs)
+    typer.echo(f"capacity: {slots} slots / {duration_s:.2f} s = {capacity:.1f} requests/s of a's shape; "
+               f"a offers 10 x, b 10 % ({light.rate:.2f}/s, {b_tokens} tokens); reserve {reserve} slot(s)")
+    figures: dict[str, dict[str, TenantFigures]] = {}
+    for name in chosen:
+        offers, fair = runs[name]
+        figures[name] = _run(offers, fair=fair, **common)
+        _show(f"{name} ({'fair share' if fair else 'FIFO'}, weights "
+              f"{':'.join(f'{o.weight:g}' for o in offers)})", figures[name])
+    if real:
+        offers = [Offer("a", 4.0, 64), Offer("b", 0.5, 8)]
+        figures["real"] = _run(offers, fair=True, **{**common, "engine": "vllm", "seconds": 60.0, "warm_s": 10.0,
+                                                    "slots": 8, "drain_s": 20.0})
+        _show("real engine (vLLM, default model; fair share, a 4/s x 64 tokens, b 0.5/s x 8)", figures["real"])
+    summary = _summary(figures)
+    for line in summary:
+        typer.echo(line)
+    if out:
+        out.write_text(json.dumps({name: {t: vars(f) for t, f in run.items()} for name, run in figures.items()}
+                                  | {"summary": summary}, indent=2))
+
+
+def _summary(figures: dict[str, dict[str, TenantFigures]]) -> list[str]:
+    lines = ["\ntargets:"]
+    alone = figures.get("b-alone", {}).get("b")
+    for name in ("fair", "fifo"):
+        b = figures.get(name, {}).get("b")
+        if alone and b and alone.ttft_p99 and b.ttft_p99:
+            lines.append(f"  {name}: b's TTFT p99 / b alone = {b.ttft_p99 / alone.ttft_p99:.2f} (target <= 1.5)")
+    if "fair" in figures and "fifo" in figures:
+        fair = sum(f.tokens_per_s for f in figures["fair"].values())
+        fifo = sum(f.tokens_per_s for f in figures["fifo"].values())
+        lines.append(f"  throughput fair / FIFO = {fair / fifo:.3f} (target >= 0.97)")
+    for name, low, high in (("equal", 0.45, 0.55), ("3:1", 0.70, 0.80)):
+        a = figures.get(name, {}).get("a")
+        if a:
+            shares = a.window_shares or [a.share]
+            ok = all(low <= s <= high for s in shares)
+            lines.append(f"  {name}: a's share {a.share:.1%}, every 30 s window {min(shares):.1%}-{max(shares):.1%} "
+                         f"(target {low:.0%}-{high:.0%}: {'met' if ok else 'missed'})")
+    return lines
