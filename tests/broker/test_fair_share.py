@@ -15,7 +15,7 @@ from redis.asyncio import Redis
 from sluice.broker import keys
 from sluice.broker.admission import Admission, QueueFull, TenantQueueFull
 from sluice.broker.consumer import Delivery, StreamConsumer
-from sluice.broker.fair_share import OUTPUT_WEIGHT, expected_cost, prompt_tokens
+from sluice.broker.fair_share import OUTPUT_WEIGHT, RESERVE_BLOCK_MS, blocking_ms, expected_cost, prompt_tokens
 from sluice.broker.housekeeping import expire_overdue
 from sluice.broker.limits import TenantShare
 from sluice.broker.scripts import Scripts
@@ -363,3 +363,13 @@ async def test_the_tenant_reserve_keeps_a_slot_for_a_light_tenant(redis: Redis, 
     await run_and_commit(c, d, 1)
     (d,) = await c.fetch(1, 10)
     assert d.message.tenant == "a"
+
+
+async def test_a_worker_keeping_its_reserve_reads_again_soon(redis: Redis, settings: Settings) -> None:
+    """Its own requests ending free slots that a heavy tenant's staged requests may fill: its
+    blocking read, while its free slots are within the reserve, is short (not the poll's 500 ms)."""
+    c = await ready_consumer(redis, settings)
+    c.capacity, c.tenant_reserved_slots = 8, 2
+    assert blocking_ms(c, 2, 500) == RESERVE_BLOCK_MS and blocking_ms(c, 3, 500) == 500
+    c.tenant_reserved_slots = 0
+    assert blocking_ms(c, 1, 500) == 500
