@@ -11,6 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from sluice.api.auth import Caller, require_key
 from sluice.api.errors import ApiError
+from sluice.api.metrics import TENANT_REFUSED
 from sluice.api.state import ApiState, state
 from sluice.broker.files import FileError
 from sluice.broker.jobs import ENDPOINTS
@@ -21,6 +22,8 @@ router = APIRouter(prefix="/v1", tags=["files and batches"])
 
 
 def _file_error(err: FileError) -> ApiError:
+    if err.status == 429:  # a tenant's stored files at a limit
+        return ApiError(429, str(err), code="rate_limit_exceeded", headers={"Retry-After": "60"})
     return ApiError(err.status, str(err), code="not_found" if err.status == 404 else "invalid_request_error")
 
 
@@ -49,12 +52,16 @@ async def upload(
     caller: Caller = Depends(require_key),
 ) -> dict:
     """`expires_after` as in OpenAI's Files API (default: SLUICE_FILE_TTL_S, 30 days)."""
+    config = s.tenants.get(caller.tenant)
     try:
         # Starlette has spooled the upload to a temporary file: it is copied in chunks, off the loop.
         return _public(await s.files.create_from(file.filename or "upload.jsonl", purpose, file.file,
                                                  expires_after_s=expires_seconds, owner=caller.digest,
-                                                 upload=True, tenant=caller.tenant))
+                                                 upload=True, tenant=caller.tenant,
+                                                 tenant_limits=(config.max_files, config.max_file_bytes)))
     except FileError as err:
+        if err.status == 429:
+            TENANT_REFUSED.labels(caller.tenant, "stored_files").inc()
         raise _file_error(err) from None
 
 

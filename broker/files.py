@@ -18,6 +18,7 @@ from redis.asyncio import Redis
 
 from sluice.broker.keys import PREFIX, tenant_index
 from sluice.broker.pages import newest_first
+from sluice.broker.tenant_files import TenantFiles
 from sluice.protocol.ids import new_file_id
 
 PURPOSES = ("batch", "batch_output")
@@ -111,6 +112,7 @@ class FileStore:
         self.ttl_s = ttl_s
         self.max_files = max_files
         self.sweep_every_s = min(600.0, ttl_s / 2)
+        self.tenant_files = TenantFiles(redis, _key)  # each tenant's stored files, for its limits
         self._next_sweep = 0.0
 
     def path(self, file_id: str) -> Path:
@@ -122,10 +124,12 @@ class FileStore:
 
     async def create_from(self, filename: str, purpose: str, source: BinaryIO,
                           owner: str | None = None, expires_after_s: int | None = None,
-                          upload: bool = False, tenant: str | None = None) -> dict[str, Any]:
+                          upload: bool = False, tenant: str | None = None,
+                          tenant_limits: tuple[int | None, int | None] = (None, None)) -> dict[str, Any]:
         """`owner`: the digest of the api key that made it (the api leaves it out of answers).
         `source` is read in chunks: an upload is never whole in memory. An `upload` counts
-        against its owner's `max_files` (a job's output files do not)."""
+        against its owner's `max_files` (a job's output files do not), and its tenant's
+        `tenant_limits` (max_files, max_file_bytes), checked atomically once its size is known."""
         if purpose not in PURPOSES:
             raise FileError(400, f"purpose: must be one of {', '.join(PURPOSES)}, not {purpose!r}")
         if upload and owner and self.max_files is not None and await self._kept(owner) >= self.max_files:
@@ -135,6 +139,14 @@ class FileStore:
         size = await asyncio.to_thread(self._write, file_id, source, purpose == "batch")
         ttl = expires_after_s or self.ttl_s
         now = int(time.time())
+        if upload and tenant and any(tenant_limits):
+            over = await self.tenant_files.record(tenant, file_id, size, now + ttl, max_files=tenant_limits[0],
+                                                  max_bytes=tenant_limits[1])
+            if over:
+                await asyncio.to_thread(self.path(file_id).unlink, missing_ok=True)
+                limit = tenant_limits[0] if over == "max_files" else tenant_limits[1]
+                raise FileError(429, f"tenant {tenant!r} is over its {over} limit ({limit}): delete some of its "
+                                     "files first")
         meta = {"id": file_id, "object": "file", "bytes": size, "created_at": now, "expires_at": now + ttl,
                 "filename": filename, "purpose": purpose, "status": "processed", "owner": owner}
         if tenant:
@@ -271,4 +283,6 @@ class FileStore:
         for o in (meta.get("owner"), meta.get("tenant") and tenant_index(meta["tenant"])):
             if o:
                 await self.redis.zrem(_owned(o), file_id)
+        if meta.get("tenant"):
+            await self.tenant_files.forget(meta["tenant"], file_id)
         await asyncio.to_thread(self.path(file_id).unlink, missing_ok=True)
