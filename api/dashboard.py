@@ -4,7 +4,8 @@
 Everything comes from Redis, so every api replica shows the same: per model its queues (waiting
 and running apart, broker/queues.py), live workers, throughput and latency minute by minute
 (api/activity.py), recent failures (a client's own cancel is none) and dead letters; the
-bulk jobs being run; and the webhook deliveries. Each read is bounded, whatever the traffic (the inference
+bulk jobs being run; the tenants (their configuration, entries queued per model, open streams
+and stored files); and the webhook deliveries. Each read is bounded, whatever the traffic (the inference
 log is read in samples, see api/activity.py).
 """
 
@@ -25,6 +26,7 @@ from sluice.api.activity import ActivityReader
 from sluice.api.auth import require_admin
 from sluice.api.state import ApiState, state
 from sluice.broker.dead_letters import DeadLetters
+from sluice.broker.keys import ModelKeys, tenant_streams
 from sluice.broker.queues import queue_figures
 from sluice.broker.registry import WorkerInfo
 from sluice.broker.webhook_deliveries import OUTCOME_MINUTES, Deliveries
@@ -124,7 +126,39 @@ async def dashboard(request: Request, s: ApiState = Depends(state)) -> dict[str,
         "other_workers": [_worker(w, now) for w in live if w.model not in deployed],
         "batches": [_batch(b) for b in batches],
         "webhooks": await _webhooks(s),
+        "tenants": await _tenants(s, list(deployed.values())),
     }
+
+
+TENANTS_SHOWN = 100  # a keys file names its tenants: more than this is not a page's table
+
+
+async def _tenants(s: ApiState, models: list[ModelConfig]) -> list[dict[str, Any]]:
+    """Each configured tenant (and `default`): its weight, queue share and limits, the entries it
+    holds queued per model (fair share's `<tag>:held`, docs/protocol.md), its open streams (live
+    leases) and stored files. A bounded read: a field per tenant and model shard, a set and a hash."""
+    names = s.tenants.names()[:TENANTS_SHOWN]
+    now_ms = time.time() * 1000
+    tags = [(m.name, ModelKeys(m.name).at(k).tag) for m in models for k in range(m.shards)]
+    async with s.redis.pipeline(transaction=False) as pipe:
+        for name in names:
+            for _, tag in tags:
+                pipe.hget(f"{tag}:held", name)
+            pipe.zcount(tenant_streams(name), now_ms, "+inf")
+        read = await pipe.execute()
+    files = await asyncio.gather(*(s.files.tenant_files.usage(name) for name in names))
+    out, i = [], 0
+    for name, (stored, stored_bytes) in zip(names, files):
+        queued: dict[str, int] = {}
+        for model, _ in tags:
+            queued[model] = queued.get(model, 0) + int(read[i] or 0)
+            i += 1
+        streams = int(read[i])
+        i += 1
+        config = s.tenants.get(name)
+        out.append({"name": name, **config.model_dump(), "queued": queued, "streams": streams,
+                    "files": stored, "file_bytes": stored_bytes})
+    return out
 
 
 async def _webhooks(s: ApiState) -> dict[str, Any]:

@@ -149,7 +149,8 @@ def build_state(settings: Settings, models: list[ModelConfig]) -> ApiState:
         jobs=JobStore(redis, settings.batch_ttl_s, settings.result_ttl_s),
         celery=celery_client(settings),
         streams=StreamSlots(settings.max_streams_per_key, tenants,
-                            TenantStreams(redis) if any(tenants.get(t).max_streams for t in tenants.names()) else None),
+                            TenantStreams(redis, lease_s=settings.lease_timeout_s)
+                            if any(tenants.get(t).max_streams for t in tenants.names()) else None),
     )
 
 

@@ -23,6 +23,9 @@ TPOT = Histogram("sluice_time_per_output_token_seconds", "Mean time per output t
 E2E = Histogram("sluice_e2e_request_latency_seconds", "Enqueued to final result", ["model"], buckets=_LATENCY)
 GENERATION_TOKENS = Counter("sluice_generation_tokens", "Output tokens generated", ["model"])
 PROMPT_TOKENS = Counter("sluice_prompt_tokens", "Prompt tokens processed", ["model"])
+# The tenant is the one the api wrote on the request (a configured tenant's name, or `default`).
+TENANT_SERVED_TOKENS = Counter("sluice_tenant_served_tokens", "Prompt plus output tokens served to a tenant",
+                               ["tenant", "model"])
 RECLAIMS = Counter("sluice_reclaims", "Entries taken over from workers whose lease expired", ["model"])
 DEAD_LETTERS = Counter("sluice_dead_letters", "Requests moved to the dead-letter stream", ["model"])
 # vLLM's vllm:prefix_cache_queries and vllm:prefix_cache_hits, per worker (each has its own cache):
@@ -37,12 +40,13 @@ def serve(port: int, host: str = "0.0.0.0") -> None:
     start_http_server(port, addr=host)
 
 
-def observe_final(model: str, final: FinalResult) -> None:
+def observe_final(model: str, final: FinalResult, tenant: str = "default") -> None:
     COMPLETED.labels(model, final.status.value).inc()
     t = final.timings
     if final.usage:
         GENERATION_TOKENS.labels(model).inc(final.usage.completion_tokens)
         PROMPT_TOKENS.labels(model).inc(final.usage.prompt_tokens)
+        TENANT_SERVED_TOKENS.labels(tenant, model).inc(final.usage.prompt_tokens + final.usage.completion_tokens)
     if t.enqueued is None:
         return
     if t.started is not None:

@@ -207,7 +207,7 @@ class Worker:
         final = final_result(run, outputs, error)
         if not await self.replies.commit(d, final, self.consumer.commit):
             return []
-        metrics.observe_final(self.model.name, final)
+        metrics.observe_final(self.model.name, final, d.message.tenant)
         self.pace.finished(final)
         return log_records(d, final)
 

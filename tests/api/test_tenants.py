@@ -139,6 +139,8 @@ async def test_the_final_settles_the_tokens_charged_against_those_used(
         redis: Redis, settings: Settings, tmp_path: Path, redis_url: str) -> None:
     """A prompt of one long word: charged a quarter of its characters, counted one token by the
     null engine, so the final gives back nearly all of the charge, once."""
+    from prometheus_client import REGISTRY
+
     from sluice.broker.connection import connect
     from sluice.config.model import load_models
     from sluice.workers.engines.null import NullEngine
@@ -152,6 +154,8 @@ async def test_the_final_settles_the_tokens_charged_against_those_used(
         rid = r.json()["id"]
         assert await redis.exists(ModelKeys(MODEL).charge(rid))
         charged_until = int(await redis.get(bucket))
+        served_before = REGISTRY.get_sample_value("sluice_tenant_served_tokens_total",
+                                                  {"tenant": "acme", "model": MODEL})
         (model,) = load_models(s.models_file)
         worker_redis = connect(redis_url, name="tenants-test-worker")
         worker = Worker(s, model, NullEngine(), worker_redis, "tenants-test-worker")
@@ -165,6 +169,8 @@ async def test_the_final_settles_the_tokens_charged_against_those_used(
         assert done["status"] == "done", done
         used = done["usage"]["prompt_tokens"] + done["usage"]["completion_tokens"]
         assert used == 6
+        served = REGISTRY.get_sample_value("sluice_tenant_served_tokens_total", {"tenant": "acme", "model": MODEL})
+        assert served is not None and served - (served_before or 0) == used  # the worker's count, by tenant
         assert not await redis.exists(ModelKeys(MODEL).charge(rid))  # settled, and only once
         interval_ms = 60_000 / 4_000
         after = await redis.get(bucket)  # gone: the bucket is full again
@@ -256,3 +262,36 @@ async def test_an_unrefreshed_stream_lease_expires(redis: Redis) -> None:
     assert await live.acquire("acme", 1)
     await live.refresh()
     assert await redis.pttl("sluice:{t:acme}:streams") > 20_000
+
+
+async def test_the_dashboard_shows_the_tenants(redis: Redis, settings: Settings, tmp_path: Path) -> None:
+    s = tenant_settings(settings, tmp_path, acme={"weight": 3, "requests_per_minute": 60, "max_files": 5})
+    async with running_app(s) as app, http_client(app, ALICE) as alice, http_client(app, ADMIN) as admin:
+        await submit(alice)
+        await submit(alice)
+        await alice.post("/v1/files", files={"file": ("in.jsonl", b'{"x": 1}\n')}, data={"purpose": "batch"})
+        r = await admin.get("/v1/dashboard")
+        assert r.status_code == 200, r.text
+        tenants = {t["name"]: t for t in r.json()["tenants"]}
+        assert set(tenants) == {"acme", "lab", "ops", "default"}  # the configured names only
+        acme = tenants["acme"]
+        assert (acme["weight"], acme["requests_per_minute"], acme["max_files"]) == (3, 60, 5)
+        assert acme["queued"] == {MODEL: 2} and acme["files"] == 1 and acme["file_bytes"] == 9
+        assert tenants["lab"]["queued"] == {MODEL: 0}
+        page = (await admin.get("/dashboard")).text
+        assert 'id="tenants"' in page and "renderTenants" in page
+
+
+async def test_refusals_are_counted_per_tenant_and_reason(redis: Redis, settings: Settings, tmp_path: Path) -> None:
+    from prometheus_client import REGISTRY
+
+    def refused(reason: str) -> float:
+        return REGISTRY.get_sample_value("sluice_tenant_requests_refused_total",
+                                         {"tenant": "acme", "reason": reason}) or 0.0
+
+    s = tenant_settings(settings, tmp_path, acme={"requests_per_minute": 1})
+    async with running_app(s) as app, http_client(app, ALICE) as alice:
+        before = refused("requests_per_minute")
+        assert (await submit(alice)).status_code == 202
+        assert (await submit(alice)).status_code == 429
+        assert refused("requests_per_minute") == before + 1
