@@ -11,6 +11,7 @@
 --   holds), retry_after_ms, requests remaining, requests reset_ms, tokens remaining, tokens reset_ms}
 local requests_bucket, tokens_bucket = KEYS[1], KEYS[2]
 local request_limit, token_limit, record_ttl = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
+local first_record = KEYS[3]  -- nil for a call with no request (never made)
 local MINUTE = 60000
 local now = now_ms()
 local total = 0
@@ -33,7 +34,7 @@ local function look(bucket, limit, units)
   return over <= 0, math.max(over, 0), math.floor((MINUTE - (tat - now)) / interval + 1e-9), math.ceil(tat - now)
 end
 
-local charged = #KEYS > 2 and redis.call('EXISTS', KEYS[3]) == 1
+local charged = first_record ~= nil and redis.call('EXISTS', first_record) == 1
 local rq_units, tk_units = 1, total
 if charged then
   rq_units, tk_units = 0, 0

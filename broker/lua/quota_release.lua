@@ -2,9 +2,9 @@
 -- full): the request it counted, and each request's tokens (settle_charge, with none used).
 -- KEYS: the requests bucket, then one charge record per request
 -- ARGV: requests limit (0: none)
-local request_limit = tonumber(ARGV[1])
+local requests_bucket, request_limit = KEYS[1], tonumber(ARGV[1])
 if request_limit > 0 then
-  move_bucket(KEYS[1], -1, 60000 / request_limit, now_ms())
+  move_bucket(requests_bucket, -1, 60000 / request_limit, now_ms())
 end
 for i = 2, #KEYS do
   settle_charge(KEYS[i], 0)

@@ -5,7 +5,7 @@
 -- KEYS: the tenant's streams set
 -- ARGV: lease_ms, limit (0: refresh), then the streams (one to take; those to refresh)
 -- Returns 1 (taken, or refreshed) or 0 (the tenant is at its limit).
-local key, lease_ms, limit = KEYS[1], tonumber(ARGV[1]), tonumber(ARGV[2])
+local key, lease_ms, limit, taken = KEYS[1], tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3]
 local now = now_ms()
 if limit == 0 then
   for i = 3, #ARGV do
@@ -18,6 +18,6 @@ redis.call('ZREMRANGEBYSCORE', key, '-inf', now)
 if redis.call('ZCARD', key) >= limit then
   return 0
 end
-redis.call('ZADD', key, now + lease_ms, ARGV[3])
+redis.call('ZADD', key, now + lease_ms, taken)
 redis.call('PEXPIRE', key, lease_ms)
 return 1
