@@ -9,7 +9,7 @@ admission, start, commit and the SSE stream of each request included, so long re
 that share small); Redis commands per token (`INFO commandstats`, the commands scripts run
 included); and what the token path cost in script calls: the reply script's calls per second
 and tokens per call (the worker writes what every request generated since its last write in
-one call per shard of the model).
+one call per shard of the model; its calls from its metrics).
 """
 
 from __future__ import annotations
@@ -28,10 +28,10 @@ import typer
 
 from sluice.bench.frontend_cpu import cpu_s
 from sluice.bench.streams import open_sse
+from sluice.supervisor.processes import free_port
 from sluice.supervisor.stack import LocalStack
 
 MODELS = "models:\n  - name: echo\n    continuous_batching_config: {max_concurrent_batch_size: 256}\n"
-_SCRIPTS_PER_REQUEST = 3  # admit, start, commit: the scripts a request runs besides its token writes
 
 
 def _calls(client: redis.Redis) -> dict[str, int]:
@@ -85,6 +85,13 @@ async def _load(url: str, streams: int, max_tokens: int, seconds: float) -> tupl
         return totals[0], totals[1], time.perf_counter() - t0
 
 
+def _reply_calls(port: int) -> float:
+    """The worker's reply.lua calls so far (its Prometheus counter)."""
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("sluice_reply_script_calls_total"))
+
+
 def _per_1000(cpu_s: float, tokens: int) -> float:
     return round(cpu_s * 1e6 / max(tokens, 1), 1)
 
@@ -97,7 +104,9 @@ def tokens(
     out: Path = typer.Option(None, help="Write the figures as JSON here."),
 ) -> None:
     """Null engine: delivered ÷ asked, and CPU per 1,000 streamed tokens in the api, the worker and Redis."""
-    env = {"SLUICE_LOG_LEVEL": "WARNING", "SLUICE_NULL_TOKEN_DELAY_S": str(token_ms / 1000)}
+    metrics = free_port()  # the worker's: its reply-script calls
+    env = {"SLUICE_LOG_LEVEL": "WARNING", "SLUICE_NULL_TOKEN_DELAY_S": str(token_ms / 1000),
+           "SLUICE_WORKER_METRICS_PORT": str(metrics)}
     with tempfile.TemporaryDirectory() as tmp, LocalStack(Path(tmp), MODELS, appendonly=False, env=env,
                                                           output="logs") as stack:
         stack.up(["echo"], engine="null", timeout_s=120)
@@ -105,12 +114,12 @@ def tokens(
         client = redis.Redis.from_url(stack.redis_url, decode_responses=True)
         asyncio.run(_load(stack.url, 2, 8, 1.0))  # warm up: imports, connections, scripts loaded
         load = os.getloadavg()[0]
-        before = _calls(client), cpu_s(worker), cpu_s(api), _redis_cpu_s(client)
+        before = _calls(client), cpu_s(worker), cpu_s(api), _redis_cpu_s(client), _reply_calls(metrics)
         delivered, requests, wall = asyncio.run(_load(stack.url, streams, max_tokens, seconds))
-        after = _calls(client), cpu_s(worker), cpu_s(api), _redis_cpu_s(client)
+        after = _calls(client), cpu_s(worker), cpu_s(api), _redis_cpu_s(client), _reply_calls(metrics)
         client.close()
     calls = {k: after[0].get(k, 0) - before[0].get(k, 0) for k in after[0]}
-    reply_calls = calls.get("evalsha", 0) - _SCRIPTS_PER_REQUEST * requests
+    reply_calls = after[4] - before[4]
     asked = streams * 1000 / token_ms
     figures = {
         "streams": streams, "token_ms": token_ms, "max_tokens": max_tokens, "wall_s": round(wall, 2),

@@ -42,8 +42,10 @@ class ReplyWriter:
     of the call are written all the same.
     """
 
-    def __init__(self, redis: Redis, model: str, *, reply_ttl_s: int):
+    def __init__(self, redis: Redis, model: str, *, reply_ttl_s: int, on_call: Callable[[], object] | None = None):
+        """`on_call`: told of each reply.lua call (the worker's metrics)."""
         self.redis = redis
+        self.on_call = on_call
         self.keys = ModelKeys(model)
         self.scripts = Scripts.register(redis)
         self.reply_ttl_s = reply_ttl_s
@@ -146,6 +148,8 @@ class ReplyWriter:
         # EVALSHA itself, on the client (not the script object's retrying call): a Redis that
         # restarted without the script ran none of the call, which then goes again.
         script = self.scripts.reply
+        if self.on_call is not None:
+            self.on_call()
         try:
             return await self.redis.evalsha(script.sha, len(keys), *keys, *args)
         except NoScriptError:

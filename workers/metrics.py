@@ -23,6 +23,8 @@ TPOT = Histogram("sluice_time_per_output_token_seconds", "Mean time per output t
 E2E = Histogram("sluice_e2e_request_latency_seconds", "Enqueued to final result", ["model"], buckets=_LATENCY)
 GENERATION_TOKENS = Counter("sluice_generation_tokens", "Output tokens generated", ["model"])
 PROMPT_TOKENS = Counter("sluice_prompt_tokens", "Prompt tokens processed", ["model"])
+REPLY_CALLS = Counter("sluice_reply_script_calls", "reply.lua calls (each writes every request's new tokens "
+                      "of one slot)", ["model"])
 # The tenant is the one the api wrote on the request (a configured tenant's name, or `default`).
 TENANT_SERVED_TOKENS = Counter("sluice_tenant_served_tokens", "Prompt plus output tokens served to a tenant",
                                ["tenant", "model"])

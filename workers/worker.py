@@ -49,7 +49,8 @@ class Worker:
         self.consumer = StreamConsumer(redis, model.name, name, ConsumerLimits.of(settings, model))
         # An unfinished request's reply stream lives as long as its status: a retry resumes
         # from it. The final shortens it to reply_ttl_s.
-        self.replies = ReplyWriter(redis, model.name, reply_ttl_s=settings.status_ttl_s)
+        self.replies = ReplyWriter(redis, model.name, reply_ttl_s=settings.status_ttl_s,
+                                   on_call=metrics.REPLY_CALLS.labels(model.name).inc)
         self.inference_log = LogBuffer(self.consumer.append_log)
         self.generation = Generation(engine, self.replies, lambda gap: self.pace.token_gap(gap, len(self.running)))
         self.workers = WorkerRegistry(redis)
