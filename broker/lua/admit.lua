@@ -140,7 +140,8 @@ for i = 1, n do
 end
 count_held(stream, tenant, n, status_ttl)
 if fair then
-  redis.call('HSET', vtc, '@' .. tenant, now)  -- active: the tenant reserve counts it (dispatch.lua)
+  -- active, with its weight: the tenant reserve shares a worker out among the active (dispatch.lua)
+  redis.call('HSET', vtc, '@' .. tenant, now, '~' .. tenant, weight)
   redis.call('EXPIRE', vtc, VTC_TTL_S)
 end
 return entries

@@ -8,8 +8,8 @@
 -- one), so cancel, expiry and start find it where it is. A moved entry keeps its fields (id,
 -- data, tenant): from here on it is an ordinary lane entry (leases, reclaim, fencing, commit).
 -- The tenant reserve: a worker's last `reserve` free slots go only to a tenant running fewer
--- than its part of the worker (capacity over the tenants active on the lane: admitted within
--- ACTIVE_S), while more than one is active: a light tenant's request then starts at once instead
+-- than its part of the worker (the capacity shared by weight among the tenants active on the
+-- lane: admitted within ACTIVE_S), while more than one is active: a light tenant's request then starts at once instead
 -- of waiting for a heavy tenant's to end (no request is ever preempted). With one tenant active
 -- it takes every slot.
 -- KEYS: the lane stream
@@ -27,13 +27,22 @@ end
 local tag, backlog = tag_of(stream), backlog_key(stream)
 local vtc = tag .. ':vtc:' .. lane_of(stream)
 
-local active = nil  -- tenants admitted within ACTIVE_S (read once, when the reserve is reached)
+-- The tenants admitted within ACTIVE_S and their weights (`@<tenant>`: its last admission,
+-- `~<tenant>`: its weight, both kept by admit.lua), read once, when the reserve is reached.
+local active, weights, total = nil, {}, 0
 local function active_tenants()
   if active == nil then
     active = 0
     local seen = redis.call('HGETALL', vtc)
+    local fields = {}
     for i = 1, #seen, 2 do
-      if string.sub(seen[i], 1, 1) == '@' and tonumber(seen[i + 1]) >= now - ACTIVE_S then
+      fields[seen[i]] = seen[i + 1]
+    end
+    for field, value in pairs(fields) do
+      if string.sub(field, 1, 1) == '@' and tonumber(value) >= now - ACTIVE_S then
+        local tenant = string.sub(field, 2)
+        weights[tenant] = tonumber(fields['~' .. tenant]) or 1
+        total = total + weights[tenant]
         active = active + 1
       end
     end
@@ -42,15 +51,16 @@ local function active_tenants()
 end
 
 -- The backlogged tenant to serve next, with its counter: the smallest counter; within the
--- reserve, the smallest among those running fewer than their part of this worker (none: nil).
+-- reserve, the smallest among those running fewer than their part of this worker (its weight's
+-- part of the capacity, among the active tenants); none: nil.
 local function next_tenant(room)
   if room > reserve or active_tenants() <= 1 then
     local low = redis.call('ZRANGE', backlog, 0, 0, 'WITHSCORES')
     return low[1], tonumber(low[2])
   end
-  local part = capacity / active_tenants()
   local all = redis.call('ZRANGE', backlog, 0, -1, 'WITHSCORES')
   for i = 1, #all, 2 do
+    local part = capacity * (weights[all[i]] or 0) / total
     if (running[all[i]] or 0) < part then
       return all[i], tonumber(all[i + 1])
     end

@@ -373,3 +373,19 @@ async def test_a_worker_keeping_its_reserve_reads_again_soon(redis: Redis, setti
     assert blocking_ms(c, 2, 500) == RESERVE_BLOCK_MS and blocking_ms(c, 3, 500) == 500
     c.tenant_reserved_slots = 0
     assert blocking_ms(c, 1, 500) == 500
+
+
+async def test_the_reserve_shares_a_worker_by_weight(redis: Redis, settings: Settings) -> None:
+    """Two flooding tenants weighted 3 : 1 on a worker whose free slots are always within its
+    reserve (one frees at a time): the reserve's parts follow the weights, so they run 3 : 1."""
+    adm, c = admission(redis, settings), await ready_consumer(redis, settings)
+    c.capacity, c.tenant_reserved_slots = 8, 7
+    shares = {"heavy": TenantShare(weight=3.0), "light": TenantShare(weight=1.0)}
+    for _ in range(60):
+        for tenant, share in shares.items():
+            await adm.submit(request(tenant), max_queued=10_000, share=share)
+    running = await c.fetch(8, 10)
+    for _ in range(40):  # one ends, one starts
+        await run_and_commit(c, running.pop(0), 16)
+        running += await c.fetch(1, 10)
+    assert sorted(d.message.tenant for d in running) == ["heavy"] * 6 + ["light"] * 2
