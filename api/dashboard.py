@@ -26,9 +26,10 @@ from sluice.api.activity import ActivityReader
 from sluice.api.auth import require_admin
 from sluice.api.state import ApiState, state
 from sluice.broker.dead_letters import DeadLetters
-from sluice.broker.keys import ModelKeys, tenant_streams
+from sluice.broker.keys import tenant_streams
 from sluice.broker.queues import queue_figures
 from sluice.broker.registry import WorkerInfo
+from sluice.broker.tenant_queued import queued_by_tenant
 from sluice.broker.webhook_deliveries import OUTCOME_MINUTES, Deliveries
 from sluice.broker.webhooks import DEAD, ENDPOINTS
 from sluice.config.model import ModelConfig
@@ -139,26 +140,16 @@ async def _tenants(s: ApiState, models: list[ModelConfig]) -> list[dict[str, Any
     leases) and stored files. A bounded read: a field per tenant and model shard, a set and a hash."""
     names = s.tenants.names()[:TENANTS_SHOWN]
     now_ms = time.time() * 1000
-    tags = [(m.name, ModelKeys(m.name).at(k).tag) for m in models for k in range(m.shards)]
     async with s.redis.pipeline(transaction=False) as pipe:
         for name in names:
-            for _, tag in tags:
-                pipe.hget(f"{tag}:held", name)
             pipe.zcount(tenant_streams(name), now_ms, "+inf")
-        read = await pipe.execute()
-    files = await asyncio.gather(*(s.files.tenant_files.usage(name) for name in names))
-    out, i = [], 0
-    for name, (stored, stored_bytes) in zip(names, files):
-        queued: dict[str, int] = {}
-        for model, _ in tags:
-            queued[model] = queued.get(model, 0) + int(read[i] or 0)
-            i += 1
-        streams = int(read[i])
-        i += 1
-        config = s.tenants.get(name)
-        out.append({"name": name, **config.model_dump(), "queued": queued, "streams": streams,
-                    "files": stored, "file_bytes": stored_bytes})
-    return out
+        streams = await pipe.execute()
+    queued, files = await asyncio.gather(
+        queued_by_tenant(s.redis, [(m.name, m.shards) for m in models], names),
+        asyncio.gather(*(s.files.tenant_files.usage(name) for name in names)))
+    return [{"name": name, **s.tenants.get(name).model_dump(), "queued": queued[name], "streams": int(open_),
+             "files": stored, "file_bytes": stored_bytes}
+            for name, open_, (stored, stored_bytes) in zip(names, streams, files)]
 
 
 async def _webhooks(s: ApiState) -> dict[str, Any]:

@@ -6,9 +6,10 @@ from fastapi import APIRouter, Depends
 from fastapi.responses import JSONResponse, Response
 
 from sluice.api.auth import require_admin
-from sluice.api.metrics import OLDEST_AGE, QUEUE_DEPTH, QUEUE_RUNNING, exposition
+from sluice.api.metrics import OLDEST_AGE, QUEUE_DEPTH, QUEUE_RUNNING, TENANT_QUEUED, exposition
 from sluice.api.state import ApiState, state
 from sluice.broker.queues import queue_figures
+from sluice.broker.tenant_queued import queued_by_tenant
 
 router = APIRouter(tags=["health"])
 
@@ -47,10 +48,15 @@ async def workers(s: ApiState = Depends(state)) -> dict:
 @router.get("/metrics", include_in_schema=False)
 async def metrics(s: ApiState = Depends(state)) -> Response:
     """Prometheus text format; the queue gauges are read from Redis at each scrape."""
-    for m in (await s.deployments.all(fresh=True)).values():
+    deployed = list((await s.deployments.all(fresh=True)).values())
+    for m in deployed:
         for lane, figures in (await queue_figures(s.redis, m.name, m.shards)).items():
             QUEUE_DEPTH.labels(m.name, lane).set(figures.waiting)
             QUEUE_RUNNING.labels(m.name, lane).set(figures.running)
             OLDEST_AGE.labels(m.name, lane).set(figures.oldest_waiting_s)
+    queued = await queued_by_tenant(s.redis, [(m.name, m.shards) for m in deployed], s.tenants.names())
+    for tenant, per_model in queued.items():
+        for model, held in per_model.items():
+            TENANT_QUEUED.labels(tenant, model).set(held)
     body, media_type = exposition()
     return Response(body, media_type=media_type)

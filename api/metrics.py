@@ -17,6 +17,8 @@ REJECTED = Counter("sluice_requests_rejected", "Requests refused at admission, b
 # Per tenant: the label values are the configured tenants' names (config/tenants.py) and `default`.
 TENANT_ADMITTED = Counter("sluice_tenant_requests_admitted", "Requests a tenant put on a model's stream",
                           ["tenant", "model"])
+TENANT_QUEUED = Gauge("sluice_tenant_queued", "Entries a tenant holds queued on a model (staged or on a lane "
+                      "stream, both lanes; fair share's count)", ["tenant", "model"], multiprocess_mode="mostrecent")
 TENANT_REFUSED = Counter("sluice_tenant_requests_refused", "Requests of a tenant refused at admission, by reason "
                          "(a limit's name, or queue_full)", ["tenant", "reason"])
 QUEUE_DEPTH = Gauge("sluice_queue_depth", "Requests waiting for a worker on a model's lane (running ones apart)",

@@ -295,3 +295,13 @@ async def test_refusals_are_counted_per_tenant_and_reason(redis: Redis, settings
         assert (await submit(alice)).status_code == 202
         assert (await submit(alice)).status_code == 429
         assert refused("requests_per_minute") == before + 1
+
+
+async def test_metrics_show_what_each_tenant_holds_queued(redis: Redis, settings: Settings, tmp_path: Path) -> None:
+    async with running_app(tenant_settings(settings, tmp_path)) as app, http_client(app, ALICE) as alice, \
+            http_client(app, ADMIN) as admin:
+        for _ in range(3):
+            await submit(alice)
+        text = (await admin.get("/metrics")).text
+        assert f'sluice_tenant_queued{{model="{MODEL}",tenant="acme"}} 3.0' in text
+        assert f'sluice_tenant_queued{{model="{MODEL}",tenant="lab"}} 0.0' in text
