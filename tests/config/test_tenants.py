@@ -104,3 +104,12 @@ def test_sluice_keys_new_prints_the_keys_file_entry(tmp_path: Path) -> None:
     assert [(k.digest, k.scope, k.tenant) for k in parsed.keys] == [(digest(key), "admin", "acme")]
     refused = CliRunner().invoke(cli, ["keys", "new", "--tenant", "a b"])
     assert refused.exit_code != 0
+
+
+def test_the_api_does_not_start_with_a_bad_keys_file(tmp_path: Path) -> None:
+    from sluice.api.app import create_app
+
+    path = write(tmp_path, "tenants: {acme: {weight: -1}}")
+    with pytest.raises(ConfigError) as refused:
+        create_app(Settings(keys_file=path))
+    assert str(path) in str(refused.value) and "tenants.acme.weight" in str(refused.value)
