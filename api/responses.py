@@ -92,7 +92,7 @@ async def create(body: ResponseRequest, s: ApiState = Depends(state), caller: Ca
         raise ApiError(400, "; ".join(message for _, message in problems), param=problems[0][0])
     require_unicode([body.instructions, *[m["content"] for m in body.messages()]], "input")
     model = await s.deployments.get(body.model)
-    rid, meta = new_id(model), body.meta(int(time.time()))
+    rid, meta = new_id(model), {**body.meta(int(time.time())), "tenant": caller.tenant}  # (its record keeps it)
     slot = await s.streams.reserve(caller if body.stream else None)  # a refused stream queues nothing
     try:
         await s.responses.save(model.name, rid, meta)  # before the request: a worker may finish it at once

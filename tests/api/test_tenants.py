@@ -55,7 +55,10 @@ async def test_every_request_records_its_keys_tenant(redis: Redis, settings: Set
             assert await entry_tenant(redis, r.json()["id"]) == tenant
         r = await alice.post("/v1/responses", json={"model": MODEL, "input": "hi", "background": True})
         assert r.status_code == 200, r.text
-        assert await entry_tenant(redis, str(response_request(r.json()["id"]))) == "acme"
+        rid = str(response_request(r.json()["id"]))
+        assert await entry_tenant(redis, rid) == "acme"
+        assert json.loads(await redis.get(ModelKeys(MODEL).response(rid)))["tenant"] == "acme"
+        assert "tenant" not in r.json()
 
 
 async def entry_tenant(redis: Redis, rid: str) -> str:
