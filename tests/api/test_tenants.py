@@ -96,6 +96,12 @@ async def test_a_sharing_tenants_keys_see_and_cancel_each_others_work(
             assert (fid in listed) == share
             assert (await bob.get(f"/v1/files/{fid}")).status_code == 404
             assert (await alan.delete(f"/v1/requests/{rid}")).status_code == (200 if share else 404)
+            made = await alice.post("/v1/batches", json={"input_file_id": fid, "endpoint": "/v1/completions"})
+            bid = made.json()["id"]
+            assert await redis.hget(f"sluice:batch:{bid}", "tenant") == "acme"  # its rows will be acme's
+            assert (await alan.get(f"/v1/batches/{bid}")).status_code == (200 if share else 404)
+            assert (bid in {b["id"] for b in (await alan.get("/v1/batches")).json()["data"]}) == share
+            assert (await bob.get(f"/v1/batches/{bid}")).status_code == 404
 
 
 async def test_requests_per_minute_answer_429_with_the_headers(
