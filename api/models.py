@@ -9,7 +9,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, model_validator
 
 from sluice.api.arrow import ARROW_STREAM, RowLimits, encode_rows, encode_table, parse_rows, wants_arrow
-from sluice.api.auth import Caller, require_admin, require_key
+from sluice.api.auth import CLOSE_UNREAD, Caller, require_admin, require_key
 from sluice.api.errors import ApiError
 from sluice.api.intake import Sampling
 from sluice.api.state import ApiState, state
@@ -119,11 +119,18 @@ async def infer(
 ) -> Response:
     """Rows in (JSON records or Arrow), one output row per input row, in order, out."""
     m = await s.deployments.get(model)
+    if s.intake.tenant_limits:  # the model is in the path: a tenant out of requests is refused before the body
+        try:
+            await s.intake.tenant_limits.refuse_early(m, caller.tenant)
+        except ApiError:
+            request.scope[CLOSE_UNREAD] = True  # its body is left unread: the connection closes after the answer
+            raise
     content_type = request.headers.get("content-type")
     body = await request.body()  # bounded by the BodySizeLimit middleware
     rows = parse_rows(body, content_type, to_arrow(m.input_schema), RowLimits.of(s.settings))
     message = await s.intake.enqueue(m, rows, Sampling(temperature=temperature, top_p=top_p, seed=seed,
-                                                       timeout_s=timeout_s), owner=caller.digest)
+                                                       timeout_s=timeout_s), owner=caller.digest,
+                                   tenant=caller.tenant)
     status = await s.lookup.wait_final(m.name, message.id,
                                        min(message.deadline - message.enqueued_at, s.settings.max_wait_s), fresh=True)
     result = status.result

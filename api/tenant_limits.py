@@ -4,8 +4,9 @@
 A call is charged once its rows are checked and its messages built, just before its admission:
 one request, and each choice's prompt estimate plus max_tokens. Over a limit it is refused
 with 429, `Retry-After` and an error naming the limit; a call whose admission is refused after
-the charge (its queue full) is given back. The model is named in the body, and OpenAI's limits
-are per model, so these are read after the body (the key is checked before it, as ever).
+the charge (its queue full) is given back. OpenAI's limits are per model and most routes name
+the model in the body, so the charge comes after the body (the key is checked before it, as
+ever); a route naming it in its path looks first (`refuse_early`) and refuses before the body.
 """
 
 from __future__ import annotations
@@ -121,6 +122,19 @@ class TenantLimits:
                        f"retry in {duration(charge.retry_after_s)}")
         raise ApiError(429, message, code="rate_limit_exceeded",
                        headers={**headers, "Retry-After": str(max(1, math.ceil(charge.retry_after_s)))})
+
+    async def refuse_early(self, model: ModelConfig, tenant: str) -> None:
+        """Before a call's body is read, where its route names the model: a 429 when the tenant
+        has no request left on it now (a look; the charge after the body still decides)."""
+        rpm, _ = self._limits(tenant)
+        if self.quotas is None or not rpm:
+            return
+        wait_s = await self.quotas.requests_wait_s(model.name, tenant, requests_per_minute=rpm, shards=model.shards)
+        if wait_s > 0:
+            TENANT_REFUSED.labels(tenant, "requests_per_minute").inc()
+            raise ApiError(429, f"tenant {tenant!r} is over its requests_per_minute limit ({rpm}) on model "
+                                f"{model.name!r}: retry in {duration(wait_s)}", code="rate_limit_exceeded",
+                           headers={"Retry-After": str(max(1, math.ceil(wait_s)))})
 
     async def release(self, model: ModelConfig, messages: Sequence[RequestMessage]) -> None:
         """Give back a charged call that was not admitted after all."""

@@ -86,6 +86,15 @@ class Quotas:
                       Bucket(rpm, max(int(rq_left), 0), int(rq_reset) / 1000) if rpm else None,
                       Bucket(tpm, max(int(tk_left), 0), int(tk_reset) / 1000) if tpm else None)
 
+    async def requests_wait_s(self, model: str, tenant: str, *, requests_per_minute: int, shards: int = 1) -> float:
+        """A look, charging nothing: how long until the tenant's requests bucket on `model` (its
+        first shard) takes one more request; 0 when it would now. Only a hint: the charge decides."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            tat, (seconds, micros) = await pipe.get(ModelKeys(model).quota(tenant, "requests")).time().execute()
+        now_ms = seconds * 1000 + micros // 1000
+        interval = 60_000 / self.per_shard(requests_per_minute, shards)
+        return max(0.0, (max(int(tat or 0), now_ms) + interval - now_ms - 60_000) / 1000)
+
     async def release(self, model: str, rids: list[str], tenant: str, *, requests_per_minute: int | None,
                       shards: int = 1) -> None:
         """Give back a charged call whose admission was refused."""

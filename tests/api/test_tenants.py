@@ -314,3 +314,16 @@ async def test_metrics_show_what_each_tenant_holds_queued(redis: Redis, settings
         text = (await admin.get("/metrics")).text
         assert f'sluice_tenant_queued{{model="{MODEL}",tenant="acme"}} 3.0' in text
         assert f'sluice_tenant_queued{{model="{MODEL}",tenant="lab"}} 0.0' in text
+
+
+async def test_a_route_naming_its_model_refuses_a_tenant_out_of_requests_before_its_body(
+        redis: Redis, settings: Settings, tmp_path: Path) -> None:
+    s = tenant_settings(settings, tmp_path, acme={"requests_per_minute": 1})
+    async with running_app(s) as app, http_client(app, ALICE) as alice:
+        assert (await submit(alice)).status_code == 202  # the minute's one request
+        r = await alice.post(f"/v1/models/{MODEL}/infer", content=b"not json at all",
+                             headers={"content-type": "application/json"})
+        assert r.status_code == 429, r.text  # not 400: the body was never read
+        assert "requests_per_minute limit (1)" in r.json()["error"]["message"] and int(r.headers["Retry-After"]) >= 1
+        entries = await redis.xlen(ModelKeys(MODEL).requests)
+        assert entries <= 1
