@@ -53,6 +53,11 @@ async def test_every_request_records_its_keys_tenant(redis: Redis, settings: Set
             r = await submit(client)
             assert r.status_code == 202, r.text
             assert await entry_tenant(redis, r.json()["id"]) == tenant
+        r = await alice.post(f"/v1/models/{MODEL}/infer", params={"timeout_s": 0.2},
+                             json=[{"prompt": "hi", "max_tokens": 2}])
+        assert r.status_code == 504, r.text  # no worker: not done within its timeout
+        rid = r.json()["error"]["message"].split()[1].rstrip(":")
+        assert await redis.hget(ModelKeys(MODEL).status(rid), "tenant") == "acme"
         r = await alice.post("/v1/responses", json={"model": MODEL, "input": "hi", "background": True})
         assert r.status_code == 200, r.text
         rid = str(response_request(r.json()["id"]))
