@@ -18,6 +18,7 @@ from sluice.broker.registry import ModelRegistry
 from sluice.config.model import ModelConfig
 from sluice.config.settings import Settings
 from sluice.workers.jobs import lines as job_lines
+from tests.broker.helpers import queued_len
 from tests.workers.test_job_runner import MODEL, STREAM, null_worker, runner
 
 
@@ -36,7 +37,7 @@ async def batch_of(redis: Redis, settings: Settings, lines: list[str]) -> str:
 def file_records(settings: Settings, file_id: str | None) -> list[dict[str, Any]]:
     if file_id is None:
         return []
-    path = FileStore(None, settings.files_path, settings.max_file_bytes).path(file_id)  # type: ignore[arg-type]
+    path = settings.files_path / file_id  # FileStore.path
     return [json.loads(x) for x in path.read_text().splitlines()]
 
 
@@ -76,7 +77,7 @@ async def test_a_file_over_the_line_cap_fails_naming_the_limit_and_submits_nothi
     assert batch["status"] == "failed", batch
     (error,) = batch["errors"]["data"]
     assert "more than 5 requests" in error["message"] and "SLUICE_MAX_BATCH_LINES" in error["message"]
-    assert await redis.xlen(STREAM) == 0
+    assert await queued_len(redis, STREAM) == 0
     # At the cap, it runs.
     batch_id = await batch_of(redis, job_settings, [request(i) for i in range(5)] + ["", "  "])
     async with null_worker(redis, delay_s=0):

@@ -15,16 +15,18 @@ import pytest
 from celery.signals import worker_ready
 from redis.asyncio import Redis
 
+from sluice.broker.consumer import StreamConsumer
 from sluice.broker.files import FileStore
 from sluice.broker.jobs import JobStore
 from sluice.broker.keys import ModelKeys
+from sluice.broker.limits import ConsumerLimits
 from sluice.broker.registry import ModelRegistry
 from sluice.config.model import ModelConfig
 from sluice.config.settings import Settings
 from sluice.protocol.messages import RequestMessage
 from sluice.workers.jobs.app import celery_app
 from sluice.workers.jobs.runner import JobRunner
-from tests.broker.helpers import done_result
+from tests.broker.helpers import done_result, queued_len
 
 MODEL = "bj"
 STREAM = ModelKeys(MODEL).bulk
@@ -60,10 +62,14 @@ async def new_batch(redis: Redis, settings: Settings, n: int) -> str:
 @asynccontextmanager
 async def null_worker(redis: Redis, delay_s: float = 0.005,
                       running: asyncio.Event | None = None) -> AsyncIterator[list[str]]:
-    """Finishes every row put on the bulk stream (while `running`, when given, is set); yields
-    the request ids of the entries it took, in order (a row submitted twice shows twice)."""
+    """Finishes every row put on the bulk lane (while `running`, when given, is set) through a
+    real consumer (fetch: the fair-share dispatch of staged rows, then the read; start; commit);
+    yields the request ids of the entries it took, in order (a row submitted twice shows twice)."""
     seen: list[str] = []
     stop = asyncio.Event()
+    consumer = StreamConsumer(redis, MODEL, "job-test-worker",
+                              ConsumerLimits(status_ttl_s=3600, reply_ttl_s=600, log_max_len=100))
+    await consumer.ensure_groups()
 
     async def work() -> None:
         # Ends on a flag, not on cancellation alone: redis-py on Python 3.11 can swallow a
@@ -72,14 +78,12 @@ async def null_worker(redis: Redis, delay_s: float = 0.005,
             if running is not None and not running.is_set():
                 await asyncio.sleep(0.005)
                 continue
-            for entry_id, fields in await redis.xrange(STREAM, count=1):
-                rid = RequestMessage.from_fields(fields).id
-                seen.append(rid)
+            for d in await consumer.fetch(1, 10):
+                seen.append(d.message.id)
                 await asyncio.sleep(delay_s)
-                if await redis.hget(ModelKeys(MODEL).status(rid), "state") == "queued":
-                    await redis.hset(ModelKeys(MODEL).status(rid),
-                                     mapping={"state": "done", "result": done_result().model_dump_json()})
-                await redis.xdel(STREAM, entry_id)
+                if await consumer.start(d) == "run":  # not when cancelled or final meanwhile
+                    await consumer.commit(d, done_result())
+                consumer.release(d)
             await asyncio.sleep(0.001)
 
     task = asyncio.create_task(work())
@@ -182,7 +186,7 @@ async def _at_least(count: Awaitable[int], n: int) -> bool:
 
 async def _drained(redis: Redis) -> bool:
     """Every row on the bulk stream taken and finished by the null worker (it deletes each one)."""
-    return await redis.xlen(STREAM) == 0
+    return await queued_len(redis, STREAM) == 0
 
 
 async def test_a_restart_redispatches_only_jobs_whose_runner_is_gone(redis: Redis, settings: Settings) -> None:
