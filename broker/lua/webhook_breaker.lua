@@ -14,6 +14,8 @@
 --          fail: the failures in a row now (0: not counted); ok: 0.
 local key, op, now = KEYS[1], ARGV[1], tonumber(ARGV[2])
 local threshold = tonumber(ARGV[3])
+local arg4 = ARGV[4]  -- probe_s (check) or was_probe (fail)
+local base_s, max_s, ttl = tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber(ARGV[7])
 if op == 'ok' then
   redis.call('DEL', key)
   return 0
@@ -30,11 +32,11 @@ if op == 'check' then
   if now < probe_until then
     return {1, tostring(probe_until)}
   end
-  redis.call('HSET', key, 'probe_until', tostring(now + tonumber(ARGV[4])))
+  redis.call('HSET', key, 'probe_until', tostring(now + tonumber(arg4)))
   return {0, 1}
 end
 -- fail
-local was_probe, base_s, max_s, ttl = ARGV[4] == '1', tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber(ARGV[7])
+local was_probe = arg4 == '1'
 if failures >= threshold and not was_probe then
   return 0
 end

@@ -7,15 +7,16 @@
 -- KEYS: due, delivery, dead, the minute's outcome counts
 -- ARGV: outcome, next_at, error, now, dead_max, counted, counts_ttl
 -- Returns 1, or 0 when the delivery was gone.
-local due, delivery, dead = KEYS[1], KEYS[2], KEYS[3]
+local due, delivery, dead, counts = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local outcome, next_at, err, now, dead_max = ARGV[1], ARGV[2], ARGV[3], ARGV[4], tonumber(ARGV[5])
+local counted, counts_ttl = ARGV[6], ARGV[7]
 if redis.call('EXISTS', delivery) == 0 then
   redis.call('ZREM', due, delivery)
   return 0
 end
-if ARGV[6] ~= '' then
-  redis.call('HINCRBY', KEYS[4], ARGV[6], 1)
-  redis.call('EXPIRE', KEYS[4], ARGV[7])
+if counted ~= '' then
+  redis.call('HINCRBY', counts, counted, 1)
+  redis.call('EXPIRE', counts, counts_ttl)
 end
 if outcome == 'ok' then
   redis.call('ZREM', due, delivery)

@@ -23,7 +23,6 @@ from sluice.broker.limits import ConsumerLimits
 from sluice.broker.registry import ModelRegistry
 from sluice.config.model import ModelConfig
 from sluice.config.settings import Settings
-from sluice.protocol.messages import RequestMessage
 from sluice.workers.jobs.app import celery_app
 from sluice.workers.jobs.runner import JobRunner
 from tests.broker.helpers import done_result, queued_len
