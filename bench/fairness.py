@@ -116,7 +116,8 @@ def _run(offers: list[Offer], *, fair: bool, seconds: float, warm_s: float, slot
     models = (f"models:\n  - name: {MODEL}\n    continuous_batching_config: {{max_concurrent_batch_size: {slots}}}\n"
               f"    request_timeout_s: 3600\n")
     if engine == "vllm":
-        models = models.replace(f"  - name: {MODEL}\n", f"  - name: {MODEL}\n    default_max_tokens: 64\n")
+        models = models.replace(f"  - name: {MODEL}\n", f"  - name: {MODEL}\n    framework_config: {{dtype: float32, "
+                                f"enforce_eager: true, max_model_len: 1024, cpu_kvcache_space_gib: 1}}\n")
     with tempfile.TemporaryDirectory() as tmp:
         keys = _keys_file(Path(tmp) / "keys.yaml", offers)
         env = {"SLUICE_LOG_LEVEL": "WARNING", "SLUICE_KEYS_FILE": str(Path(tmp) / "keys.yaml"),
@@ -127,7 +128,7 @@ def _run(offers: list[Offer], *, fair: bool, seconds: float, warm_s: float, slot
                 stack.up(["echo"], engine=engine, timeout_s=600)
             except RuntimeError:
                 for log in sorted((Path(tmp) / "stack" / "logs").glob("*")):
-                    typer.echo(f"--- {log.name}\n" + "\n".join(log.read_text(errors="replace").splitlines()[-15:]))
+                    typer.echo(f"--- {log.name}\n" + "\n".join(log.read_text(errors="replace").splitlines()[-60:]))
                 raise
             client = redis.Redis.from_url(stack.redis_url, decode_responses=True)
             sent: list[Sent] = []
