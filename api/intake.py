@@ -95,15 +95,19 @@ class Intake:
 
         A call's cost is bounded before any per-row work: at most max_choices_per_call
         requests (413), and a call of more than one row is first checked against the queue
-        bound by two XLENs (503 at once when it cannot fit). The rows are then checked and the
+        bound by one read-only script (503 at once when it cannot fit). The rows are then checked and the
         messages built a chunk at a time, giving the event loop back between chunks."""
         self.check_call_size(len(requests), "prompt")
         await self._check_sampling(model, sampling)
         lane = "bulk" if sampling.priority > 0 else "interactive"
         shard = request_shard(rids[0]) if rids else pick_shard(model, sampling.priority)  # one call: one shard
         max_queued = model.max_queued or self.settings.max_queued
-        if sum(len(rows) for rows in requests) > 1 and not await self.admission.has_room(
-                model.name, shard, lane, len(requests), max_queued=max_queued, shards=model.shards):
+        config = self.tenant_limits.tenants.get(tenant) if self.tenant_limits else None  # its fair share
+        share = TenantShare(config.weight, config.queue_share) if config else TenantShare()
+        # ('share' is left to the admission itself: its 429 names the tenant's share)
+        if sum(len(rows) for rows in requests) > 1 and await self.admission.refusal(
+                model.name, shard, lane, len(requests), max_queued=max_queued, shards=model.shards,
+                tenant=tenant, share=share) == "bound":
             raise self._queue_full(model, len(requests))
         checked, prefixes = await self._checked_call(model, requests, sampling.min_tokens)
         now = time.time()
@@ -126,10 +130,9 @@ class Intake:
                 lane=lane,
                 prefix=list(prefixes[i]),
             ))
-        config = self.tenant_limits.tenants.get(tenant) if self.tenant_limits else None  # its fair share
         bound = {"max_queued": max_queued, "shards": model.shards, "keyed": keyed,
                  "result_ttl_s": model.result_ttl_s or self.settings.result_ttl_s,
-                 "share": TenantShare(config.weight, config.queue_share) if config else TenantShare()}
+                 "share": share}
         slo = await self.slo.bound(model) if self.slo and messages[0].lane == "interactive" else None
         if slo is not None:
             bound["slo_max"] = slo.max_in_lane

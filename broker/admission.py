@@ -91,7 +91,7 @@ class Admission:
         stream, other, lane_max, slo_max = self._bounds(keys, first.lane, max_queued, slo_max, shards)
         bound = lane_max if slo_max is None else min(lane_max, slo_max)
         marks = [keys.admitted(m.id) for m in messages] if keyed else []
-        share_max = share.max_held(-(-max_queued // shards) if shards > 1 and first.lane != "bulk" else max_queued)
+        share_max = self._share_max(share, first.lane, max_queued, shards)
         # a job's rows have no event of their own: their batch has
         hook = first.lane != "bulk" and await self.webhook_owners.has(first.owner)
         entries = await self.scripts.admit(
@@ -132,15 +132,21 @@ class Admission:
             slo_max = None if slo_max is None else -(-slo_max // shards)
         return stream, other, lane_max, slo_max
 
-    async def has_room(self, model: str, shard: int, lane: str, count: int, *, max_queued: int,
-                       shards: int = 1) -> bool:
-        """Whether `count` more requests fit the queue bounds now (two XLENs): read before any
-        per-row work, so that a call that cannot fit is refused at once. Only a hint: admit.lua
-        checks again, atomically."""
+    @staticmethod
+    def _share_max(share: TenantShare, lane: str, max_queued: int, shards: int) -> int:
+        """What the tenant may hold on one shard while another has work queued (an interactive
+        shard holds its part of max_queued)."""
+        return share.max_held(-(-max_queued // shards) if shards > 1 and lane != "bulk" else max_queued)
+
+    async def refusal(self, model: str, shard: int, lane: str, count: int, *, max_queued: int,
+                      shards: int = 1, tenant: str = "default", share: TenantShare = TenantShare()) -> str:
+        """Whether `count` more requests of `tenant` would be refused now: '' (they fit), 'bound'
+        or 'share' (room.lua: admit.lua's own refusal, staged entries and the tenant's share
+        counted), read before any per-row work, so that a call that cannot fit is refused at
+        once. Only a hint: admit.lua decides again, atomically."""
         stream, other, lane_max, _ = self._bounds(ModelKeys(model).at(shard), lane, max_queued, None, shards)
-        async with self.redis.pipeline(transaction=False) as pipe:
-            here, there = await pipe.xlen(stream).xlen(other).execute()
-        return here + count <= lane_max and here + there + count <= max_queued
+        share_max = self._share_max(share, lane, max_queued, shards)
+        return await self.scripts.room(keys=[stream, other], args=[count, max_queued, lane_max, tenant, share_max])
 
     async def _has_waitaof(self) -> bool:
         if self._waitaof is None:

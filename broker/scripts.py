@@ -52,6 +52,7 @@ def register_script(redis: Redis, name: str) -> AsyncScript:
 @dataclass(frozen=True)
 class Scripts:
     admit: AsyncScript
+    room: AsyncScript  # admission's read-only hint: whether a call fits (admit.lua's refusal)
     start: AsyncScript
     lease: AsyncScript
     commit: AsyncScript

@@ -67,6 +67,27 @@ local function over_bound(stream, other, n, max_queued, lane_max)
   return here + redis.call('XLEN', other) + staged_len(other) + n > max_queued or here + n > lane_max
 end
 
+-- Whether `n` more entries of `tenant` on `stream` are refused (admit.lua decides with it, and
+-- room.lua, the api's read-only hint before a call's per-row work): 'share' when the tenant
+-- holds its share (share_max entries, staged or on a stream, both lanes) while another tenant
+-- has work queued; 'bound' when the model's bounds are reached, unless the tenant is within
+-- its share while another tenant's entries fill them (then up to share_max past them, so one
+-- tenant never refuses another); nil when they fit. Second: the entries the tenant holds.
+local function refusal(stream, other, n, max_queued, lane_max, tenant, share_max)
+  local held = tag_of(stream) .. ':held'
+  local mine = tonumber(redis.call('HGET', held, tenant) or '0')
+  local others = redis.call('HLEN', held) - (mine > 0 and 1 or 0)
+  local within = mine + n <= share_max
+  if not within and others > 0 then
+    return 'share', mine
+  end
+  if over_bound(stream, other, n, max_queued, lane_max) and
+      (not within or others == 0 or over_bound(stream, other, n, max_queued + share_max, lane_max + share_max)) then
+    return 'bound', mine
+  end
+  return nil, mine
+end
+
 -- A tenant holds `by` more (or fewer) entries of the shard of `key`; a tenant holding none
 -- leaves the hash, so it holds only tenants with work queued. `ttl` (with an increment: the
 -- status TTL of the entries counted) keeps the hash no longer than they can live.

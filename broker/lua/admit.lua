@@ -43,15 +43,10 @@ if redis.call('EXISTS', KEYS[FIRST_STATUS]) == 1 then
   end
   return entries
 end
-local mine = tonumber(redis.call('HGET', tag_of(stream) .. ':held', tenant) or '0')
-local others = redis.call('HLEN', tag_of(stream) .. ':held') - (mine > 0 and 1 or 0)
-local within = mine + n <= share_max
-if not within and others > 0 then
+local refused, mine = refusal(stream, other, n, max_queued, lane_max, tenant, share_max)
+if refused == 'share' then
   return 'share'
-end
--- (past the bounds, a tenant within its share is admitted while another tenant's entries fill them)
-if over_bound(stream, other, n, max_queued, lane_max) and
-    (not within or others == 0 or over_bound(stream, other, n, max_queued + share_max, lane_max + share_max)) then
+elseif refused then
   return false
 end
 
