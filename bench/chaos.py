@@ -244,9 +244,9 @@ def chaos(
             result = audit(stack.redis_url, loaded.tracked)
             hooks = None
             if receiver is not None:  # the sender (alive again) delivers the rest, then the audit
-                waited = wait_delivered(stack.redis_url, receiver, loaded.tracked, drain_timeout)
+                waited, left = wait_delivered(stack.redis_url, receiver, loaded.tracked, drain_timeout)
                 hooks = audit_webhooks(stack.redis_url, receiver, loaded.tracked)
-                hooks["figures"]["wait_s"] = waited
+                hooks["figures"].update(wait_s=waited, left=left)
             f = {"seconds": seconds, "clients": clients, **result["figures"], "kills": chaos_thread.kills,
                  "reclaims": stack.reclaims(), "queue_full": loaded.queue_full, "submit_retries": loaded.submit_retries,
                  "submit_gave_up": loaded.submit_gave_up, "rows_unknown": loaded.rows_unknown,

@@ -120,22 +120,26 @@ def _expected(t: Tracked, state: str) -> tuple[str, str]:
     return t.rid, event_type("request", state)
 
 
-def wait_delivered(redis_url: str, receiver: HookReceiver, tracked: list[Tracked], timeout_s: float) -> float:
+def wait_delivered(redis_url: str, receiver: HookReceiver, tracked: list[Tracked],
+                   timeout_s: float) -> tuple[float, dict[str, int]]:
     """Until every final among `tracked` has had an event and nothing is left to deliver (no
-    delivery due, no outbox entry unread); returns the seconds waited."""
+    delivery due, no outbox entry unread); returns the seconds waited and what was left then
+    (finals without an event, deliveries due, outbox entries: all 0 unless it timed out)."""
     r, t0 = sync_connect(redis_url), time.monotonic()
     outboxes = {outbox(ModelKeys(t.model)) for t in tracked}
+    left = {"finals_without_event": -1, "due": -1, "outbox": -1}
     while time.monotonic() - t0 < timeout_s:
         try:
             finals = _finals(r, tracked)
             got = {p.event["data"].get("id") for p in receiver.posts}
-            if all(_expected(t, s)[0] in got for t, s in finals) and not r.zcard(DUE) \
-                    and not any(r.xlen(o) for o in outboxes):
+            left = {"finals_without_event": sum(_expected(t, s)[0] not in got for t, s in finals),
+                    "due": r.zcard(DUE), "outbox": sum(r.xlen(o) for o in outboxes)}
+            if not any(left.values()):
                 break
         except redis_sync.RedisError:
             pass
         time.sleep(0.5)
-    return time.monotonic() - t0
+    return time.monotonic() - t0, left
 
 
 def _finals(r: redis_sync.Redis, tracked: list[Tracked]) -> list[tuple[Tracked, str]]:

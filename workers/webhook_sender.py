@@ -17,7 +17,7 @@ from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
 from sluice.broker import webhooks
-from sluice.broker.connection import is_cluster
+from sluice.broker.connection import is_cluster, wait_for_copies
 from sluice.broker.keys import PREFIX, ModelKeys
 from sluice.broker.registry import ModelRegistry
 from sluice.broker.webhook_breaker import BREAKER_FAILURES, Breakers
@@ -32,6 +32,7 @@ from sluice.workers.webhook_post import post
 log = logging.getLogger(__name__)
 MAX_BACKOFF_S = 6 * 3600.0
 BUSY_RETRY_S = 0.5  # an endpoint at its concurrency limit: the delivery is due again this soon
+COPY_TIMEOUT_MS = 1000  # with redis_wait_replicas: how long an outbox read waits for its replicas
 
 
 class WebhookSender:
@@ -106,6 +107,8 @@ class WebhookSender:
                 found = await self.redis.xreadgroup(webhooks.GROUP, self.name, {s: ">" for s in streams},
                                                     count=100, block=200) or []
             for stream, entries in found:
+                if not await self._copied(stream):
+                    continue  # left pending: reclaimed once its lease lapses, and tried again
                 for entry_id, fields in entries:
                     await self.fan_out(stream, entry_id, fields)
                     await self.redis.xack(stream, webhooks.GROUP, entry_id)
@@ -114,6 +117,19 @@ class WebhookSender:
 
         await self._forever(step, 0.05)
 
+    async def _copied(self, stream: str) -> bool:
+        """With redis_wait_replicas, whether the outbox entries just read are on the replicas (and
+        so their finals, written by the same scripts before them): an event is sent only for a
+        final no failover can take back (a final the primary alone held would be generated again,
+        its event under another webhook-id), as a final is shown to its readers."""
+        want = self.settings.redis_wait_replicas
+        if not want:
+            return True
+        _, copies = await wait_for_copies(self.redis, stream, replicas=want, timeout_ms=COPY_TIMEOUT_MS)
+        if copies < want:
+            log.warning("outbox %s: its entries are on %d of %d replicas: not sent yet", stream, copies, want)
+        return copies >= want
+
     async def _reclaim(self) -> None:
         """Entries a dead sender read and never acknowledged, idle past the lease: fanned out
         again (a delivery that exists already is left as it is)."""
@@ -121,6 +137,8 @@ class WebhookSender:
             for stream in await self.outboxes():
                 _, entries, *_ = await self.redis.xautoclaim(stream, webhooks.GROUP, self.name,
                                                              int(self.lease_s * 1000), count=100)
+                if entries and not await self._copied(stream):
+                    continue
                 for entry_id, fields in entries:
                     if fields:
                         await self.fan_out(stream, entry_id, fields)

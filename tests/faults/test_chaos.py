@@ -22,10 +22,10 @@ pytestmark = pytest.mark.chaos
 
 # On a local Redis Cluster (3 + 3), the primary of a model's slot is SIGKILLed too, about every
 # 10 s: its replica takes over and the killed node comes back as a replica.
-# No webhooks there: a failover can take back a final (with its outbox entry) that a sender had
-# already delivered, and the request's next final then has an event of another webhook-id
-# (docs/webhooks.md, "Not yet"); the single Redis run checks them.
-ON_CLUSTER = ["--seconds", "30", "--redis-cluster", "--kill-redis", "--redis-kill-every", "10", "--no-webhooks"]
+# The webhook sender sends an event only once its outbox entry (and so its final) is on a
+# replica (redis_wait_replicas, as readers of finals wait): a failover cannot take back a final
+# whose event was delivered.
+ON_CLUSTER = ["--seconds", "30", "--redis-cluster", "--kill-redis", "--redis-kill-every", "10", "--webhooks"]
 
 # The single Redis runs in strict durability (appendfsync always), with its data on tmpfs when
 # the machine has one. In default durability (everysec) Redis 7 postpones the write() of its
@@ -55,7 +55,7 @@ def test_chaos_run_loses_and_duplicates_nothing(tmp_path: Path, topology: list[s
     # machine accepts fewer requests per second: 18 in 30 s once), at most 240 s.
     run = subprocess.run([sys.executable, "-m", "sluice.cli", "bench", "chaos", "--seconds", "40", "--kill-every", "2",
                           "--api-kill-every", "8", *(topology or ON_SINGLE), *DATA_DIR,
-                          "--min-accepted", "20", "--min-kills", "10,2,2" + ("" if topology else ",3"),
+                          "--min-accepted", "20", "--min-kills", "10,2,2,3",
                           "--max-seconds", "240",
                           "--json", str(out), "--logs", str(tmp_path / "logs")],
                          capture_output=True, text=True, timeout=540)
@@ -83,9 +83,9 @@ def test_chaos_run_loses_and_duplicates_nothing(tmp_path: Path, topology: list[s
     assert not [row for row in figures["broken"] if row.get("reader_vs_stream")], broken
     # Every reply stream is the final text (a diverged row's failed final has none).
     assert not figures["broken"], broken
-    if not topology:  # every final's event arrived, signed; none for what was not final; duplicates agree
-        hooks = figures["webhooks"]
-        assert figures["kills"]["webhooks"] >= 3 and hooks["failed_first"] > 0, (figures["kills"], hooks)
-        assert hooks["finals"] == figures["accepted"], hooks
-        assert hooks["broken"] == 0 and not figures["webhooks_broken"], figures["webhooks_broken"]
+    # Every final's event arrived, signed; none for what was not final; duplicates agree.
+    hooks = figures["webhooks"]
+    assert figures["kills"]["webhooks"] >= 3 and hooks["failed_first"] > 0, (figures["kills"], hooks)
+    assert hooks["finals"] == figures["accepted"], hooks
+    assert hooks["broken"] == 0 and not figures["webhooks_broken"], figures["webhooks_broken"]
     assert run.returncode == 0, run.stdout[-3000:]
