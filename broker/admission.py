@@ -12,6 +12,7 @@ from typing import Any
 from redis.asyncio import Redis
 
 from sluice.broker import keys
+from sluice.broker.affinity import group_of
 from sluice.broker.connection import has_replicas, read_copied, wait_for_copies
 from sluice.broker.fair_share import expected_cost
 from sluice.broker.keys import GROUP, ModelKeys
@@ -100,7 +101,8 @@ class Admission:
                   first.owner or "", result_ttl_s or limits.result_ttl_s, limits.status_ttl_s if keyed else 0,
                   "1" if hook else "", first.tenant, share_max, "1" if limits.fair_share else "",
                   share.weight,
-                  *(x for m in messages for x in (m.id, m.model_dump_json(), expected_cost(m) / share.weight))],
+                  *(x for m in messages
+                    for x in (m.id, m.model_dump_json(), expected_cost(m) / share.weight, group_of(m.prefix)))],
         )
         if entries == "share":
             raise TenantQueueFull(first.model, first.tenant, share_max)

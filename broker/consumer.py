@@ -12,9 +12,10 @@ from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
 from sluice.broker import consumer_names, webhooks
+from sluice.broker.affinity import Placement
 from sluice.broker.connection import copied
 from sluice.broker.dead_letters import unreadable
-from sluice.broker.fair_share import actual_cost, blocking_ms, dispatch
+from sluice.broker.fair_share import actual_cost, blocking_read, dispatch
 from sluice.broker.housekeeping import append_log, cancel_flags, prune_consumers
 from sluice.broker.keys import GROUP, ModelKeys
 from sluice.broker.limits import ConsumerLimits
@@ -68,6 +69,7 @@ class StreamConsumer:
         self.quarantine = Quarantine()  # suspects held until the engine is empty
         self.reserved_slots = 0  # of a fetch's count, what the bulk lane leaves to interactive work
         self.tenant_reserved_slots, self.capacity = 0, 0  # fair share: dispatch.lua's tenant reserve
+        self.affinity = Placement(self.scripts)  # prefix affinity (docs/prefix-affinity.md): off until set
         self.reclaimed = self.dead_lettered = 0  # running totals, for the worker's metrics
         self.webhook_owners = webhooks.SubscribedOwners(redis)  # a dead letter whose status expired keeps its event
         # Own pending entries are re-read once after a (re)start, following a cursor.
@@ -124,9 +126,8 @@ class StreamConsumer:
             return handed
         # Interactive first, then bulk, without blocking; then block on the interactive lane
         # alone (one stream: COUNT bounds the whole read, so nothing is taken that cannot start;
-        # a bulk row arriving meanwhile waits at most block_ms). Each read first moves the
-        # tenants' staged requests onto the lane in fair order (dispatch.lua): a blocked read
-        # needs no dispatch, since admission stages nothing while nothing waits.
+        # a bulk row arriving meanwhile waits at most block_ms). Each read first moves the tenants'
+        # staged requests onto the lane in fair order (dispatch.lua; see blocking_read for the rest).
         for stream in self.streams:
             n = count if stream != self.keys.bulk else count - self.reserved_slots
             if n <= 0:
@@ -137,9 +138,8 @@ class StreamConsumer:
         # Shards are slots of their own (no read spans them): the blocking read takes turns.
         self._blocked = (self._blocked + 1) % self.shards
         stream = self.keys.at(self._blocked).requests
-        got = await self.redis.xreadgroup(GROUP, self.consumer, {stream: ">"}, count=count,
-                                          block=blocking_ms(self, count, block_ms))
-        return self._hold(await self._deliveries(stream, got[0][1], redelivered=False) if got else [])
+        entries = await blocking_read(self, stream, count, block_ms)
+        return self._hold(await self._deliveries(stream, entries, redelivered=False))
 
     def _hold(self, deliveries: list[Delivery]) -> list[Delivery]:
         self.held.update((d.key, d) for d in deliveries)

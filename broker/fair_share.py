@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 from redis.asyncio import Redis
 
 from sluice.broker import keys
+from sluice.broker.affinity import WINDOW
 from sluice.protocol.messages import RequestMessage, Usage
 
 if TYPE_CHECKING:
@@ -56,10 +57,18 @@ async def staged_streams(redis: Redis, stream: str) -> list[str]:
 
 async def dispatch(c: StreamConsumer, stream: str, count: int) -> list[tuple[str, dict[str, str]]]:
     """dispatch.lua for consumer `c`: staged requests onto the lane in fair order (keeping `c`'s
-    tenant reserve, told what it runs by tenant), then its read of at most `count` new entries."""
+    tenant reserve, told what it runs by tenant), then its read of at most `count` new entries.
+    With prefix affinity on the interactive lane, by prefix group within each tenant's turn
+    (docs/prefix-affinity.md), and `c.affinity.wake[stream]` keeps where its blocking read waits from."""
     running = Counter(d.message.tenant for d in c.held.values())
+    placing = c.affinity.wait_ms is not None and stream != c.keys.bulk
     got = await c.scripts.dispatch(keys=[stream], args=[c.consumer, count, c.tenant_reserved_slots, c.capacity,
-                                                       time.time(), *(x for item in running.items() for x in item)])
+                                                       time.time(), c.affinity.wait_ms if placing else "",
+                                                       c.affinity.live_ms, WINDOW,
+                                                       *(x for item in running.items() for x in item)])
+    if placing:
+        wake_id, due_ms, got = got
+        c.affinity.wake[stream] = (wake_id, int(due_ms))
     return [(entry_id, dict(zip(fields[::2], fields[1::2]))) for entry_id, fields in got[0][1]] if got else []
 
 
@@ -71,3 +80,16 @@ def blocking_ms(c: StreamConsumer, count: int, block_ms: int) -> int:
     (a light tenant's request, put straight onto the lane, wakes the read at once either way)."""
     block = block_ms if c.shards == 1 else max(block_ms // c.shards, 10)
     return min(block, RESERVE_BLOCK_MS) if 0 < count <= c.tenant_reserved_slots else block
+
+
+async def blocking_read(c: StreamConsumer, stream: str, count: int, block_ms: int) -> list[tuple[str, dict[str, str]]]:
+    """`c`'s blocking read of the interactive `stream` once nothing was read without blocking:
+    `XREADGROUP` on the lane; a worker placing by prefix instead waits on the lane's doorbell
+    (admission rings it rather than add to the lane) or until a looked-at entry falls due, then
+    dispatches again."""
+    block = blocking_ms(c, count, block_ms)
+    if c.affinity.wait_ms is not None and stream in c.affinity.wake:
+        await c.affinity.wait(c.redis, stream, block)
+        return await dispatch(c, stream, count)
+    got = await c.redis.xreadgroup(keys.GROUP, c.consumer, {stream: ">"}, count=count, block=block)
+    return got[0][1] if got else []

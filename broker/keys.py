@@ -49,6 +49,12 @@ def held(stream: str) -> str:
     return f"{_tag_and_lane(stream)[0]}:held"
 
 
+def affinity_wake(stream: str) -> str:
+    """Stream: prefix affinity's doorbell beside an interactive lane (docs/prefix-affinity.md):
+    admission rings it, and workers placing by prefix block on it instead of the lane."""
+    return f"{_tag_and_lane(stream)[0]}:aff:wake"
+
+
 def tenant_index(tenant: str) -> str:
     """What stands for a tenant where an owner is named (the index of its batches or files, for
     a tenant whose keys share): a key's digest is hex, so the two never meet."""

@@ -13,6 +13,7 @@ from redis.asyncio import Redis
 from redis.commands.core import AsyncScript
 from redis.exceptions import NoScriptError
 
+from sluice.broker.affinity import GROUPS_MAX
 from sluice.broker.connection import is_cluster
 from sluice.broker.keys import ACTIVE_S, GROUP, VTC_TTL_S
 from sluice.broker.webhooks import OUTBOX_MAX_LEN
@@ -35,7 +36,8 @@ def prelude() -> str:
             f"local OUTBOX_MAX_LEN = {OUTBOX_MAX_LEN}  -- broker/webhooks.py\n"
             f"local GROUP = '{GROUP}'  -- broker/keys.py\n"
             f"local VTC_TTL_S = {VTC_TTL_S}  -- broker/keys.py\n"
-            f"local ACTIVE_S = {ACTIVE_S}  -- broker/keys.py\n")
+            f"local ACTIVE_S = {ACTIVE_S}  -- broker/keys.py\n"
+            f"local AFFINITY_GROUPS_MAX = {GROUPS_MAX}  -- broker/affinity.py\n")
 
 
 def _source(name: str) -> str:
@@ -63,6 +65,8 @@ class Scripts:
     consumer_drop: AsyncScript
     dispatch: AsyncScript  # fair share: staged entries onto the lane, then a read (the fetch's)
     settle: AsyncScript  # fair share: a tenant's counter corrected at the final
+    affinity_beat: AsyncScript  # prefix affinity: a worker's free slots; the owners' recompute (broker/affinity.py)
+    affinity_owners: AsyncScript
     expire: AsyncScript  # the housekeeping sweep's (broker/housekeeping.py)
     deploy: AsyncScript  # model deployments (broker/registry.py)
     # bulk jobs (broker/jobs.py)

@@ -92,6 +92,9 @@ class Settings(BaseSettings):
     # more than one tenant is active: a light tenant's request starts at once, not when a heavy
     # tenant's ends. At most capacity - 1; with one tenant active it takes every slot.
     tenant_reserved_slots: int = Field(default=1, ge=0)
+    # Prefix affinity (a deployment's prefix_affinity, with fair share on): the longest a request
+    # waits for the worker owning its prefix group while another has a free slot.
+    prefix_affinity_wait_ms: float = Field(default=30.0, ge=0)
     request_timeout_s: float = Field(default=600.0, gt=0)
 
     # Workers

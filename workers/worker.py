@@ -77,6 +77,7 @@ class Worker:
         self.consumer.reserved_slots = min(self.settings.interactive_reserved_slots, max(0, policy.capacity - 1))
         self.consumer.capacity = policy.capacity
         self.consumer.tenant_reserved_slots = min(self.settings.tenant_reserved_slots, max(0, policy.capacity - 1))
+        self.consumer.affinity.configure(self.settings, model)
         self.pace = Pace(model, policy, self.name)
         return policy
 
@@ -134,6 +135,7 @@ class Worker:
             await self.replies.close()
             await self.inference_log.flush()
             await self.workers.remove(self.name)
+            await self.consumer.affinity.stop(self.consumer.streams[:-1], self.name)
             await self.consumer.release_name()
             await self.engine.shutdown()
 
@@ -250,6 +252,8 @@ class Worker:
             **self._prefix_cache.heartbeat(self.engine.prefix_cache_counters()),
         ))
         await self.consumer.refresh_name(self.settings.worker_ttl_s)
+        await self.consumer.affinity.heartbeat(self.consumer.streams[:-1], self.name,
+                                               self.policy.capacity - len(self.running))
         await self._check_version()
 
     def _expected_tokens(self) -> float | None:

@@ -12,14 +12,28 @@
 -- lane: admitted within ACTIVE_S), while more than one is active: a light tenant's request then starts at once instead
 -- of waiting for a heavy tenant's to end (no request is ever preempted). With one tenant active
 -- it takes every slot.
+-- Prefix affinity (docs/prefix-affinity.md; `wait_ms` given, the interactive lane, more than one
+-- live worker): which staged entry of a tenant is moved, and when, follows the entry's prefix
+-- `group`. Of a tenant's first `window` staged entries the oldest is moved that (1) has no group
+-- or belongs to this worker, else (2) ranks this worker next after its owners while they have
+-- SPILL_MARGIN fewer free slots than it, else (3) has waited wait_ms, else, when this worker runs
+-- nothing, (4) belongs to owners with no free slot. A tenant with none passes its turn to the
+-- next by counter; when no tenant has one nothing is moved, and the answer says when the first
+-- looked-at entry falls due. The worker's free slots and the time go into `<tag>:aff:slots`
+-- (who is live, and how free); the owners are `<tag>:aff:owners` (broker/affinity.py), else a
+-- group's rank-1 live worker by rendezvous hashing (the highest sha1 of `group|worker`).
 -- KEYS: the lane stream
--- ARGV: consumer, count, reserve, capacity, now, then tenant, running pairs (what this worker
---       runs, by tenant)
--- Returns XREADGROUP's answer (false when nothing was read).
+-- ARGV: consumer, count, reserve, capacity, now, wait_ms ('' : affinity off), live_ms, window,
+--       then tenant, running pairs (what this worker runs, by tenant)
+-- Returns XREADGROUP's answer (false when nothing was read); with affinity asked for,
+-- {the wake stream's last id, ms until a looked-at entry falls due (-1: none), the answer or {}}.
 local stream = KEYS[1]
 local consumer, count, reserve = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
 local capacity, now = tonumber(ARGV[4]), tonumber(ARGV[5])
-local FIRST_RUNNING = 6  -- ARGV[6 ...]: tenant, running pairs
+local asked = ARGV[6] ~= '' and lane_of(stream) == 'req'
+local wait_ms, live_ms, window = tonumber(ARGV[6]), tonumber(ARGV[7]), tonumber(ARGV[8])
+local FIRST_RUNNING = 9  -- ARGV[9 ...]: tenant, running pairs
+local SPILL_MARGIN = 2
 local running = {}
 for i = FIRST_RUNNING, #ARGV, 2 do
   running[ARGV[i]] = tonumber(ARGV[i + 1])
@@ -50,22 +64,141 @@ local function active_tenants()
   return active
 end
 
--- The backlogged tenant to serve next, with its counter: the smallest counter; within the
--- reserve, the smallest among those running fewer than their part of this worker (its weight's
--- part of the capacity, among the active tenants); none: nil.
-local function next_tenant(room)
-  if room > reserve or active_tenants() <= 1 then
-    local low = redis.call('ZRANGE', backlog, 0, 0, 'WITHSCORES')
-    return low[1], tonumber(low[2])
-  end
-  local all = redis.call('ZRANGE', backlog, 0, -1, 'WITHSCORES')
+-- The backlogged tenants that may be served next, in turn, with their counters: by smallest
+-- counter; within the reserve, only those running fewer than their part of this worker (its
+-- weight's part of the capacity, among the active tenants). `limit`: how many are wanted
+-- (without affinity, the first is served or nobody).
+local function next_tenants(room, limit)
+  local within = room <= reserve and active_tenants() > 1
+  local all = redis.call('ZRANGE', backlog, 0, (not within and limit == 1) and 0 or -1, 'WITHSCORES')
+  local out = {}
   for i = 1, #all, 2 do
-    local part = capacity * (weights[all[i]] or 0) / total
-    if (running[all[i]] or 0) < part then
-      return all[i], tonumber(all[i + 1])
+    if not within or (running[all[i]] or 0) < capacity * (weights[all[i]] or 0) / total then
+      out[#out + 1] = {all[i], tonumber(all[i + 1])}
+      if #out >= limit then
+        break
+      end
     end
   end
-  return nil, nil
+  return out
+end
+
+-- Prefix affinity: the live workers (seen within live_ms) and their free slots.
+local aff, clock, live, free_of = false, 0, {}, {}
+local slots, wake = tag .. ':aff:slots', tag .. ':aff:wake'
+if asked then
+  clock = now_ms()
+  redis.call('HSET', slots, consumer, count .. '|' .. clock)
+  redis.call('PEXPIRE', slots, 3 * live_ms)
+  local all = redis.call('HGETALL', slots)
+  for i = 1, #all, 2 do
+    local free, seen = string.match(all[i + 1], '^(%-?%d+)|(%d+)$')
+    if seen and tonumber(seen) >= clock - live_ms then
+      live[#live + 1] = all[i]
+      free_of[all[i]] = tonumber(free)
+    end
+  end
+  aff = #live > 1
+end
+
+local ranked, owned = {}, {}
+local function ranks(group)  -- the live workers by rendezvous rank for `group`, best first
+  if not ranked[group] then
+    local scored = {}
+    for _, w in ipairs(live) do
+      scored[#scored + 1] = {redis.sha1hex(group .. '|' .. w), w}
+    end
+    table.sort(scored, function(a, b) return a[1] > b[1] end)
+    local r = {}
+    for i, s in ipairs(scored) do
+      r[i] = s[2]
+    end
+    ranked[group] = r
+  end
+  return ranked[group]
+end
+local function owners(group)  -- its live owners in the table, else its rank-1 live worker
+  if not owned[group] then
+    local o = {}
+    for w in string.gmatch(redis.call('HGET', tag .. ':aff:owners', group) or '', '[^,]+') do
+      if free_of[w] then
+        o[#o + 1] = w
+      end
+    end
+    owned[group] = #o > 0 and o or {ranks(group)[1]}
+  end
+  return owned[group]
+end
+-- How much this worker wants a staged entry (1 best .. 4; nil: not now, and the ms until it is
+-- due). `room`: the slots this worker still fills in this call.
+local function preference(id, group, room)
+  if not group or group == '' then
+    return 1
+  end
+  local o, fewest, most = owners(group), math.huge, 0
+  for _, w in ipairs(o) do
+    if w == consumer then
+      return 1
+    end
+    fewest, most = math.min(fewest, free_of[w]), math.max(most, free_of[w])
+  end
+  local r = ranks(group)
+  for i = 1, math.min(#o + 1, #r) do
+    if r[i] == consumer and fewest + SPILL_MARGIN <= room then
+      return 2
+    end
+  end
+  local age = clock - tonumber(string.match(id, '^(%d+)'))
+  if age >= wait_ms then
+    return 3
+  end
+  if count >= capacity and most <= 0 then
+    return 4
+  end
+  return nil, wait_ms - age
+end
+local due = -1  -- ms until the first looked-at entry falls due
+-- The staged entry of `staged` this worker moves now (its id and fields), or nil.
+local function preferred(staged, room)
+  local best, best_rank = nil, 5
+  for _, e in ipairs(redis.call('XRANGE', staged, '-', '+', 'COUNT', window)) do
+    local group = nil
+    for i = 1, #e[2], 2 do
+      if e[2][i] == 'group' then
+        group = e[2][i + 1]
+      end
+    end
+    local rank, left = preference(e[1], group, room)
+    if rank == 1 then
+      return e
+    elseif rank and rank < best_rank then
+      best, best_rank = e, rank
+    elseif not rank and (due < 0 or left < due) then
+      due = left
+    end
+  end
+  return best
+end
+
+-- The next entry to move: its tenant, that tenant's counter and the staged entry (nil: none).
+local function choose(room)
+  if not aff then  -- the smallest counter's oldest entry
+    local low = next_tenants(room, 1)[1]
+    if not low then
+      return nil
+    end
+    local first = redis.call('XRANGE', staged_key(stream, low[1]), '-', '+', 'COUNT', 1)
+    return low[1], low[2], first[1] or false
+  end
+  for _, t in ipairs(next_tenants(room, math.huge)) do
+    local staged = staged_key(stream, t[1])
+    local e = preferred(staged, room)
+    if e then
+      return t[1], t[2], e
+    end
+    unstage_if_empty(staged)
+  end
+  return nil
 end
 
 local function undelivered()
@@ -78,16 +211,15 @@ end
 
 local room = count - undelivered()
 while room > 0 do
-  local tenant, counter = next_tenant(room)
+  local tenant, counter, first = choose(room)
   if not tenant then
     break
   end
   local staged = staged_key(stream, tenant)
-  local first = redis.call('XRANGE', staged, '-', '+', 'COUNT', 1)
-  if #first == 0 then  -- emptied meanwhile (a cancel, an expiry)
+  if not first then  -- emptied meanwhile (a cancel, an expiry)
     unstage_if_empty(staged)
   else
-    local staged_id, fields = first[1][1], first[1][2]
+    local staged_id, fields = first[1], first[2]
     local f = {}
     for i = 1, #fields, 2 do
       f[fields[i]] = fields[i + 1]
@@ -107,4 +239,11 @@ while room > 0 do
   end
 end
 redis.call('EXPIRE', vtc, VTC_TTL_S)
-return redis.call('XREADGROUP', 'GROUP', GROUP, consumer, 'COUNT', count, 'STREAMS', stream, '>')
+local read = redis.call('XREADGROUP', 'GROUP', GROUP, consumer, 'COUNT', count, 'STREAMS', stream, '>')
+if not asked then
+  return read
+end
+local taken = read and #read[1][2] or 0
+redis.call('HSET', slots, consumer, (count - taken) .. '|' .. clock)
+local last = redis.call('XREVRANGE', wake, '+', '-', 'COUNT', 1)
+return {last[1] and last[1][1] or '0-0', due, read or {}}

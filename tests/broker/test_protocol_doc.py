@@ -149,7 +149,7 @@ def test_every_state_is_documented_with_its_finality() -> None:
 def test_every_stream_entry_field_a_script_writes_is_documented() -> None:
     written = written_stream_fields()
     sections = {"stream": "Request entries", "reply": "Reply entries", "dlq": "Dead letters",
-                "outbox": "Webhook outbox", "staged": "Request entries"}
+                "outbox": "Webhook outbox", "staged": "Request entries", "wake": "Prefix affinity's doorbell"}
     assert set(written) == set(sections), f"a script XADDs to a stream this test does not know: {set(written)}"
     for stream, heading in sections.items():
         missing = written[stream] - table(heading)

@@ -1,0 +1,35 @@
+-- Prefix affinity (docs/prefix-affinity.md): a worker's heartbeat records its free slots and
+-- the time (Redis' clock) in the shard's slots hash, which says which workers are live (seen
+-- within live_ms) and how free; fields of workers not seen within live_ms are dropped. Once per
+-- interval (a lock under the tag, so one worker of the shard does it) it hands the caller what
+-- the owners are recomputed from: the live workers, the groups requested since the last time
+-- (counted by admit.lua; the count starts again) and the current owners.
+-- KEYS: the interactive lane stream (its tag names the affinity keys)
+-- ARGV: consumer, free (-1: the worker leaves), live_ms, interval_ms (0: no recompute)
+-- Returns {live workers, {group, count, ...}, {group, owners, ...}} when this call is the
+-- interval's recompute, else false.
+local tag = tag_of(KEYS[1])
+local slots, groups, owners = tag .. ':aff:slots', tag .. ':aff:groups', tag .. ':aff:owners'
+local consumer, free, live_ms, interval_ms = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
+local now = now_ms()
+if free < 0 then
+  redis.call('HDEL', slots, consumer)
+  return false
+end
+redis.call('HSET', slots, consumer, free .. '|' .. now)
+redis.call('PEXPIRE', slots, 3 * live_ms)
+local live, all = {}, redis.call('HGETALL', slots)
+for i = 1, #all, 2 do
+  local seen = tonumber(string.match(all[i + 1], '|(%d+)$') or '0')
+  if seen < now - live_ms then
+    redis.call('HDEL', slots, all[i])
+  else
+    live[#live + 1] = all[i]
+  end
+end
+if interval_ms <= 0 or not redis.call('SET', tag .. ':aff:lock', consumer, 'NX', 'PX', interval_ms) then
+  return false
+end
+local counts = redis.call('HGETALL', groups)
+redis.call('DEL', groups)
+return {live, counts, redis.call('HGETALL', owners)}

@@ -1,0 +1,13 @@
+-- Prefix affinity: the owners of the groups requested in the last interval, as recomputed by
+-- broker/affinity.py (rendezvous with bounded loads), replacing the table at once. A group the
+-- table does not name is placed by its rank-1 live worker (dispatch.lua).
+-- KEYS: the interactive lane stream (its tag names the affinity keys)
+-- ARGV: ttl_ms (the table outlives a few intervals without a recompute, then goes), then
+--       group, owners (comma-separated consumers, best first) pairs
+local owners, ttl_ms = tag_of(KEYS[1]) .. ':aff:owners', tonumber(ARGV[1])
+redis.call('DEL', owners)
+for i = 2, #ARGV, 2 do
+  redis.call('HSET', owners, ARGV[i], ARGV[i + 1])
+end
+redis.call('PEXPIRE', owners, ttl_ms)
+return #ARGV / 2
