@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import signal
 import time
 import uuid
@@ -36,6 +37,9 @@ from sluice.supervisor.processes import EmbeddedRedis as Node
 from sluice.supervisor.topologies import LocalCluster
 
 MODEL = "t"
+# SLUICE_TEST_AFFINITY=1: the consumers place by prefix group and messages carry one of four
+# (docs/prefix-affinity.md), so that the delivery tests run with prefix affinity on.
+AFFINITY = os.environ.get("SLUICE_TEST_AFFINITY") == "1"
 KEYS = ModelKeys(MODEL)
 
 
@@ -68,6 +72,7 @@ def message(*, deadline_in: float = 60.0, lane: str = "interactive", rows: int =
         enqueued_at=now,
         deadline=now + deadline_in,
         lane=lane,
+        prefix=[f"{secrets.randbelow(4):012x}"] if AFFINITY else [],  # one of four prefix groups
     )
 
 
@@ -76,7 +81,10 @@ def admission(redis: Redis, settings: Settings) -> Admission:
 
 
 def consumer(redis: Redis, settings: Settings, name: str = "w1") -> StreamConsumer:
-    return StreamConsumer(redis, MODEL, name, ConsumerLimits.of(settings, lease_timeout_s=30.0))
+    c = StreamConsumer(redis, MODEL, name, ConsumerLimits.of(settings, lease_timeout_s=30.0))
+    if AFFINITY:  # placing by prefix group: another worker's group waits up to the bound for it
+        c.affinity.wait_ms = 20
+    return c
 
 
 async def ready_consumer(redis: Redis, settings: Settings, name: str = "w1") -> StreamConsumer:

@@ -62,12 +62,14 @@ class Run:
 class Worker(Lossy):
     """One worker process (`restarts`: how many times it was restarted under its name)."""
 
-    def __init__(self, redis: Redis, name: str, restarts: int) -> None:
+    def __init__(self, redis: Redis, name: str, restarts: int, *, affinity: bool = False) -> None:
         super().__init__()
         self.redis, self.name, self.restarts = redis, name, restarts
         self.consumer = StreamConsumer(redis, MODEL, name, ConsumerLimits(
             status_ttl_s=STATUS_TTL_S, reply_ttl_s=REPLY_TTL_S, log_max_len=1000, lease_timeout_s=LEASE_S,
             max_deliveries=MAX_DELIVERIES, result_ttl_s=RESULT_TTL_S))
+        if affinity:  # placing by prefix group, every entry due at once: own groups first, any order of moves
+            self.consumer.affinity.wait_ms = 0
         self.consumer.scripts = self.wrap(self.consumer.scripts)
         # as workers/worker.py: an unfinished request's stream lives as long as its status
         self.replies = ReplyWriter(redis, MODEL, reply_ttl_s=STATUS_TTL_S)

@@ -88,7 +88,8 @@ class World(Lossy):
         self.letters.scripts = self.wrap(self.letters.scripts)
         self.router = ReplyRouter(redis, Readers(url, redis, name="sim-replies"), shards=2, block_ms=2000,
                                   recheck_s=0.5)
-        self.workers = [Worker(redis, f"w{i}", 0) for i in range(WORKERS)]
+        self.affinity = seed % 2 == 1  # odd seeds: workers place by prefix group (docs/prefix-affinity.md)
+        self.workers = [Worker(redis, f"w{i}", 0, affinity=self.affinity) for i in range(WORKERS)]
         self.requests: list[Req] = []
         self.readers: list[Reader] = []
         self.ledger = Ledger()
@@ -124,7 +125,9 @@ class World(Lossy):
                                   structured=StructuredSpec(regex="t.*") if structured else None),
             enqueued_at=now, deadline=now + 400 + 150 * (idx % 8), lane="bulk" if bulk else "interactive",
             owner=OWNER if bulk or rows > 1 else None,  # one call, one owner
-            tenant=tenant)  # tenants take turns (fair share): dispatch moves entries between the api and a worker
+            # tenants take turns (fair share): dispatch moves entries between the api and a worker;
+            # three prefix groups, which workers place by with affinity on
+            tenant=tenant, prefix=[f"{idx % 3:012x}"])
 
     async def admit(self, n: int, rows: int, structured: bool, bulk: bool, idem: int) -> str:
         """One native submit (`idem`: 0 no Idempotency-Key, 1 a new one, 2+ an earlier one again)
@@ -259,7 +262,7 @@ class World(Lossy):
     async def crash(self, w: int) -> None:
         old = self.workers[w]
         old.crash()
-        self.workers[w] = Worker(self.redis, old.name, old.restarts + 1)
+        self.workers[w] = Worker(self.redis, old.name, old.restarts + 1, affinity=self.affinity)
 
     async def duplicate(self, req: int) -> str:
         r = self.requests[req % len(self.requests)]

@@ -1,0 +1,191 @@
+"""Prefix affinity's pull side (dispatch.lua, admit.lua, broker/affinity.py) on a real Redis:
+workers take their own groups first, nothing waits past the bound while a worker has room, a
+dead worker's groups move (and only they), the doorbell wakes a blocked worker, and with
+affinity off nothing of it exists. Waits are the script's own (`due`), never asserted times."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+import uuid
+
+from redis.asyncio import Redis
+
+from sluice.broker.affinity import GROUP_BLOCKS, rendezvous_ranks
+from sluice.broker.consumer import StreamConsumer
+from sluice.broker.fair_share import dispatch
+from sluice.config.settings import Settings
+from sluice.protocol.messages import RequestMessage, SamplingSpec
+from sluice.protocol.prefix import PREFIX_DEPTHS
+from tests.broker.helpers import KEYS, MODEL, admission, ready_consumer
+
+LANE = KEYS.requests
+SLOTS, OWNERS = f"{KEYS.tag}:aff:slots", f"{KEYS.tag}:aff:owners"
+CAPACITY = 4
+GROUPS = [f"{k:012x}" for k in range(0x5100, 0x5108)]
+
+
+def request(group: str, tenant: str = "default") -> RequestMessage:
+    """A request whose prefix group (the key at GROUP_BLOCKS blocks) is `group`."""
+    now = time.time()
+    depth = PREFIX_DEPTHS.index(GROUP_BLOCKS)
+    prefix = [f"{i:012x}" for i in range(depth)] + [group]
+    return RequestMessage(id=f"req-{uuid.uuid4().hex}", model=MODEL, rows=[{"prompt": "x" * 40, "max_tokens": 8}],
+                          sampling=SamplingSpec(max_tokens=8, seed=1), enqueued_at=now, deadline=now + 3600,
+                          tenant=tenant, prefix=prefix)
+
+
+async def placing(redis: Redis, settings: Settings, name: str, *, wait_ms: int = 600_000,
+                  live_ms: int = 600_000) -> StreamConsumer:
+    c = await ready_consumer(redis, settings, name)
+    c.capacity, c.affinity.wait_ms, c.affinity.live_ms = CAPACITY, wait_ms, live_ms
+    assert await dispatch(c, LANE, CAPACITY) == []  # seen: live, CAPACITY free
+    return c
+
+
+async def submit(redis: Redis, settings: Settings, groups: list[str]) -> list[RequestMessage]:
+    adm, out = admission(redis, settings), []
+    for g in groups:
+        out.append(request(g))
+        await adm.submit(out[-1], max_queued=10_000)
+    return out
+
+
+async def done(redis: Redis, entries: list) -> None:
+    """As a commit leaves them: acknowledged and deleted (an undelivered count is XLEN less pending)."""
+    if entries:
+        await redis.xack(LANE, "workers", *(e for e, _ in entries))
+        await redis.xdel(LANE, *(e for e, _ in entries))
+
+
+def group_of(fields: dict[str, str]) -> str:
+    return RequestMessage.from_fields(fields).prefix[-1]
+
+
+def owner(group: str, live: list[str]) -> str:
+    return rendezvous_ranks(group, live)[0]
+
+
+async def test_each_worker_takes_the_groups_it_owns_and_admission_stages_them(redis: Redis, settings: Settings
+                                                                              ) -> None:
+    a, b = await placing(redis, settings, "wa"), await placing(redis, settings, "wb")
+    await submit(redis, settings, GROUPS * 2)
+    assert await redis.xlen(LANE) == 0  # staged although nothing waited: dispatch places them
+    assert await redis.xlen(f"{KEYS.tag}:aff:wake") > 0
+    mine = {c.consumer: [g for g in GROUPS * 2 if owner(g, ["wa", "wb"]) == c.consumer] for c in (a, b)}
+    assert mine["wa"] and mine["wb"]  # the groups split between the two (the ranks Lua computes as Python)
+    for c in (a, b):
+        got: list[str] = []
+        while len(got) < len(mine[c.consumer]):
+            entries = await dispatch(c, LANE, CAPACITY)
+            assert entries, f"{c.consumer} declined its own groups"
+            got += [group_of(f) for _, f in entries]
+            await done(redis, entries)
+        assert got == mine[c.consumer]  # its own, oldest first, none of the other's
+    assert await dispatch(a, LANE, CAPACITY) == []
+
+
+async def test_no_request_waits_past_the_bound_while_a_worker_has_room(redis: Redis, settings: Settings) -> None:
+    """Three workers fetch in a seeded random order with random room; after every dispatch by a
+    worker that moved fewer than its room, every entry still staged was younger than the bound
+    at the dispatch (Redis' clock, read before it); each entry is moved once."""
+    wait_ms = 25
+    rng = random.Random(7)
+    workers = [await placing(redis, settings, f"w{i}", wait_ms=wait_ms) for i in range(3)]
+    adm, sent, moved = admission(redis, settings), set(), []
+    staged = f"{KEYS.tag}:staged:req:default"
+    for _ in range(120):
+        for _ in range(rng.choice((0, 0, 1, 2))):
+            m = request(rng.choice(GROUPS))
+            await adm.submit(m, max_queued=10_000)
+            sent.add(m.id)
+        c = rng.choice(workers)
+        room = rng.randint(0, CAPACITY)
+        secs, micros = await redis.time()
+        before_ms = secs * 1000 + micros // 1000
+        entries = await dispatch(c, LANE, room) if room else []
+        moved += [f["id"] for _, f in entries]
+        if len(entries) < room:
+            left = await redis.xrange(staged)
+            overdue = [e for e, _ in left if int(e.split("-")[0]) + wait_ms <= before_ms]
+            assert not overdue, f"{c.consumer} had room for {room - len(entries)} more and left {overdue}"
+        await done(redis, entries)
+        await asyncio.sleep(rng.random() * 0.01)
+    while len(moved) < len(sent):  # the rest: whoever asks takes them once they fall due
+        entries = await dispatch(workers[0], LANE, CAPACITY)
+        moved += [f["id"] for _, f in entries]
+        if not entries:
+            await asyncio.sleep(workers[0].affinity.wake[LANE][1] / 1000)
+    assert sorted(moved) == sorted(sent)  # each once
+
+
+async def test_a_worker_declines_within_the_bound_and_takes_at_it(redis: Redis, settings: Settings) -> None:
+    await placing(redis, settings, "wa", wait_ms=40)
+    b = await placing(redis, settings, "wb", wait_ms=40)
+    theirs = [g for g in GROUPS if owner(g, ["wa", "wb"]) == "wa"][:2]
+    sent = await submit(redis, settings, theirs)
+    assert await dispatch(b, LANE, CAPACITY) == []  # a has free slots: its groups wait for it
+    due = b.affinity.wake[LANE][1]
+    assert 0 < due <= 40
+    await asyncio.sleep(due / 1000)
+    taken = [f["id"] for _, f in await dispatch(b, LANE, CAPACITY)]
+    assert taken and taken == [m.id for m in sent][:len(taken)]  # overdue: b takes them, oldest first
+
+
+async def test_an_idle_worker_takes_what_busy_owners_cannot_start(redis: Redis, settings: Settings) -> None:
+    a, b = await placing(redis, settings, "wa"), await placing(redis, settings, "wb")
+    theirs = [g for g in GROUPS if owner(g, ["wa", "wb"]) == "wa"][:1]
+    await submit(redis, settings, theirs)
+    assert await dispatch(a, LANE, 0) == []  # a records no free slot
+    assert [group_of(f) for _, f in await dispatch(b, LANE, CAPACITY)] == theirs  # b runs nothing: takes it
+
+
+async def test_a_dead_worker_moves_its_groups_and_only_them(redis: Redis, settings: Settings) -> None:
+    workers = [await placing(redis, settings, n, live_ms=2_000) for n in ("wa", "wb", "wc")]
+    before = {g: owner(g, ["wa", "wb", "wc"]) for g in GROUPS}
+    assert "wa" in before.values()
+    await redis.hset(SLOTS, "wa", f"{CAPACITY}|0")  # wa last seen long ago: dead
+    after = {g: owner(g, ["wb", "wc"]) for g in GROUPS}
+    assert {g for g in GROUPS if before[g] != after[g]} == {g for g in GROUPS if before[g] == "wa"}
+    await submit(redis, settings, GROUPS)
+    for c in workers[1:]:
+        got = [group_of(f) for _, f in await dispatch(c, LANE, len(GROUPS))]
+        assert got == [g for g in GROUPS if after[g] == c.consumer]  # wa's went to their next ranks at once
+    # its heartbeat drops it from the slots hash, and the owners' recompute names the live only
+    assert await workers[1].affinity.beat(LANE, "wb", CAPACITY) is not None
+    assert not await redis.hexists(SLOTS, "wa")
+    owners = await redis.hgetall(OWNERS)
+    assert set(owners) == set(GROUPS) and all("wa" not in o.split(",") for o in owners.values())
+
+
+async def test_the_owners_table_spreads_a_hot_group_within_the_bound(redis: Redis, settings: Settings) -> None:
+    a, b = await placing(redis, settings, "wa"), await placing(redis, settings, "wb")
+    hot = GROUPS[0]
+    await submit(redis, settings, [hot] * 12 + GROUPS[1:3])
+    owners = await a.affinity.beat(LANE, "wa", CAPACITY)
+    assert owners is not None and set(owners[hot]) == {"wa", "wb"}  # 12 of 14 requests: over one worker's bound
+    assert await b.affinity.beat(LANE, "wb", CAPACITY) is None  # one recompute per interval (the lock)
+    got = {c.consumer: [group_of(f) for _, f in await dispatch(c, LANE, CAPACITY)] for c in (a, b)}
+    assert got["wa"].count(hot) > 0 and got["wb"].count(hot) > 0  # both caches take the hot group
+
+
+async def test_the_doorbell_wakes_a_blocked_worker(redis: Redis, settings: Settings) -> None:
+    a = await placing(redis, settings, "wa")
+    await placing(redis, settings, "wb")
+    mine = [g for g in GROUPS if owner(g, ["wa", "wb"]) == "wa"][0]
+    waiting = asyncio.ensure_future(a.fetch(CAPACITY, block_ms=60_000))
+    await asyncio.sleep(0.05)  # blocked on the doorbell
+    assert not waiting.done()
+    sent = await submit(redis, settings, [mine])
+    got = await asyncio.wait_for(waiting, 30)  # woken by the admission, not by the 60 s block
+    assert [d.message.id for d in got] == [sent[0].id]
+
+
+async def test_off_nothing_of_it_is_written_and_the_pull_is_fifo(redis: Redis, settings: Settings) -> None:
+    c = await ready_consumer(redis, settings, "wa")
+    c.capacity = CAPACITY  # affinity.wait_ms None: the deployment's prefix_affinity false
+    sent = await submit(redis, settings, GROUPS[:3])
+    got = await c.fetch(CAPACITY, block_ms=10)
+    assert [d.message.id for d in got] == [m.id for m in sent]
+    assert await redis.keys(f"{KEYS.tag}:aff:*") == []
