@@ -8,8 +8,8 @@ throughput and the largest worker's share of the requests against the mean.
 `--real` is the run on this machine's real engine (bench/prefix_real.py): two workers of the
 default model with a KV cache too small for every prefix, the workload of `chat_workload` (8
 shared system prompts of about 500 tokens, short user turns, Zipf), one fresh stack per mode
-(`--mode off --mode on`). Until the pull side of affinity is built (docs/prefix-affinity.md,
-"Plan") both modes pull FIFO: `on` then measures nothing new.
+(`--mode off --mode on`): `off` is the deployment's `prefix_affinity: false` (FIFO pulls), `on`
+the pull side of docs/prefix-affinity.md.
 """
 
 from __future__ import annotations

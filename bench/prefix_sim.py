@@ -37,8 +37,8 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from sluice.bench.prefix_placement import bounded_owners, rendezvous_ranks
 from sluice.bench.prefix_workload import Entry, SimConfig, workload
+from sluice.broker.affinity import bounded_owners, rendezvous_ranks
 from sluice.workers.engines.prefix_cache import SimulatedPrefixCache
 
 POLICIES = ("fifo", "digest", "rendezvous", "oracle")

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from sluice.bench.prefix_placement import bounded_owners, rendezvous_ranks
 from sluice.bench.prefix_real import models_yaml
 from sluice.bench.prefix_sim import POLICIES, Simulation, simulate
 from sluice.bench.prefix_workload import SimConfig, chat_workload, system_prompt, workload
+from sluice.broker.affinity import bounded_owners, rendezvous_ranks
 from sluice.config.model import load_models
 
 SMALL = SimConfig(workers=6, prefixes=16, requests=1500, cache_blocks=4 * 36, seed=3)
