@@ -29,8 +29,7 @@ class SimConfig:
     heartbeat_s: float = 1.0  # digest: how often a worker reports its digest
     digest_size: int = 8  # digest: the groups a worker reports (its most recent)
     group_blocks: int = 16
-    spill_ranks: int = 2  # rendezvous: the ranks that may take a group's entries while its owner is busier
-    spill_margin: int = 2  # rendezvous: busier by this many requests
+    spill_ranks: int = 2  # rendezvous: the ranks that may take a group's entries while its owners are full
     # rendezvous: at each heartbeat the groups seen in the last interval are given to workers by
     # rank with bounded loads: no worker owns more than this times the mean of their requests (a
     # group too heavy for one worker gets the next ranks too); 0: plain rendezvous, rank 1 owns.

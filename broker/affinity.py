@@ -49,7 +49,7 @@ def rendezvous_ranks(group: str, workers: list[str], k: int | None = None) -> li
     return sorted(workers, key=lambda w: _score(group, w), reverse=True)[:k]
 
 
-def bounded_owners(counts: dict[str, int], workers: list[str], bound: float, ranks: Callable[[str], list[str]],
+def bounded_owners(counts: dict[str, float], workers: list[str], bound: float, ranks: Callable[[str], list[str]],
                    before: dict[str, list[str]] | None = None) -> dict[str, list[str]]:
     """Each group's owners: its owners `before` that are still live, then the highest-ranked
     workers, as long as they have room, where a worker's room is `bound` times the mean of the
@@ -127,7 +127,7 @@ class Placement:
                 ranked[group] = rendezvous_ranks(group, live)
             return ranked[group]
 
-        owners = bounded_owners({g: int(n) for g, n in counts.items()}, live, BOUNDED_LOAD, ranks,
+        owners = bounded_owners({g: float(n) for g, n in counts.items()}, live, BOUNDED_LOAD, ranks,
                                 {g: o.split(",") for g, o in before.items()})
         pairs = (x for g, o in owners.items() for x in (g, ",".join(o)))
         await self.scripts.affinity_owners(keys=[stream], args=[4 * self.interval_ms, *pairs])

@@ -115,7 +115,7 @@ for i = 1, n do
     local group = group_of(i)
     if placing > 1 and group ~= '' and (redis.call('HEXISTS', groups, group) == 1 or
                                         redis.call('HLEN', groups) < AFFINITY_GROUPS_MAX) then
-      redis.call('HINCRBY', groups, group, 1)
+      redis.call('HINCRBYFLOAT', groups, group, 1)
       redis.call('EXPIRE', groups, status_ttl)
     end
     if not redis.call('ZSCORE', backlog, tenant) then

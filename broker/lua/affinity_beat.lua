@@ -3,7 +3,7 @@
 -- within live_ms) and how free; fields of workers not seen within live_ms are dropped. Once per
 -- interval (a lock under the tag, so one worker of the shard does it) it hands the caller what
 -- the owners are recomputed from: the live workers, the groups requested since the last time
--- (counted by admit.lua; the count starts again) and the current owners.
+-- (counted by admit.lua, decayed here) and the current owners.
 -- KEYS: the interactive lane stream (its tag names the affinity keys)
 -- ARGV: consumer, free (-1: the worker leaves), live_ms, interval_ms (0: no recompute)
 -- Returns {live workers, {group, count, ...}, {group, owners, ...}} when this call is the
@@ -30,6 +30,15 @@ end
 if interval_ms <= 0 or not redis.call('SET', tag .. ':aff:lock', consumer, 'NX', 'PX', interval_ms) then
   return false
 end
+-- The counts decay by half at each recompute (a moving sum over about two intervals), so that
+-- owners follow traffic without being drawn from one interval's handful of requests.
 local counts = redis.call('HGETALL', groups)
-redis.call('DEL', groups)
+for i = 1, #counts, 2 do
+  local half = tonumber(counts[i + 1]) / 2
+  if half < 0.25 then
+    redis.call('HDEL', groups, counts[i])
+  else
+    redis.call('HSET', groups, counts[i], half)
+  end
+end
 return {live, counts, redis.call('HGETALL', owners)}

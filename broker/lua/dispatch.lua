@@ -15,9 +15,9 @@
 -- Prefix affinity (docs/prefix-affinity.md; `wait_ms` given, the interactive lane, more than one
 -- live worker): which staged entry of a tenant is moved, and when, follows the entry's prefix
 -- `group`. Of a tenant's first `window` staged entries the oldest is moved that (1) has no group
--- or belongs to this worker, else (2) ranks this worker next after its owners while they have
--- SPILL_MARGIN fewer free slots than it, else (3) has waited wait_ms, else, when this worker runs
--- nothing, (4) belongs to owners with no free slot. A tenant with none passes its turn to the
+-- or belongs to this worker, else (2) ranks this worker next after its owners while they have no
+-- free slot, else (3) has waited wait_ms, else, when this worker runs nothing, (4) belongs to
+-- owners with no free slot. A tenant with none passes its turn to the
 -- next by counter; when no tenant has one nothing is moved, and the answer says when the first
 -- looked-at entry falls due. The worker's free slots and the time go into `<tag>:aff:slots`
 -- (who is live, and how free); the owners are `<tag>:aff:owners` (broker/affinity.py), else a
@@ -33,7 +33,6 @@ local capacity, now = tonumber(ARGV[4]), tonumber(ARGV[5])
 local asked = ARGV[6] ~= '' and lane_of(stream) == 'req'
 local wait_ms, live_ms, window = tonumber(ARGV[6]), tonumber(ARGV[7]), tonumber(ARGV[8])
 local FIRST_RUNNING = 9  -- ARGV[9 ...]: tenant, running pairs
-local SPILL_MARGIN = 2
 local running = {}
 for i = FIRST_RUNNING, #ARGV, 2 do
   running[ARGV[i]] = tonumber(ARGV[i + 1])
@@ -130,21 +129,21 @@ local function owners(group)  -- its live owners in the table, else its rank-1 l
   return owned[group]
 end
 -- How much this worker wants a staged entry (1 best .. 4; nil: not now, and the ms until it is
--- due). `room`: the slots this worker still fills in this call.
-local function preference(id, group, room)
+-- due).
+local function preference(id, group)
   if not group or group == '' then
     return 1
   end
-  local o, fewest, most = owners(group), math.huge, 0
+  local o, most = owners(group), 0
   for _, w in ipairs(o) do
     if w == consumer then
       return 1
     end
-    fewest, most = math.min(fewest, free_of[w]), math.max(most, free_of[w])
+    most = math.max(most, free_of[w])
   end
   local r = ranks(group)
   for i = 1, math.min(#o + 1, #r) do
-    if r[i] == consumer and fewest + SPILL_MARGIN <= room then
+    if r[i] == consumer and most <= 0 then
       return 2
     end
   end
@@ -159,7 +158,7 @@ local function preference(id, group, room)
 end
 local due = -1  -- ms until the first looked-at entry falls due
 -- The staged entry of `staged` this worker moves now (its id and fields), or nil.
-local function preferred(staged, room)
+local function preferred(staged)
   local best, best_rank = nil, 5
   for _, e in ipairs(redis.call('XRANGE', staged, '-', '+', 'COUNT', window)) do
     local group = nil
@@ -168,7 +167,7 @@ local function preferred(staged, room)
         group = e[2][i + 1]
       end
     end
-    local rank, left = preference(e[1], group, room)
+    local rank, left = preference(e[1], group)
     if rank == 1 then
       return e
     elseif rank and rank < best_rank then
@@ -192,7 +191,7 @@ local function choose(room)
   end
   for _, t in ipairs(next_tenants(room, math.huge)) do
     local staged = staged_key(stream, t[1])
-    local e = preferred(staged, room)
+    local e = preferred(staged)
     if e then
       return t[1], t[2], e
     end
