@@ -23,6 +23,7 @@ import httpx
 import redis.asyncio as redis_async
 
 from sluice.bench.chaos_audit import FINAL_STATES, Reader, Tracked, final_texts
+from sluice.bench.prefix_workload import shared_preamble
 from sluice.bench.sse import sse_events
 from sluice.broker.keys import ModelKeys
 from sluice.protocol.openai_responses import request_id, response_id
@@ -33,12 +34,6 @@ SUBMIT_TIMEOUT_S = 60.0  # a submit still unanswered after this long is given up
 RESPONSE_ENDS = {"response.completed": "done", "response.incomplete": "done", "response.failed": "failed",
                  "response.cancelled": "cancelled"}
 KINDS = ("stream", "structured", "rows", "poll")
-# Each client's prompts open with one of three shared preambles (over 32 tokens): with the
-# deployment's prefix affinity (the default) requests fall into three prefix groups that the
-# workers place by, so the run kills workers that own groups (docs/prefix-affinity.md).
-PREAMBLES = tuple(f"You are assistant number {k} of the chaos run. Answer briefly, plainly and politely, "
-                  f"in English, without lists, code, tables or any other formatting, and never ask questions "
-                  f"back. Keep to the point and stop when the answer is given. " for k in range(3))
 SCHEMA = {"type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"]}
 
 
@@ -99,7 +94,7 @@ class Load:
             kind = "stream" if kind == "rows" and self.redis is None else kind
             # Continuous batching takes one row per request: multi-row calls go to the dynamic model.
             model = self.rows_model if kind == "rows" else self.rng.choice(self.models)
-            prompt = f"{PREAMBLES[c % len(PREAMBLES)]}chaos client {c} request {n}"
+            prompt = f"{shared_preamble(c % 3)}chaos client {c} request {n}"  # three prefix groups
             try:
                 await self._one(http, api, model, kind, prompt, every_reader=n == 1)
             except Exception as err:  # a bench bug must not stop the load; it is reported

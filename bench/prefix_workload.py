@@ -96,3 +96,11 @@ def chat_workload(requests: int, *, zipf: float = 1.0, seed: int = 0) -> list[li
         out.append([{"role": "system", "content": system_prompt(k)},
                     {"role": "user", "content": f"Question {i}: {question}?"}])
     return out
+
+
+def shared_preamble(k: int) -> str:
+    """A short shared preamble (over 32 tokens, so over two blocks at vLLM's 16): prompts that open
+    with the same one fall into one prefix group (`sluice bench chaos` uses three, so that its
+    kills hit the workers owning groups)."""
+    return (f"You are assistant number {k} of the chaos run. Answer briefly, plainly and politely, in English, "
+            "without lists, code or tables; never ask back, keep to the point, then stop. ")

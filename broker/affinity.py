@@ -85,6 +85,7 @@ class Placement:
     free slots recorded and, once per `interval_ms` on one worker of a shard, the owners."""
 
     scripts: Scripts
+    lanes: Callable[[], list[str]]  # the interactive streams its worker reads (a sharded model's every shard)
     wait_ms: int | None = None
     live_ms: int = 10_000
     interval_ms: int = 2_000
@@ -98,14 +99,14 @@ class Placement:
         self.live_ms = round(settings.worker_ttl_s * 1000)
         self.interval_ms = round(settings.heartbeat_interval_s * 1000)
 
-    async def stop(self, streams: list[str], consumer: str) -> None:
+    async def stop(self, consumer: str) -> None:
         """A stopping worker's groups go to their next ranks at once."""
         self.wait_ms = None
-        await self.heartbeat(streams, consumer, 0)
+        await self.heartbeat(consumer, 0)
 
-    async def heartbeat(self, streams: list[str], consumer: str, free: int) -> None:
+    async def heartbeat(self, consumer: str, free: int) -> None:
         """Each interactive stream's: `free` recorded (or, no longer placing, the worker leaves)."""
-        for stream in streams:
+        for stream in self.lanes():
             if self.wait_ms is not None:
                 await self.beat(stream, consumer, free)
             elif self.placing:

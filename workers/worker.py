@@ -135,14 +135,13 @@ class Worker:
             await self.replies.close()
             await self.inference_log.flush()
             await self.workers.remove(self.name)
-            await self.consumer.affinity.stop(self.consumer.streams[:-1], self.name)
+            await self.consumer.affinity.stop(self.name)
             await self.consumer.release_name()
             await self.engine.shutdown()
 
     async def _forward_stop(self) -> None:
         stop = asyncio.ensure_future(self.stopping.wait())
-        await asyncio.wait([stop, asyncio.ensure_future(self._closing.wait())],
-                           return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait([stop, asyncio.ensure_future(self._closing.wait())], return_when=asyncio.FIRST_COMPLETED)
         self._switch.set()
 
     async def _drain(self) -> None:
@@ -252,8 +251,7 @@ class Worker:
             **self._prefix_cache.heartbeat(self.engine.prefix_cache_counters()),
         ))
         await self.consumer.refresh_name(self.settings.worker_ttl_s)
-        await self.consumer.affinity.heartbeat(self.consumer.streams[:-1], self.name,
-                                               self.policy.capacity - len(self.running))
+        await self.consumer.affinity.heartbeat(self.name, self.policy.capacity - len(self.running))
         await self._check_version()
 
     def _expected_tokens(self) -> float | None:
