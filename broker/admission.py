@@ -14,7 +14,7 @@ from redis.asyncio import Redis
 from sluice.broker import keys
 from sluice.broker.affinity import group_of
 from sluice.broker.connection import has_replicas, read_copied, wait_for_copies
-from sluice.broker.fair_share import expected_cost
+from sluice.broker.fair_share import expected_cost, staged_streams
 from sluice.broker.keys import GROUP, ModelKeys
 from sluice.broker.limits import AdmissionLimits, TenantShare
 from sluice.broker.scripts import Scripts
@@ -108,8 +108,7 @@ class Admission:
             raise TenantQueueFull(first.model, first.tenant, share_max)
         if entries is None:
             if slo_max is not None and slo_max < lane_max:  # which bound refused? (a refusal may cost a read)
-                async with self.redis.pipeline(transaction=False) as pipe:
-                    here, there = await pipe.xlen(stream).xlen(other).execute()
+                here, there = await self._queued(stream), await self._queued(other)
                 if here + len(messages) <= lane_max and here + there + len(messages) <= max_queued:
                     raise SloRefused(first.model, here, slo_max)
             raise QueueFull(first.model)
@@ -133,6 +132,13 @@ class Admission:
             lane_max = -(-max_queued // shards)
             slo_max = None if slo_max is None else -(-slo_max // shards)
         return stream, other, lane_max, slo_max
+
+    async def _queued(self, stream: str) -> int:
+        """Entries queued on a lane: on its stream and staged for their tenant's turn."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for key in [stream, *await staged_streams(self.redis, stream)]:
+                pipe.xlen(key)
+            return sum(await pipe.execute())
 
     @staticmethod
     def _share_max(share: TenantShare, lane: str, max_queued: int, shards: int) -> int:

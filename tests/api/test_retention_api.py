@@ -17,7 +17,7 @@ from sluice.api.errors import ApiError
 from sluice.api.intake import Sampling
 from sluice.protocol.ids import new_request_id, request_created_at
 from tests.api.conftest import StartApi
-from tests.broker.helpers import KEYS, MODEL
+from tests.broker.helpers import KEYS, MODEL, queued_len
 
 MODELS_YAML = (f"models:\n  - name: {MODEL}\n    max_queued: 4\n    result_ttl_s: 1\n"
                f"    dynamic_batching_config: {{batch_size_target: 4}}\n")
@@ -60,11 +60,11 @@ async def test_a_multi_request_admission_is_whole(app, redis: Redis) -> None:
     with pytest.raises(ApiError) as refused:
         await s.intake.enqueue_many(model, [[{"prompt": f"p{i}", "max_tokens": 2}] for i in range(5)])
     assert refused.value.status == 503
-    assert await redis.xlen(KEYS.requests) == 0
+    assert await queued_len(redis, KEYS.requests) == 0
     messages = await s.intake.enqueue_many(model, [[{"prompt": f"p{i}", "max_tokens": 2}] for i in range(4)],
                                            Sampling(seed=10))
     assert [m.sampling.seed for m in messages] == [10, 11, 12, 13]
-    assert await redis.xlen(KEYS.requests) == 4
+    assert await queued_len(redis, KEYS.requests) == 4
 
 
 async def test_an_upload_names_when_it_expires(api: httpx.AsyncClient, redis: Redis) -> None:

@@ -12,7 +12,7 @@ from redis.asyncio import Redis
 from sluice.broker.keys import ModelKeys
 from sluice.broker.registry import WorkerInfo, WorkerRegistry
 from tests.api.conftest import StartApi, http_client
-from tests.broker.helpers import MODEL
+from tests.broker.helpers import MODEL, queued_len
 
 SLO_MODELS = f"""models:
   - name: {MODEL}
@@ -47,7 +47,7 @@ async def test_past_what_can_start_within_the_target_requests_are_refused_at_onc
         message = refused.json()["error"]["message"]
         assert "time-to-first-token target (1500 ms, slo.ttft_ms)" in message and "7 requests are ahead" in message
         assert refused.headers["Retry-After"] == "1"  # one over, at 2/s
-        assert await redis.xlen(ModelKeys(MODEL).requests) == 7  # nothing of the refused one enqueued
+        assert await queued_len(redis, ModelKeys(MODEL).requests) == 7  # nothing of the refused one enqueued
 
         # Three choices in one call, two over the bound: all refused, waiting about 1.5 s.
         many = await api.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2, "n": 3})

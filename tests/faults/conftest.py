@@ -19,6 +19,7 @@ import httpx
 import pytest
 import redis as redis_sync
 
+from sluice.broker import keys
 from sluice.broker.keys import ModelKeys
 from sluice.broker.urls import sync_connect
 from sluice.protocol.states import FINAL_STATES
@@ -125,6 +126,11 @@ def _wait_api(c: Cluster) -> None:
 def cluster(tmp_path: Path) -> Iterator[Cluster]:
     with make_cluster(tmp_path) as c:
         yield c
+
+
+def queued(r: redis_sync.Redis, stream: str) -> int:
+    """Entries queued on a lane: on its stream and staged for their tenant's turn (fair share)."""
+    return r.xlen(stream) + sum(r.xlen(keys.staged(stream, t)) for t in r.zrange(keys.backlog(stream), 0, -1))
 
 
 def audit(c: Cluster, rids: list[str]) -> dict[str, int]:

@@ -12,7 +12,17 @@ from pathlib import Path
 
 import pytest
 
-from tests.faults.conftest import KEYS, MODEL, Cluster, audit, crash_until_final, make_cluster, record, wait_final
+from tests.faults.conftest import (
+    KEYS,
+    MODEL,
+    Cluster,
+    audit,
+    crash_until_final,
+    make_cluster,
+    queued,
+    record,
+    wait_final,
+)
 from tests.faults.kills import kill_mid_generation
 from tests.faults.test_faults import stream_text, submit
 
@@ -111,7 +121,7 @@ def test_kill_9_redis_in_strict_durability_loses_no_acknowledged_request(tmp_pat
         rids, _ = submit(c, 50, max_tokens=5)
         down = c.restart_redis()  # no pause: the everysec window would lose the last second
         restarted = time.monotonic()
-        assert c.sync().xlen(KEYS.requests) == 50
+        assert queued(c.sync(), KEYS.requests) == 50
         c.signal("a", signal.SIGCONT)
         wait_final(c, rids, timeout_s=60)
         figures = audit(c, rids)

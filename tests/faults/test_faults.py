@@ -17,7 +17,7 @@ import redis as redis_sync
 
 from sluice.bench.sse import events
 from sluice.broker.keys import WORKERS
-from tests.faults.conftest import KEYS, MODEL, Cluster, audit, crash_until_final, record, wait_final
+from tests.faults.conftest import KEYS, MODEL, Cluster, audit, crash_until_final, queued, record, wait_final
 from tests.faults.kills import kill_mid_generation
 
 
@@ -154,11 +154,11 @@ def test_kill_9_redis_with_50_queued(cluster: Cluster) -> None:
     assert audit(cluster, rids_before)["completed"] == 2
     cluster.signal("a", signal.SIGSTOP)  # hold the queue
     rids, _ = submit(cluster, 50, max_tokens=5)
-    assert cluster.sync().xlen(KEYS.requests) == 50
+    assert queued(cluster.sync(), KEYS.requests) == 50
     time.sleep(1.5)  # appendfsync everysec: what was acknowledged a second ago is on disk
     down = cluster.restart_redis()
     restarted = time.monotonic()
-    assert cluster.sync().xlen(KEYS.requests) == 50
+    assert queued(cluster.sync(), KEYS.requests) == 50
     cluster.signal("a", signal.SIGCONT)
     wait_final(cluster, rids, timeout_s=60)
     figures = audit(cluster, rids)
