@@ -14,10 +14,12 @@ from redis.exceptions import ResponseError
 from sluice.broker.admission import Admission
 from sluice.broker.consumer import StreamConsumer
 from sluice.broker.keys import ModelKeys
+from sluice.broker.keys import staged as staged_stream
 from sluice.broker.limits import ConsumerLimits
 from sluice.broker.queues import queue_figures
 from sluice.config.model import load_models
 from sluice.config.settings import Settings
+from sluice.config.tenants import DEFAULT_TENANT
 from tests.broker.helpers import admission, done_result
 from tests.broker.helpers import message as make_message
 
@@ -44,6 +46,12 @@ async def keda_reads(redis: Redis, meta: dict[str, str]) -> int:
     return (await redis.xpending(stream, group))["pending"]
 
 
+async def waiting(redis: Redis, found: dict[str, dict[str, str]], lane: str) -> int:
+    """What KEDA sees waiting on a lane: its lag trigger's and its staged trigger's figures
+    (requests staged for their tenant's turn wait outside the group)."""
+    return await keda_reads(redis, found[f"{lane}-lag"]) + await keda_reads(redis, found[f"{lane}-staged"])
+
+
 def triggers(path: Path) -> dict[str, dict[str, str]]:
     doc = yaml.safe_load(path.read_text())
     return {t["name"]: t["metadata"] for t in doc["spec"]["triggers"]}
@@ -59,14 +67,15 @@ async def submit(adm: Admission, model: str, n: int, lane: str = "interactive") 
 async def test_triggers_count_waiting_and_held_requests(path: Path, redis: Redis, settings: Settings) -> None:
     model = path.parent.name
     keys, found = ModelKeys(model), triggers(path)
-    assert {m["stream"] for m in found.values()} == {keys.requests, keys.bulk}
+    staged_req, staged_bulk = staged_stream(keys.requests, DEFAULT_TENANT), staged_stream(keys.bulk, DEFAULT_TENANT)
+    assert {m["stream"] for m in found.values()} == {keys.requests, keys.bulk, staged_req, staged_bulk}
     adm = admission(redis, settings)
 
     # Before any worker ran there is no consumer group: KEDA falls back to the stream's length
     # for the lag (what scales a model up from zero workers).
     await submit(adm, model, 5)
-    assert await keda_reads(redis, found["interactive-lag"]) == 5
-    assert await keda_reads(redis, found["bulk-lag"]) == 0  # no such stream yet
+    assert await waiting(redis, found, "interactive") == 5
+    assert await waiting(redis, found, "bulk") == 0  # no such stream yet
 
     worker = StreamConsumer(redis, model, "w1", ConsumerLimits.of(settings, lease_timeout_s=30.0))
     await worker.ensure_groups()
@@ -75,8 +84,8 @@ async def test_triggers_count_waiting_and_held_requests(path: Path, redis: Redis
     held = await worker.fetch(4, 100)
     assert [d.stream for d in held] == [keys.requests] * 4
     assert await keda_reads(redis, found["interactive-pending"]) == 4  # held by workers
-    assert await keda_reads(redis, found["interactive-lag"]) == 6  # no worker took them yet
-    assert await keda_reads(redis, found["bulk-lag"]) == 3
+    assert await waiting(redis, found, "interactive") == 6  # no worker took them yet
+    assert await waiting(redis, found, "bulk") == 3
     # The same figures as the api's metrics: pending is sluice_queue_running, lag sluice_queue_depth.
     figures = await queue_figures(redis, model)
     assert (figures["interactive"].running, figures["interactive"].waiting) == (4, 6)
@@ -87,7 +96,7 @@ async def test_triggers_count_waiting_and_held_requests(path: Path, redis: Redis
     assert await worker.start(oldest) == "run"
     assert await worker.commit(oldest, done_result()) is True
     assert await keda_reads(redis, found["interactive-pending"]) == 3
-    assert await keda_reads(redis, found["interactive-lag"]) == 6
+    assert await waiting(redis, found, "interactive") == 6
 
     # The entry delivered last finishing while older ones run: Redis may not tell the lag then
     # (a deleted entry at the group's last-delivered id), and KEDA reads 0 until the group reads
@@ -96,9 +105,11 @@ async def test_triggers_count_waiting_and_held_requests(path: Path, redis: Redis
     assert await worker.start(newest) == "run"
     assert await worker.commit(newest, done_result()) is True
     assert await keda_reads(redis, found["interactive-pending"]) == 2
-    assert await keda_reads(redis, found["interactive-lag"]) in (6, 0), (await redis.xinfo_groups(keys.requests))
+    lag = await keda_reads(redis, found["interactive-lag"])
+    staged = await keda_reads(redis, found["interactive-staged"])
+    assert lag + staged == 6 or lag == 0, (lag, staged, await redis.xinfo_groups(keys.requests))
     await worker.fetch(1, 100)
-    assert await keda_reads(redis, found["interactive-lag"]) == 5
+    assert await waiting(redis, found, "interactive") == 5
     assert await keda_reads(redis, found["interactive-pending"]) == 3
 
 
@@ -114,8 +125,10 @@ def test_the_triggers_carry_waiting_plus_running(path: Path) -> None:
     slots = model.continuous_batching_config.max_concurrent_batch_size
     found = triggers(path)
     pending, lag = int(found["interactive-pending"]["pendingEntriesCount"]), int(found["interactive-lag"]["lagCount"])
-    assert pending + lag <= slots, (pending, lag, slots)
+    staged = int(found["interactive-staged"]["streamLength"])
+    assert pending + lag + staged <= slots, (pending, lag, staged, slots)
     for running in range(0, 4 * slots, 7):
-        for waiting in range(0, 4 * slots, 11):
-            wanted = max(-(-running // pending), -(-waiting // lag))  # what the HPA asks for (ceil)
-            assert wanted * slots >= running + waiting, (running, waiting, wanted)
+        for on_lane in range(0, 2 * slots, 13):
+            for waiting in range(0, 2 * slots, 11):  # staged
+                wanted = max(-(-running // pending), -(-on_lane // lag), -(-waiting // staged))  # the HPA's (ceil)
+                assert wanted * slots >= running + on_lane + waiting, (running, on_lane, waiting, wanted)

@@ -13,8 +13,10 @@ import pytest
 import yaml
 
 from sluice.broker.keys import GROUP, ModelKeys
+from sluice.broker.keys import staged as staged_stream
 from sluice.config.deployment import memory_bytes
 from sluice.config.model import load_models
+from sluice.config.tenants import DEFAULT_TENANT
 from tests.cli_commands import cli_options
 from tests.deploy_k8s.manifests import (
     K8S,
@@ -127,23 +129,29 @@ def trigger_problems(triggers: list[dict], model: str, shards: int) -> list[str]
     problems = []
     auths = {d["metadata"]["name"]: d for d in render(K8S / "base") if d["kind"] == "TriggerAuthentication"}
     by_role: dict[tuple[str, str], dict] = {}
+    staged = {staged_stream(s, DEFAULT_TENANT) for s in (*streams, keys.bulk)}  # one per tenant: `default` here
     for t in triggers:
         meta = t["metadata"]
-        if t["type"] != "redis-streams" or meta["stream"] not in (*streams, keys.bulk):
+        if t["type"] != "redis-streams" or meta["stream"] not in (*streams, keys.bulk, *staged):
             problems.append(f"{t['type']} trigger on {meta.get('stream')}")
-        assert meta["consumerGroup"] == GROUP
         assert t["authenticationRef"]["name"] in auths and t["authenticationRef"].get("kind", "TriggerAuthentication") \
             == "TriggerAuthentication"
-        # KEDA reads the lag when lagCount is set, the pending entries otherwise: never both in one.
-        role = "lag" if "lagCount" in meta else "pending"
-        if role == "lag":
-            assert "pendingEntriesCount" not in meta and int(meta["lagCount"]) > 0
+        assert int(meta.get("databaseIndex", "0")) == 0
+        if meta["stream"] in staged:  # outside the group: KEDA reads the stream's length
+            assert "consumerGroup" not in meta and int(meta["streamLength"]) > 0
+            role = "staged"
         else:
-            assert int(meta["pendingEntriesCount"]) > 0
-        assert "streamLength" not in meta and int(meta.get("databaseIndex", "0")) == 0
+            assert meta["consumerGroup"] == GROUP and "streamLength" not in meta
+            # KEDA reads the lag when lagCount is set, the pending entries otherwise: never both in one.
+            role = "lag" if "lagCount" in meta else "pending"
+            if role == "lag":
+                assert "pendingEntriesCount" not in meta and int(meta["lagCount"]) > 0
+            else:
+                assert int(meta["pendingEntriesCount"]) > 0
         assert (meta["stream"], role) not in by_role
         by_role[meta["stream"], role] = t
-    wanted = {(s, role) for s in streams for role in ("pending", "lag")} | {(keys.bulk, "lag")}
+    wanted = {(s, role) for s in streams for role in ("pending", "lag")} | {(keys.bulk, "lag")} | \
+        {(s, "staged") for s in staged}
     problems += [f"no {role} trigger on {stream}" for stream, role in sorted(wanted - set(by_role))]
     # The hash tag puts every key of a shard in one cluster slot: it is in the stream names.
     assert all(stream.startswith(f"sluice:{{m:{model}") for stream, _ in by_role)
@@ -153,15 +161,19 @@ def trigger_problems(triggers: list[dict], model: str, shards: int) -> list[str]
 def test_a_sharded_model_needs_triggers_on_every_shard() -> None:
     scaled = one(render(OVERLAYS[0]), "ScaledObject")
     model = worker_model(one(render(OVERLAYS[0]), "Deployment"))
-    assert trigger_problems(scaled["spec"]["triggers"], model, 3) == [
-        f"no {role} trigger on sluice:{{m:{model}:{k}}}:req" for k in (1, 2) for role in ("lag", "pending")]
+    assert sorted(trigger_problems(scaled["spec"]["triggers"], model, 3)) == sorted(
+        [f"no {role} trigger on sluice:{{m:{model}:{k}}}:req" for k in (1, 2) for role in ("lag", "pending")]
+        + [f"no staged trigger on sluice:{{m:{model}:{k}}}:staged:req:default" for k in (1, 2)])
     more = copy.deepcopy(scaled["spec"]["triggers"])
+    first = ModelKeys(model).requests
     for k in (1, 2):
         for t in scaled["spec"]["triggers"]:
-            if t["metadata"]["stream"] == ModelKeys(model).requests:
+            if t["metadata"]["stream"] in (first, staged_stream(first, DEFAULT_TENANT)):
                 more.append(copy.deepcopy(t))
                 more[-1]["name"] = f"{t['name']}-{k}"
-                more[-1]["metadata"]["stream"] = ModelKeys(model).at(k).requests
+                shard = ModelKeys(model).at(k).requests
+                more[-1]["metadata"]["stream"] = shard if t["metadata"]["stream"] == first else \
+                    staged_stream(shard, DEFAULT_TENANT)
     assert trigger_problems(more, model, 3) == []
     assert validate({**scaled, "spec": {**scaled["spec"], "triggers": more}}) == []
 
