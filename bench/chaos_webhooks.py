@@ -34,7 +34,9 @@ class Post:
 
 @dataclass
 class HookReceiver:
-    """Records every POST; answers 400 to a bad signature, 500 to `fail_share` of first attempts."""
+    """Records every POST; answers 400 to a bad signature, 500 to `fail_share` of first attempts.
+    A POST whose body ends before its content-length is no request (its sender was killed between
+    writing headers and body): counted in `cut_off`, never verified, never answered."""
 
     redis_url: str
     fail_share: float = 1 / 3
@@ -43,6 +45,7 @@ class HookReceiver:
     posts: list[Post] = field(default_factory=list)
     bad_signatures: list[str] = field(default_factory=list)
     failed_first: int = 0
+    cut_off: int = 0  # POSTs whose body ended before their content-length (a sender SIGKILLed mid-request)
 
     def __post_init__(self) -> None:
         self._lock = threading.Lock()
@@ -53,8 +56,16 @@ class HookReceiver:
 
         class Handler(BaseHTTPRequestHandler):
             def do_POST(self) -> None:  # noqa: N802 (http.server's name)
-                body = self.rfile.read(int(self.headers.get("content-length") or 0)).decode()
-                self.send_response(receiver.receive({k.lower(): v for k, v in self.headers.items()}, body))
+                length = int(self.headers.get("content-length") or 0)
+                try:
+                    raw = self.rfile.read(length)
+                except OSError:
+                    raw = b""
+                if len(raw) < length:  # its sender died between headers and body: no request, no answer
+                    receiver.cut_short()
+                    self.close_connection = True
+                    return
+                self.send_response(receiver.receive({k.lower(): v for k, v in self.headers.items()}, raw.decode()))
                 self.send_header("content-length", "0")
                 self.end_headers()
 
@@ -81,6 +92,10 @@ class HookReceiver:
             fail = first and self._rng.random() < self.fail_share
             self.failed_first += fail
         return 500 if fail else 200
+
+    def cut_short(self) -> None:
+        with self._lock:
+            self.cut_off += 1
 
     def _state(self, event: dict) -> str | None:
         data = event.get("data") or {}
@@ -180,7 +195,7 @@ def audit_webhooks(redis_url: str, receiver: HookReceiver, tracked: list[Tracked
     broken += [f"bad signature: {b}" for b in receiver.bad_signatures]
     ids = {p.webhook_id for p in receiver.posts}
     figures = {"finals": len(finals), "events": len(ids), "posts": len(receiver.posts),
-               "failed_first": receiver.failed_first,
+               "failed_first": receiver.failed_first, "cut_off": receiver.cut_off,
                "posted_again": sum(sum(p.webhook_id == i for p in receiver.posts) > 1 for i in ids),
                "broken": len(broken), "bad_signatures": len(receiver.bad_signatures)}
     return {"figures": figures, "broken": broken[:20]}

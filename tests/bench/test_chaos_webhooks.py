@@ -5,6 +5,7 @@ another webhook-id, a bad signature. (tests/faults/test_chaos.py runs it for rea
 from __future__ import annotations
 
 import json
+import socket
 import time
 
 import httpx
@@ -57,3 +58,29 @@ async def test_each_broken_promise_is_found(redis: Redis, redis_url: str) -> Non
     assert any(b.startswith("duplicate with another webhook-id: req-4") for b in lines)
     assert "duplicate with another body: req-4" in lines
     assert any(b.startswith("bad signature: msg_6") for b in lines)
+
+
+async def test_a_post_cut_off_by_its_sender_is_not_a_bad_signature(redis_url: str) -> None:
+    """A sender SIGKILLed between its request's headers and its body (httpcore writes them apart)
+    leaves the receiver a content-length it never gets: no request, so neither a post nor a bad
+    signature (the delivery is posted again once its lease ends). A whole post still verifies."""
+    receiver = HookReceiver(redis_url, fail_share=0)
+    endpoint = Endpoint("we_1", receiver.url, [], "", "whsec_" + "QUFBQUFBQUFBQUFBQUFBQUFBQUFBQUFB")
+    receiver.secret = endpoint.secret
+    body = payload("msg_1", "request", "done", "req-1", 0, {"model": MODEL})
+    signed = signed_headers(endpoint, "msg_1", body, time.time())
+    head = f"POST /hooks HTTP/1.1\r\nhost: x\r\ncontent-length: {len(body)}\r\n" + "".join(
+        f"{k}: {v}\r\n" for k, v in signed.items()) + "\r\n"
+    port = int(receiver.url.split(":")[2].split("/")[0])
+    try:
+        for sent in ("", body[: len(body) // 2]):
+            with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+                s.sendall((head + sent).encode())
+                s.shutdown(socket.SHUT_WR)  # the sender is gone: the receiver reads to the end of the stream
+                while s.recv(4096):  # closed once the handler is done with it
+                    pass
+        assert receiver.bad_signatures == [] and receiver.posts == [] and receiver.cut_off == 2
+        assert post(receiver, endpoint, "msg_1", "request", "done", "req-1") == 200
+    finally:
+        receiver.stop()
+    assert [p.webhook_id for p in receiver.posts] == ["msg_1"] and receiver.bad_signatures == []
