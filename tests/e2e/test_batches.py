@@ -16,7 +16,7 @@ import openai
 import pytest
 import redis as redis_sync
 
-from sluice.broker.keys import ModelKeys
+from sluice.broker.keys import ModelKeys, backlog, staged
 from tests.e2e.conftest import NullStack, null_stack, settled_log
 
 MODEL = "bat"
@@ -126,17 +126,18 @@ def test_interactive_requests_overtake_bulk_rows_queued_before_them(stack: NullS
     ends after a few requests whatever the order the worker reads the lanes in.)"""
     keys = ModelKeys(MODEL)
     r = redis_sync.Redis.from_url(stack.redis.url, decode_responses=True)
-    wait_until(lambda: r.xlen(keys.requests) + r.xlen(keys.bulk) == 0, "earlier tests' entries drained")
+    wait_until(lambda: not queued_ids(r, keys.requests) + queued_ids(r, keys.bulk), "earlier tests' entries drained")
     worker = stack.procs["worker"]
     pause_in_blocking_read(worker, r)
     try:
         f = sdk.files.create(file=("in.jsonl", io.BytesIO(batch_file(8, max_tokens=300))), purpose="batch")
         batch = sdk.batches.create(input_file_id=f.id, endpoint="/v1/completions", completion_window="24h")
         rids_key = f"{{sluice:batch:{batch.id}}}:rids"
-        # SLUICE_BULK_OUTSTANDING=8: the whole job is on the bulk stream before anything interactive
+        # SLUICE_BULK_OUTSTANDING=8: the whole job is on the bulk lane before anything interactive
+        # (the first row on its stream, the others staged for their tenant's turn while it waits)
         wait_until(lambda: len(r.hgetall(rids_key)) == 8
-                   and set(r.hgetall(rids_key).values()) <= {e["id"] for _, e in r.xrange(keys.bulk)},
-                   "the job's 8 rows on the bulk stream")
+                   and set(r.hgetall(rids_key).values()) <= set(queued_ids(r, keys.bulk)),
+                   "the job's 8 rows on the bulk lane")
         bulk = list(r.hgetall(rids_key).values())
         interactive = []
         with httpx.Client(base_url=stack.url, timeout=30) as client:
@@ -164,17 +165,26 @@ def test_interactive_requests_overtake_bulk_rows_queued_before_them(stack: NullS
     assert len(waiting) >= 18 - 16, f"bulk rows started after the interactive requests took their slots: {waiting}"
 
 
+def queued_ids(r: redis_sync.Redis, stream: str) -> list[str]:
+    """The ids of the requests queued on a lane: on its stream, and staged for their tenants'
+    turns (fair share: docs/delivery.md)."""
+    tenants = r.zrange(backlog(stream), 0, -1)
+    return [e["id"] for s in [stream, *(staged(stream, t) for t in tenants)] for _, e in r.xrange(s)]
+
+
 def pause_in_blocking_read(worker: subprocess.Popen, r: redis_sync.Redis) -> None:
     """SIGSTOP the worker while it waits in its blocking read of the interactive lane, the one
     place where an idle worker has no decision pending. Stopped anywhere else it may have read
     the interactive lane (empty) and not yet the bulk one: resumed, it would read the bulk lane
     first, the job's rows being there by then (so it did in a CI run on a loaded machine). The
-    worker is stopped again, after it ran a little, until Redis shows it blocked in XREADGROUP."""
+    worker is stopped again, after it ran a little, until Redis shows it blocked in XREADGROUP,
+    or, placing by prefix (the model's default), in the XREAD of the lane's doorbell
+    (docs/prefix-affinity.md): woken, it dispatches the interactive lane first either way."""
     deadline = time.monotonic() + 60
     while True:
         worker.send_signal(signal.SIGSTOP)
         wait_until(lambda: stopped(worker.pid), "the worker stopped")
-        if any(c["name"] == "sluice-worker" and c["cmd"] == "xreadgroup" and "b" in c["flags"]
+        if any(c["name"] == "sluice-worker" and c["cmd"] in ("xreadgroup", "xread") and "b" in c["flags"]
                for c in r.client_list()):
             return
         worker.send_signal(signal.SIGCONT)
