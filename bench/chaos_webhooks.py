@@ -109,6 +109,11 @@ class HookReceiver:
         deadline = time.monotonic() + timeout_s
         while True:
             try:
+                # A create that timed out here may have been made there, under a secret never
+                # seen: the receiver's earlier endpoints go first, so one endpoint, of this secret, is left.
+                for e in httpx.get(f"{api_url}/v1/webhooks", timeout=10).raise_for_status().json()["data"]:
+                    if e["url"] == self.url:
+                        httpx.delete(f"{api_url}/v1/webhooks/{e['id']}", timeout=10).raise_for_status()
                 r = httpx.post(f"{api_url}/v1/webhooks", json={"url": self.url, "description": "chaos"}, timeout=10)
                 r.raise_for_status()
                 self.secret = r.json()["secret"]
