@@ -4,6 +4,7 @@ and `sluice up --from oci://...` serving a model that `sluice publish` pushed.""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -69,6 +70,34 @@ def start_up(tmp_path: Path, *args: str, models: Path | None = None) -> tuple[su
     return up, port, console
 
 
+def wait_up(url: str, up: subprocess.Popen, console: Path, data: Path) -> None:
+    """wait_ready, and on failure why: the console and the end of every process's log (a CI run's
+    timeout said only 'not ready after 300s')."""
+    try:
+        wait_ready(url, [up], timeout_s=300)
+    except (TimeoutError, RuntimeError) as err:
+        tails = [f"--- {p.name}\n" + "\n".join(p.read_text(errors="replace").splitlines()[-15:])
+                 for p in sorted((data / "logs").glob("*.log"))]
+        raise AssertionError("\n".join([str(err), "--- console", console.read_text(errors="replace"), *tails])) from err
+
+
+def end(up: subprocess.Popen) -> None:
+    """What a failed test leaves running: `sluice up` is stopped as a user stops it (its children
+    run in sessions of their own, so a SIGKILL of it alone left a CI run's api, workers, vLLM
+    engine, webhook sender and Redis running for the rest of the run), and what outlives it is killed."""
+    if up.poll() is not None:
+        return
+    children = psutil.Process(up.pid).children(recursive=True)
+    up.send_signal(signal.SIGTERM)
+    try:
+        up.wait(120)
+    except subprocess.TimeoutExpired:
+        up.kill()
+    for child in children:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            child.kill()
+
+
 def generate(url: str, model: str) -> dict:
     with httpx.Client(base_url=url, timeout=60) as client:
         rid = client.post("/v1/requests", json={"model": model, "prompt": "The capital of France is",
@@ -95,7 +124,7 @@ def test_up_serves_every_model_and_replica_and_stops_everything_it_started(tmp_p
     up, port, console = start_up(tmp_path, models=models)
     try:
         url = f"http://127.0.0.1:{port}"
-        wait_ready(url, [up], timeout_s=300)
+        wait_up(url, up, console, tmp_path / "data")
         solo, echo = generate(url, "solo"), generate(url, "echo")
         assert solo["status"] == "done" and solo["output"]["text"].startswith(" Paris")
         assert echo["status"] == "done" and echo["output"]["text"] == " t0 t1 t2 t3"
@@ -117,8 +146,7 @@ def test_up_serves_every_model_and_replica_and_stops_everything_it_started(tmp_p
         assert len(children) == 7  # redis-server, api, three workers, jobs, the webhook sender
         stop(up, port, children, ctrl_c=True)
     finally:
-        if up.poll() is None:
-            up.kill()
+        end(up)
     shown = console.read_text()
     lines = shown.splitlines()
     assert "Sluice is up" in shown and "worker echo-1 ready" in shown and "metrics at http://" in shown
@@ -144,7 +172,7 @@ def test_a_published_model_is_pulled_and_served_with_no_other_file(tmp_path: Pat
         up, port, console = start_up(tmp_path, "--from", target)  # no models file, another data dir
         try:
             url = f"http://127.0.0.1:{port}"
-            wait_ready(url, [up], timeout_s=300)
+            wait_up(url, up, console, tmp_path / "data")
             result = generate(url, "edge")
             assert result["status"] == "done" and result["output"]["text"].startswith(" Paris")
             deployed = httpx.get(f"{url}/v1/models/edge").json()
@@ -153,8 +181,7 @@ def test_a_published_model_is_pulled_and_served_with_no_other_file(tmp_path: Pat
                                                        text=True).stdout.split()]
             stop(up, port, children)
         finally:
-            if up.poll() is None:
-                up.kill()
+            end(up)
     pulled = tmp_path / "data" / "oci"
     assert (pulled / f"{registry.host.replace(':', '_')}_sluice_edge_v1" / "model" / "config.json").is_file()
 
@@ -184,7 +211,7 @@ def test_one_up_per_data_dir_a_busy_port_stops_it_first_and_it_says_why_it_stopp
     port = free_port()
     up, console = up_console(tmp_path, "first", data, port)
     try:
-        wait_ready(f"http://127.0.0.1:{port}", [up], timeout_s=300)  # SLUICE_API_PORT was heard
+        wait_up(f"http://127.0.0.1:{port}", up, console, data)  # SLUICE_API_PORT was heard
         recorded = (data / "redis-url").read_text().strip()
         assert recorded.startswith("redis://127.0.0.1:")
 
@@ -211,8 +238,7 @@ def test_one_up_per_data_dir_a_busy_port_stops_it_first_and_it_says_why_it_stopp
         os.kill(worker["pid"], signal.SIGKILL)
         assert up.wait(120) == 1
     finally:
-        if up.poll() is None:
-            up.kill()
+        end(up)
     lines = console.read_text().splitlines()
     assert any("worker m-0 exited with -9; its log is" in x and "ERROR" in x for x in lines), lines
     assert lines[-1].endswith("stopped; nothing it started is left running"), lines
