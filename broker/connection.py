@@ -59,6 +59,19 @@ _HOLDING: contextvars.ContextVar[bool] = contextvars.ContextVar("sluice_cluster_
 _CLUSTER_POOL_FACTOR = 8
 
 
+
+@contextlib.asynccontextmanager
+async def _lost_as_connection_error() -> AsyncIterator[None]:
+    """A connection that a failover closed under a command (redis-py's cluster client then
+    writes to a writer it has dropped: 'NoneType' object has no attribute 'writelines') is a
+    ConnectionError, as any lost connection is: the api answers 503 and a client retries, not 500."""
+    try:
+        yield
+    except AttributeError as err:
+        if "writelines" not in str(err) and "NoneType" not in str(err):
+            raise
+        raise RedisConnectionError(f"the connection to Redis was lost mid-command ({err})") from err
+
 class _BoundedCluster(RedisCluster):
     """redis-py's cluster client with the bound of a blocking pool: at most `bound` commands
     (pipelines included) at once in the whole client, the rest waiting for one to end; its own
@@ -89,7 +102,7 @@ class _BoundedCluster(RedisCluster):
                 _HOLDING.reset(token)
 
     async def execute_command(self, *args: object, **kwargs: object) -> object:
-        async with self._place():
+        async with self._place(), _lost_as_connection_error():
             return await super().execute_command(*args, **kwargs)
 
     def pipeline(self, *args: object, **kwargs: object):  # type: ignore[override]
@@ -98,7 +111,7 @@ class _BoundedCluster(RedisCluster):
         execute = pipe.execute
 
         async def bounded(*a: object, **kw: object) -> object:
-            async with self._place():
+            async with self._place(), _lost_as_connection_error():
                 return await execute(*a, **kw)
 
         pipe.execute = bounded  # type: ignore[method-assign]

@@ -51,15 +51,22 @@ def _heartbeat_since(r: redis_sync.Redis, name: str, since: float, *, in_flight:
 
 
 def stream_text(url: str, rid: str, out: dict[str, str]) -> None:
-    """Follow the SSE stream of one request, joining its delta texts."""
-    text = []
+    """Follow the SSE stream of one request, joining its delta texts. A stream refused with 503
+    (Redis away: a failover, a restart) is opened again after its Retry-After, as a client does."""
+    text: list[str] = []
+    deadline = time.monotonic() + 120
     with httpx.Client(base_url=url, timeout=120) as client:
-        with client.stream("GET", f"/v1/requests/{rid}/events") as response:
-            for ev in events(response.iter_lines()):
-                if ev.event == "delta":
-                    text.append(ev.json()["text"])
-                elif ev.event in ("done", "error"):
-                    break
+        while True:
+            with client.stream("GET", f"/v1/requests/{rid}/events") as response:
+                if response.status_code == 503 and time.monotonic() < deadline:
+                    time.sleep(float(response.headers.get("Retry-After", "1")))
+                    continue
+                for ev in events(response.iter_lines()):
+                    if ev.event == "delta":
+                        text.append(ev.json()["text"])
+                    elif ev.event in ("done", "error"):
+                        break
+                break
     out[rid] = "".join(text)
 
 
