@@ -59,19 +59,6 @@ _HOLDING: contextvars.ContextVar[bool] = contextvars.ContextVar("sluice_cluster_
 _CLUSTER_POOL_FACTOR = 8
 
 
-
-@contextlib.asynccontextmanager
-async def _lost_as_connection_error() -> AsyncIterator[None]:
-    """A connection that a failover closed under a command (redis-py's cluster client then
-    writes to a writer it has dropped: 'NoneType' object has no attribute 'writelines') is a
-    ConnectionError, as any lost connection is: the api answers 503 and a client retries, not 500."""
-    try:
-        yield
-    except AttributeError as err:
-        if "writelines" not in str(err) and "NoneType" not in str(err):
-            raise
-        raise RedisConnectionError(f"the connection to Redis was lost mid-command ({err})") from err
-
 class _BoundedCluster(RedisCluster):
     """redis-py's cluster client with the bound of a blocking pool: at most `bound` commands
     (pipelines included) at once in the whole client, the rest waiting for one to end; its own
@@ -88,21 +75,25 @@ class _BoundedCluster(RedisCluster):
     async def _place(self) -> AsyncIterator[None]:
         """One of the bound's places, held by a command or a pipeline. Re-entrant: a pipeline
         that resends a redirected command (MOVED, ASK during a failover) through
-        execute_command already holds its place, and would otherwise wait for itself."""
+        execute_command already holds its place, and would otherwise wait for itself. A
+        connection a failover closed under it (redis-py then writes to a writer it dropped) is
+        a ConnectionError, as any lost one is: the api answers 503, not 500."""
         if not self._ready:
             await self.ready()
-        if _HOLDING.get():
-            yield
-            return
-        async with self._bound:
-            token = _HOLDING.set(True)
-            try:
+        token = None if _HOLDING.get() else _HOLDING.set(True)
+        try:
+            async with self._bound if token else contextlib.nullcontext():
                 yield
-            finally:
+        except AttributeError as err:
+            if "writelines" not in str(err):
+                raise
+            raise RedisConnectionError(f"the connection to Redis was lost mid-command ({err})") from err
+        finally:
+            if token:
                 _HOLDING.reset(token)
 
     async def execute_command(self, *args: object, **kwargs: object) -> object:
-        async with self._place(), _lost_as_connection_error():
+        async with self._place():
             return await super().execute_command(*args, **kwargs)
 
     def pipeline(self, *args: object, **kwargs: object):  # type: ignore[override]
@@ -111,7 +102,7 @@ class _BoundedCluster(RedisCluster):
         execute = pipe.execute
 
         async def bounded(*a: object, **kw: object) -> object:
-            async with self._place(), _lost_as_connection_error():
+            async with self._place():
                 return await execute(*a, **kw)
 
         pipe.execute = bounded  # type: ignore[method-assign]
