@@ -89,9 +89,11 @@ class Quotas:
     async def requests_wait_s(self, model: str, tenant: str, *, requests_per_minute: int, shards: int = 1) -> float:
         """A look, charging nothing: how long until the tenant's requests bucket on `model` (its
         first shard) takes one more request; 0 when it would now. Only a hint: the charge decides."""
-        async with self.redis.pipeline(transaction=False) as pipe:
-            tat, (seconds, micros) = await pipe.get(ModelKeys(model).quota(tenant, "requests")).time().execute()
-        now_ms = seconds * 1000 + micros // 1000
+        # One script call, on the key's node (a cluster refuses TIME in a pipeline): its bucket and Redis' clock.
+        key = ModelKeys(model).quota(tenant, "requests")
+        tat, (seconds, micros) = await self.redis.eval(
+            "return {redis.call('GET', KEYS[1]) or '0', redis.call('TIME')}", 1, key)
+        now_ms = int(seconds) * 1000 + int(micros) // 1000
         interval = 60_000 / self.per_shard(requests_per_minute, shards)
         return max(0.0, (max(int(tat or 0), now_ms) + interval - now_ms - 60_000) / 1000)
 
