@@ -75,7 +75,8 @@ def _prefix_cache(w: WorkerInfo) -> dict[str, Any] | None:
     if w.prefix_cache_queries is None or w.prefix_cache_hits is None:
         return None
     rate = round(w.prefix_cache_hits / w.prefix_cache_queries, 4) if w.prefix_cache_queries else None
-    return {"queries": w.prefix_cache_queries, "hits": w.prefix_cache_hits, "hit_rate": rate}
+    return {"queries": w.prefix_cache_queries, "hits": w.prefix_cache_hits, "hit_rate": rate,
+            "blocks": w.prefix_cache_blocks}
 
 
 def _reader(request: Request, s: ApiState) -> ActivityReader:

@@ -5,8 +5,10 @@ with a KV cache of `kv_gib` (small enough that one worker cannot hold every syst
 api. The chat workload (bench/prefix_workload.py: 8 shared system prompts of about 500 tokens,
 Zipf, short user turns) is sent over /v1/chat/completions with `stream: true`, `concurrency` at
 once, each asking for exactly `max_tokens` tokens (ignore_eos). Measured: the prefix-cache hit
-rate from the workers' vLLM counters (their heartbeats, the warm-up excluded), against an
-oracle's (every repeat of a system prompt finds its full blocks cached); TTFT p50/p99 (to the
+rate from the workers' vLLM counters (their heartbeats, the warm-up excluded), against the
+oracle's: the same prompts in the same order, each sent to the worker whose cache holds most of
+it, over caches of the workers' real size (bench/prefix_sim.py best_worker_hit_rate), and
+against one cache holding every system prompt (a bar no two caches of this size reach); TTFT p50/p99 (to the
 first content chunk, at the client); output tokens/s; each worker's share of the requests (from
 the inference log).
 """
@@ -24,6 +26,7 @@ from typing import Any
 import httpx
 import redis
 
+from sluice.bench.prefix_sim import best_worker_hit_rate
 from sluice.bench.prefix_workload import chat_workload
 from sluice.bench.sse import sse_events
 from sluice.broker.keys import WORKERS, ModelKeys
@@ -41,12 +44,13 @@ def models_yaml(affinity: bool, kv_gib: float, concurrency: int) -> str:
             f"    continuous_batching_config: {{max_concurrent_batch_size: {concurrency}}}\n")
 
 
-def _counters(client: redis.Redis) -> dict[str, tuple[int, int]]:
-    """Each live worker's prefix-cache (queries, hits) from its last heartbeat."""
+def _counters(client: redis.Redis) -> dict[str, tuple[int, int, int | None]]:
+    """Each live worker's prefix-cache (queries, hits, size in blocks) from its last heartbeat."""
     out = {}
     for name, raw in client.hgetall(WORKERS).items():
         info = json.loads(raw)
-        out[name] = (info.get("prefix_cache_queries") or 0, info.get("prefix_cache_hits") or 0)
+        out[name] = (info.get("prefix_cache_queries") or 0, info.get("prefix_cache_hits") or 0,
+                     info.get("prefix_cache_blocks"))
     return out
 
 
@@ -76,10 +80,15 @@ async def _one(http: httpx.AsyncClient, messages: list[dict[str, str]], max_toke
     return first
 
 
-async def _oracle(http: httpx.AsyncClient, chats: list[list[dict[str, str]]]) -> float:
-    """The hit rate if every repeat of a system prompt found all its full blocks cached."""
+async def _oracles(http: httpx.AsyncClient, chats: list[list[dict[str, str]]], blocks: int | None
+                   ) -> tuple[float, float | None]:
+    """Two bars for the hit rate: (1) every repeat of a system prompt finds all its full blocks
+    cached, as if one cache held all eight (no two caches of this size can); (2) the issue's
+    oracle, each request sent to the worker whose cache holds most of it, with caches of the
+    workers' real size (`blocks`, their vLLM's num_gpu_blocks; None when not reported)."""
     shared: dict[str, int] = {}
     seen: set[str] = set()
+    prompts: list[list[int]] = []
     hits = total = 0
     for chat in chats:
         system = chat[0]["content"]
@@ -87,12 +96,14 @@ async def _oracle(http: httpx.AsyncClient, chats: list[list[dict[str, str]]]) ->
             body = {"model": MODEL, "messages": chat[:1], "add_generation_prompt": False}
             r = await http.post("/tokenize", json=body)
             shared[system] = r.json()["count"] // DEFAULT_BLOCK_SIZE * DEFAULT_BLOCK_SIZE
-        n = (await http.post("/tokenize", json={"model": MODEL, "messages": chat})).json()["count"]
+        prompts.append((await http.post("/tokenize", json={"model": MODEL, "messages": chat})).json()["tokens"])
+        n = len(prompts[-1])
         total += n
         if system in seen:
             hits += min(shared[system], n - 1)
         seen.add(system)
-    return hits / total if total else 0.0
+    best = best_worker_hit_rate(prompts, len(WORKER_NAMES), blocks, DEFAULT_BLOCK_SIZE) if blocks else None
+    return (hits / total if total else 0.0), best
 
 
 async def _drive(url: str, chats: list[list[dict[str, str]]], concurrency: int, max_tokens: int
@@ -124,18 +135,23 @@ def run_mode(affinity: bool, *, requests: int, concurrency: int, max_tokens: int
         time.sleep(2 * heartbeat_s)  # the last heartbeats carry the last counters
         after, shares = _counters(client), _shares(client)
 
-        async def oracle() -> float:
-            async with httpx.AsyncClient(base_url=stack.url, timeout=60) as http:
-                return await _oracle(http, chats)
+        blocks = min((c[2] for c in after.values() if c[2]), default=None)
 
-        oracle_rate = asyncio.run(oracle())
+        async def oracles() -> tuple[float, float | None]:
+            async with httpx.AsyncClient(base_url=stack.url, timeout=60) as http:
+                return await _oracles(http, chats, blocks)
+
+        one_cache, best_worker = asyncio.run(oracles())
         client.close()
     queries = sum(after[w][0] - before.get(w, (0, 0))[0] for w in after)
     hits = sum(after[w][1] - before.get(w, (0, 0))[1] for w in after)
+    rate = hits / queries if queries else None
     served = {w: shares.get(w, 0) - logged.get(w, 0) for w in WORKER_NAMES}
     ordered = sorted(ttfts)
-    return {"affinity": affinity, "requests": requests, "hit_rate": round(hits / queries, 3) if queries else None,
-            "oracle_hit_rate": round(oracle_rate, 3),
+    return {"affinity": affinity, "requests": requests, "hit_rate": round(rate, 3) if rate is not None else None,
+            "kv_cache_blocks": blocks, "oracle_hit_rate": round(best_worker, 3) if best_worker else None,
+            "of_oracle": round(rate / best_worker, 3) if rate is not None and best_worker else None,
+            "one_cache_hit_rate": round(one_cache, 3),
             "ttft_p50_ms": round(1000 * statistics.median(ordered), 1),
             "ttft_p99_ms": round(1000 * ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))], 1),
             "output_tokens_per_s": round(requests * max_tokens / wall_s, 1),

@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 
 from sluice.bench.prefix_workload import Entry, SimConfig, workload
 from sluice.broker.affinity import bounded_owners, rendezvous_ranks
+from sluice.protocol.prefix import block_hashes
 from sluice.workers.engines.prefix_cache import SimulatedPrefixCache
 
 POLICIES = ("fifo", "digest", "rendezvous", "oracle")
@@ -254,3 +255,20 @@ def simulate(config: SimConfig, policies: tuple[str, ...] = POLICIES) -> list[Si
     """Every policy over the same requests (one workload, drawn from the seed)."""
     entries = workload(config)
     return [Simulation(config, p).run(entries) for p in policies]
+
+
+def best_worker_hit_rate(prompts: list[list[int]], workers: int, blocks: int, block_size: int) -> float:
+    """The oracle of a real run (bench/prefix_real.py): its prompts (token ids) in the order sent,
+    each to the worker whose cache holds most of its leading blocks (on a tie, the one that has
+    served fewest), over `workers` simulated caches of the real engines' size in blocks. Its hit
+    rate, counted as vLLM counts, is what always picking the best worker gets with those caches."""
+    caches = [SimulatedPrefixCache(blocks, block_size) for _ in range(workers)]
+    served = [0] * workers
+    for ids in prompts:
+        chain = block_hashes(ids, block_size)
+        held = [c.cached_blocks(chain) for c in caches]
+        best = max(range(workers), key=lambda i: (held[i], -served[i]))
+        served[best] += 1
+        caches[best].admit(chain, len(ids))
+    queries = sum(c.counters.queries for c in caches)
+    return sum(c.counters.hits for c in caches) / queries if queries else 0.0

@@ -74,6 +74,7 @@ class WorkerInfo:
     # its engine's prefix-cache counters so far, in prompt tokens (None: no prefix cache)
     prefix_cache_queries: int | None = None
     prefix_cache_hits: int | None = None
+    prefix_cache_blocks: int | None = None  # the cache's size in KV-cache blocks (None: not known)
 
 
 class WorkerRegistry:

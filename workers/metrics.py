@@ -77,6 +77,6 @@ class PrefixCacheExport:
         self._counted = (counters.queries, counters.hits)
 
     @staticmethod
-    def heartbeat(counters: PrefixCacheCounters | None) -> dict[str, int]:
+    def heartbeat(counters: PrefixCacheCounters | None) -> dict[str, int | None]:
         return {} if counters is None else {"prefix_cache_queries": counters.queries,
-                                            "prefix_cache_hits": counters.hits}
+                                            "prefix_cache_hits": counters.hits, "prefix_cache_blocks": counters.blocks}

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from sluice.bench.prefix_real import models_yaml
-from sluice.bench.prefix_sim import POLICIES, Simulation, simulate
+from sluice.bench.prefix_sim import POLICIES, Simulation, best_worker_hit_rate, simulate
 from sluice.bench.prefix_workload import SimConfig, chat_workload, system_prompt, workload
 from sluice.broker.affinity import bounded_owners, rendezvous_ranks
 from sluice.config.model import load_models
@@ -116,3 +116,15 @@ def test_the_real_run_s_deployment_is_valid_and_sized_under_the_prompts(tmp_path
     per_token = 2 * 30 * 3 * 64 * 4  # K and V, 30 layers, 3 KV heads of 64, float32: SmolLM2-135M
     tokens = (model.framework_config.cpu_kvcache_space_gib or 0) * 2**30 / per_token
     assert 2_000 < tokens < 8 * 500 < 2 * tokens
+
+
+def test_the_real_run_s_oracle_sends_each_prompt_to_the_cache_holding_it() -> None:
+    """Two prompts of 4 blocks alternating, two caches of 5 blocks: one cache cannot hold both,
+    the best worker for each is the one holding it, so every repeat hits (all but the last block
+    of a prompt that is only cached blocks, as vLLM counts); one cache of the same size misses all."""
+    a, b = list(range(64)), list(range(1000, 1064))
+    prompts = [a, b] * 10
+    two = best_worker_hit_rate(prompts, workers=2, blocks=5, block_size=16)
+    assert two == pytest.approx(18 * 48 / (20 * 64))
+    assert best_worker_hit_rate(prompts, workers=1, blocks=5, block_size=16) == 0.0
+    assert best_worker_hit_rate([], workers=2, blocks=5, block_size=16) == 0.0

@@ -19,6 +19,7 @@ from sluice.workers.engines.base import GenerationRequest
 from sluice.workers.engines.null import NullEngine
 from sluice.workers.engines.prefix_cache import PrefixCacheCounters, SimulatedPrefixCache
 from sluice.workers.engines.vllm import prefix_stat_logger
+from sluice.workers.metrics import PrefixCacheExport
 from tests.workers.test_worker_null import MODEL, WorkerFactory, admission, eventually, settings, start_worker  # noqa: F401
 
 SYSTEM = " ".join(f"s{i}" for i in range(48))  # three blocks of 16 words
@@ -93,6 +94,19 @@ def test_the_vllm_stat_logger_sums_the_prefix_cache_stats_of_each_step() -> None
         logger.record(SchedulerStats(prefix_cache_stats=stats), None)
     logger.record(None, None)
     assert (counters.queries, counters.hits) == (220, 96)
+
+
+def test_the_vllm_stat_logger_reports_the_cache_s_size_once_the_engine_is_up() -> None:
+    """AsyncLLM sets cache_config.num_gpu_blocks from the engine core before it makes its stat
+    loggers, then calls log_engine_initialized: the size in blocks goes into the heartbeat."""
+    from types import SimpleNamespace
+
+    counters = PrefixCacheCounters()
+    config = SimpleNamespace(cache_config=SimpleNamespace(num_gpu_blocks=101))
+    prefix_stat_logger(counters)(config, 0).log_engine_initialized()
+    assert counters.blocks == 101
+    assert PrefixCacheExport.heartbeat(counters)["prefix_cache_blocks"] == 101
+    assert SimulatedPrefixCache(64).counters.blocks == 64
 
 
 def message(prompt: str) -> RequestMessage:

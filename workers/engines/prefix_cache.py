@@ -16,10 +16,12 @@ from dataclasses import dataclass
 
 @dataclass
 class PrefixCacheCounters:
-    """Cumulative, in tokens: what was looked up (each prompt's tokens) and what was found."""
+    """Cumulative, in tokens: what was looked up (each prompt's tokens) and what was found; and
+    the cache's size in blocks (vLLM's num_gpu_blocks; None until known)."""
 
     queries: int = 0
     hits: int = 0
+    blocks: int | None = None
 
     @property
     def hit_rate(self) -> float:
@@ -34,7 +36,7 @@ class SimulatedPrefixCache:
             raise ValueError("capacity_blocks must be 0 or more and block_size more than 0")
         self.capacity_blocks = capacity_blocks
         self.block_size = block_size
-        self.counters = PrefixCacheCounters()
+        self.counters = PrefixCacheCounters(blocks=capacity_blocks)
         self._blocks: OrderedDict[bytes, None] = OrderedDict()
 
     def __len__(self) -> int:

@@ -206,12 +206,13 @@ def prefix_stat_logger(counters: PrefixCacheCounters) -> Any:
     """A factory of vLLM stat loggers (vllm.v1.metrics.loggers.StatLoggerBase) that add each
     scheduler step's prefix-cache queries and hits (tokens, PrefixCacheStats) to `counters`, as
     vLLM's own Prometheus logger counts vllm:prefix_cache_queries and vllm:prefix_cache_hits.
-    A preempted request's second lookup is left out, as vLLM leaves it out of those."""
+    A preempted request's second lookup is left out, as vLLM leaves it out of those. Once the
+    engine is up, the cache's size in blocks (num_gpu_blocks, set by then) goes to `counters` too."""
     from vllm.v1.metrics.loggers import StatLoggerBase
 
     class PrefixCacheStatLogger(StatLoggerBase):
         def __init__(self, vllm_config: Any, engine_index: int = 0):
-            self.engine_index = engine_index
+            self.engine_index, self.vllm_config = engine_index, vllm_config
 
         def record(self, scheduler_stats: Any, iteration_stats: Any, mm_cache_stats: Any = None,
                    engine_idx: int = 0) -> None:
@@ -221,6 +222,6 @@ def prefix_stat_logger(counters: PrefixCacheCounters) -> Any:
                 counters.hits += stats.hits
 
         def log_engine_initialized(self) -> None:
-            return None
+            counters.blocks = self.vllm_config.cache_config.num_gpu_blocks
 
     return PrefixCacheStatLogger
