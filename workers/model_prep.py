@@ -13,6 +13,8 @@ import shutil
 from importlib import metadata
 from pathlib import Path
 
+from filelock import FileLock
+
 from sluice.config.model import DEFAULT_MODEL_PATH
 from sluice.config.model_paths import DONE_MARKER, PREPARED_NAME, is_prepared, local_model_dir, prepared_dir
 
@@ -46,10 +48,23 @@ def gguf_path() -> Path:
 
 
 def prepare_default_model(cache_dir: Path, force: bool = False) -> Path:
-    """Convert once; later calls return the existing directory at once."""
+    """Convert once; later calls return the existing directory at once. Replicas starting
+    together on a fresh machine convert once too: one holds the lock beside the directory and
+    converts, the others wait for it and find the model prepared (two converting at once both
+    wrote into one temporary directory, and the second worker exited: FileExistsError)."""
     target = prepared_dir(cache_dir)
     if is_prepared(cache_dir) and not force:
         return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(target.with_name(target.name + ".lock")):
+        if is_prepared(cache_dir) and not force:
+            return target
+        return _convert(target)
+
+
+def _convert(target: Path) -> Path:
+    """The GGUF file's weights, tokenizer and config as a directory vLLM loads, written to a
+    temporary directory that is then renamed `target`."""
     source = gguf_path()
     log.info("preparing %s from %s into %s", PREPARED_NAME, source, target)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
