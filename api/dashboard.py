@@ -76,7 +76,7 @@ def _prefix_cache(w: WorkerInfo) -> dict[str, Any] | None:
         return None
     rate = round(w.prefix_cache_hits / w.prefix_cache_queries, 4) if w.prefix_cache_queries else None
     return {"queries": w.prefix_cache_queries, "hits": w.prefix_cache_hits, "hit_rate": rate,
-            "blocks": w.prefix_cache_blocks}
+            "blocks": w.prefix_cache_blocks, "block_size": w.prefix_cache_block_size}
 
 
 def _reader(request: Request, s: ApiState) -> ActivityReader:

@@ -44,13 +44,14 @@ def models_yaml(affinity: bool, kv_gib: float, concurrency: int) -> str:
             f"    continuous_batching_config: {{max_concurrent_batch_size: {concurrency}}}\n")
 
 
-def _counters(client: redis.Redis) -> dict[str, tuple[int, int, int | None]]:
-    """Each live worker's prefix-cache (queries, hits, size in blocks) from its last heartbeat."""
+def _counters(client: redis.Redis) -> dict[str, tuple[int, int, tuple[int | None, int | None]]]:
+    """Each live worker's prefix-cache (queries, hits, (its size in blocks, their size in tokens))
+    from its last heartbeat."""
     out = {}
     for name, raw in client.hgetall(WORKERS).items():
         info = json.loads(raw)
         out[name] = (info.get("prefix_cache_queries") or 0, info.get("prefix_cache_hits") or 0,
-                     info.get("prefix_cache_blocks"))
+                     (info.get("prefix_cache_blocks"), info.get("prefix_cache_block_size")))
     return out
 
 
@@ -80,12 +81,13 @@ async def _one(http: httpx.AsyncClient, messages: list[dict[str, str]], max_toke
     return first
 
 
-async def _oracles(http: httpx.AsyncClient, chats: list[list[dict[str, str]]], blocks: int | None
-                   ) -> tuple[float, float | None]:
+async def _oracles(http: httpx.AsyncClient, chats: list[list[dict[str, str]]],
+                   cache: tuple[int | None, int | None]) -> tuple[float, float | None]:
     """Two bars for the hit rate: (1) every repeat of a system prompt finds all its full blocks
     cached, as if one cache held all eight (no two caches of this size can); (2) the issue's
     oracle, each request sent to the worker whose cache holds most of it, with caches of the
-    workers' real size (`blocks`, their vLLM's num_gpu_blocks; None when not reported)."""
+    workers' real size and blocks (`cache`: their vLLM's num_gpu_blocks and block_size, 128 tokens
+    on the CPU; None when not reported)."""
     shared: dict[str, int] = {}
     seen: set[str] = set()
     prompts: list[list[int]] = []
@@ -102,7 +104,8 @@ async def _oracles(http: httpx.AsyncClient, chats: list[list[dict[str, str]]], b
         if system in seen:
             hits += min(shared[system], n - 1)
         seen.add(system)
-    best = best_worker_hit_rate(prompts, len(WORKER_NAMES), blocks, DEFAULT_BLOCK_SIZE) if blocks else None
+    blocks, block_size = cache
+    best = best_worker_hit_rate(prompts, len(WORKER_NAMES), blocks, block_size) if blocks and block_size else None
     return (hits / total if total else 0.0), best
 
 
@@ -135,11 +138,11 @@ def run_mode(affinity: bool, *, requests: int, concurrency: int, max_tokens: int
         time.sleep(2 * heartbeat_s)  # the last heartbeats carry the last counters
         after, shares = _counters(client), _shares(client)
 
-        blocks = min((c[2] for c in after.values() if c[2]), default=None)
+        cache = min((c[2] for c in after.values() if c[2][0]), default=(None, None))
 
         async def oracles() -> tuple[float, float | None]:
             async with httpx.AsyncClient(base_url=stack.url, timeout=60) as http:
-                return await _oracles(http, chats, blocks)
+                return await _oracles(http, chats, cache)
 
         one_cache, best_worker = asyncio.run(oracles())
         client.close()
@@ -149,7 +152,8 @@ def run_mode(affinity: bool, *, requests: int, concurrency: int, max_tokens: int
     served = {w: shares.get(w, 0) - logged.get(w, 0) for w in WORKER_NAMES}
     ordered = sorted(ttfts)
     return {"affinity": affinity, "requests": requests, "hit_rate": round(rate, 3) if rate is not None else None,
-            "kv_cache_blocks": blocks, "oracle_hit_rate": round(best_worker, 3) if best_worker else None,
+            "kv_cache": f"{cache[0]} x {cache[1]} tokens",
+            "oracle_hit_rate": round(best_worker, 3) if best_worker is not None else None,
             "of_oracle": round(rate / best_worker, 3) if rate is not None and best_worker else None,
             "one_cache_hit_rate": round(one_cache, 3),
             "ttft_p50_ms": round(1000 * statistics.median(ordered), 1),

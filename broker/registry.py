@@ -75,6 +75,7 @@ class WorkerInfo:
     prefix_cache_queries: int | None = None
     prefix_cache_hits: int | None = None
     prefix_cache_blocks: int | None = None  # the cache's size in KV-cache blocks (None: not known)
+    prefix_cache_block_size: int | None = None  # tokens per block
 
 
 class WorkerRegistry:

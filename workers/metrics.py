@@ -79,4 +79,5 @@ class PrefixCacheExport:
     @staticmethod
     def heartbeat(counters: PrefixCacheCounters | None) -> dict[str, int | None]:
         return {} if counters is None else {"prefix_cache_queries": counters.queries,
-                                            "prefix_cache_hits": counters.hits, "prefix_cache_blocks": counters.blocks}
+                                            "prefix_cache_hits": counters.hits, "prefix_cache_blocks": counters.blocks,
+                                            "prefix_cache_block_size": counters.block_size}

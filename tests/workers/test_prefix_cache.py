@@ -102,11 +102,12 @@ def test_the_vllm_stat_logger_reports_the_cache_s_size_once_the_engine_is_up() -
     from types import SimpleNamespace
 
     counters = PrefixCacheCounters()
-    config = SimpleNamespace(cache_config=SimpleNamespace(num_gpu_blocks=101))
+    config = SimpleNamespace(cache_config=SimpleNamespace(num_gpu_blocks=12, block_size=128))
     prefix_stat_logger(counters)(config, 0).log_engine_initialized()
-    assert counters.blocks == 101
-    assert PrefixCacheExport.heartbeat(counters)["prefix_cache_blocks"] == 101
-    assert SimulatedPrefixCache(64).counters.blocks == 64
+    assert (counters.blocks, counters.block_size) == (12, 128)
+    beat = PrefixCacheExport.heartbeat(counters)
+    assert (beat["prefix_cache_blocks"], beat["prefix_cache_block_size"]) == (12, 128)
+    assert (SimulatedPrefixCache(64).counters.blocks, SimulatedPrefixCache(64).counters.block_size) == (64, 16)
 
 
 def message(prompt: str) -> RequestMessage:

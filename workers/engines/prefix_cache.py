@@ -17,11 +17,13 @@ from dataclasses import dataclass
 @dataclass
 class PrefixCacheCounters:
     """Cumulative, in tokens: what was looked up (each prompt's tokens) and what was found; and
-    the cache's size in blocks (vLLM's num_gpu_blocks; None until known)."""
+    the cache's size in blocks of `block_size` tokens (vLLM's num_gpu_blocks and block_size,
+    None until known: vLLM on the CPU takes blocks of 128 tokens where a GPU takes 16)."""
 
     queries: int = 0
     hits: int = 0
     blocks: int | None = None
+    block_size: int | None = None
 
     @property
     def hit_rate(self) -> float:
@@ -36,7 +38,7 @@ class SimulatedPrefixCache:
             raise ValueError("capacity_blocks must be 0 or more and block_size more than 0")
         self.capacity_blocks = capacity_blocks
         self.block_size = block_size
-        self.counters = PrefixCacheCounters(blocks=capacity_blocks)
+        self.counters = PrefixCacheCounters(blocks=capacity_blocks, block_size=block_size)
         self._blocks: OrderedDict[bytes, None] = OrderedDict()
 
     def __len__(self) -> int:

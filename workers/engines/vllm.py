@@ -207,7 +207,7 @@ def prefix_stat_logger(counters: PrefixCacheCounters) -> Any:
     scheduler step's prefix-cache queries and hits (tokens, PrefixCacheStats) to `counters`, as
     vLLM's own Prometheus logger counts vllm:prefix_cache_queries and vllm:prefix_cache_hits.
     A preempted request's second lookup is left out, as vLLM leaves it out of those. Once the
-    engine is up, the cache's size in blocks (num_gpu_blocks, set by then) goes to `counters` too."""
+    engine is up, the cache's size (num_gpu_blocks, set by then, and block_size) goes to `counters` too."""
     from vllm.v1.metrics.loggers import StatLoggerBase
 
     class PrefixCacheStatLogger(StatLoggerBase):
@@ -222,6 +222,7 @@ def prefix_stat_logger(counters: PrefixCacheCounters) -> Any:
                 counters.hits += stats.hits
 
         def log_engine_initialized(self) -> None:
-            counters.blocks = self.vllm_config.cache_config.num_gpu_blocks
+            cache = self.vllm_config.cache_config
+            counters.blocks, counters.block_size = cache.num_gpu_blocks, cache.block_size
 
     return PrefixCacheStatLogger
