@@ -3,6 +3,9 @@
 -- flushed yet ride on the commit: one call, not a flush and then a commit), the final event and
 -- the status (unless the request is final already), acknowledge and delete the entry, and
 -- announce it, all at once. Otherwise it has been fenced out and writes nothing.
+-- A worker placing by prefix (docs/prefix-affinity.md) counts one more free slot in
+-- `<tag>:aff:slots` at its commit: the request a client sends on seeing this final must find
+-- its owner free, not full until the owner's next fetch says otherwise.
 -- KEYS: stream, status, reply
 -- ARGV: group, consumer, entry_id, state, final_json, now, result_ttl, reply_ttl,
 --       done_channel, rid, rows (the request's row count), n (how many counts follow), then n counts (per row, the tokens the worker sent to the
@@ -14,7 +17,7 @@
 -- worker sends the tokens again from there and commits then. A commit never goes through
 -- over a hole.
 local stream, status, reply = KEYS[1], KEYS[2], KEYS[3]
-local group, entry_id, state, final, now = ARGV[1], ARGV[3], ARGV[4], ARGV[5], ARGV[6]
+local group, consumer, entry_id, state, final, now = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6]
 local result_ttl, reply_ttl, done_channel, rid = ARGV[7], ARGV[8], ARGV[9], ARGV[10]
 local rows, n = tonumber(ARGV[11]), tonumber(ARGV[12])
 local COUNTS = 13  -- ARGV[13 .. 12 + n]: the counts
@@ -62,6 +65,11 @@ end
 local written = write_final(status, reply, state, final, now, result_ttl, reply_ttl, done_channel, rid,
                             rows, {known.state, known.retain_s, got[5]})
 ack_and_delete(stream, group, entry_id)
+local slots = tag_of(stream) .. ':aff:slots'
+local free, seen = string.match(redis.call('HGET', slots, consumer) or '', '^(%-?%d+)|(%d+)$')
+if free then
+  redis.call('HSET', slots, consumer, (tonumber(free) + 1) .. '|' .. seen)
+end
 if written then
   return 1
 end

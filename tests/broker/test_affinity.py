@@ -16,7 +16,7 @@ from sluice.broker.affinity import GROUP_BLOCKS, rendezvous_ranks
 from sluice.broker.consumer import StreamConsumer
 from sluice.broker.fair_share import dispatch
 from sluice.config.settings import Settings
-from sluice.protocol.messages import RequestMessage, SamplingSpec
+from sluice.protocol.messages import FinalResult, RequestMessage, RowOutput, SamplingSpec, State, Usage
 from sluice.protocol.prefix import PREFIX_DEPTHS
 from tests.broker.helpers import KEYS, MODEL, admission, ready_consumer
 
@@ -139,6 +139,24 @@ async def test_an_idle_worker_takes_what_busy_owners_cannot_start(redis: Redis, 
     await submit(redis, settings, theirs)
     assert await dispatch(a, LANE, 0) == []  # a records no free slot
     assert [group_of(f) for _, f in await dispatch(b, LANE, CAPACITY)] == theirs  # b runs nothing: takes it
+
+
+async def test_an_owner_that_committed_is_free_for_the_next_request_of_its_group(redis: Redis, settings: Settings
+                                                                                ) -> None:
+    """A full owner commits a request; its client sends the next one of the group at once, before
+    the owner fetches again: the owner's slot is free from the commit on, so the next-ranked
+    worker leaves that request to it (it took it before: the owner still looked full)."""
+    a, b = await placing(redis, settings, "wa"), await placing(redis, settings, "wb")
+    group = next(g for g in GROUPS if owner(g, ["wa", "wb"]) == "wa")
+    await submit(redis, settings, [group])
+    (d,) = await a.fetch(1, 10)
+    assert await a.start(d) == "run"
+    assert await dispatch(a, LANE, 0) == []  # a records no free slot
+    await a.commit(d, FinalResult(status=State.DONE, output=RowOutput(text="t", num_output_tokens=1),
+                                  usage=Usage(prompt_tokens=10, completion_tokens=1)))
+    (after,) = await submit(redis, settings, [group])
+    assert await dispatch(b, LANE, CAPACITY) == []  # not b's: its owner has a free slot
+    assert [f["id"] for _, f in await dispatch(a, LANE, 1)] == [after.id]
 
 
 async def test_a_dead_worker_moves_its_groups_and_only_them(redis: Redis, settings: Settings) -> None:
