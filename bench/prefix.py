@@ -20,6 +20,7 @@ from pathlib import Path
 
 import typer
 
+from sluice.bench.prefix_real import KV_GIB
 from sluice.bench.prefix_sim import POLICIES, simulate
 from sluice.bench.prefix_workload import SimConfig
 
@@ -37,8 +38,9 @@ def prefix(sim: bool = typer.Option(True, "--sim/--real", help="The placement si
            real_requests: int = typer.Option(96, help="--real: chat requests per mode."),
            concurrency: int = typer.Option(4, help="--real: requests in flight at once."),
            max_tokens: int = typer.Option(16, help="--real: output tokens per request (ignore_eos)."),
-           kv_gib: float = typer.Option(0.13, help="--real: each worker's KV cache (cpu_kvcache_space_gib): about "
-                                        "3,000 tokens in float32, under the 8 system prompts' 4,200."),
+           kv_gib: float = typer.Option(KV_GIB, help="--real: each worker's KV cache (cpu_kvcache_space_gib): 15 "
+                                        "blocks of 128 tokens in float32, 4 of the 8 system prompts beside a few "
+                                        "running requests."),
            data_dir: Path | None = typer.Option(None, help="--real: keep the stacks' logs here.")) -> None:
     """Prefix affinity: hit rate against an oracle, TTFT, throughput and worker shares per policy."""
     if not sim:

@@ -34,6 +34,10 @@ from sluice.config.engine import DEFAULT_BLOCK_SIZE
 from sluice.supervisor.stack import LocalStack
 
 MODEL = "smol"
+# Each worker's KV cache: 15 blocks of 128 tokens (vLLM's block on the CPU), in float32: four of
+# the eight system prompts (3 full blocks each) and a few running requests, not all eight.
+KV_GIB = 0.085
+CPU_BLOCK_SIZE = 128
 WORKER_NAMES = ["w0", "w1"]
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from sluice.bench.prefix_real import models_yaml
+from sluice.bench.prefix_real import CPU_BLOCK_SIZE, KV_GIB, models_yaml
 from sluice.bench.prefix_sim import POLICIES, Simulation, best_worker_hit_rate, simulate
 from sluice.bench.prefix_workload import SimConfig, chat_workload, system_prompt, workload
 from sluice.broker.affinity import bounded_owners, rendezvous_ranks
@@ -108,14 +108,16 @@ def test_the_real_workload_shares_eight_system_prompts() -> None:
 
 
 def test_the_real_run_s_deployment_is_valid_and_sized_under_the_prompts(tmp_path: Path) -> None:
-    """Two workers' caches hold the 8 system prompts between them; one alone cannot."""
+    """Two workers' caches hold the 8 system prompts between them; one alone cannot (in vLLM's
+    blocks on the CPU, 128 tokens: a system prompt's full blocks are 3)."""
     for affinity in (True, False):
-        (tmp_path / "models.yaml").write_text(models_yaml(affinity, 0.13, 4))
+        (tmp_path / "models.yaml").write_text(models_yaml(affinity, KV_GIB, 4))
         (model,) = load_models(tmp_path / "models.yaml")
         assert model.prefix_affinity is affinity and model.framework_config.dtype == "float32"
     per_token = 2 * 30 * 3 * 64 * 4  # K and V, 30 layers, 3 KV heads of 64, float32: SmolLM2-135M
     tokens = (model.framework_config.cpu_kvcache_space_gib or 0) * 2**30 / per_token
-    assert 2_000 < tokens < 8 * 500 < 2 * tokens
+    blocks = int(tokens // CPU_BLOCK_SIZE)
+    assert 4 * 3 <= blocks < 8 * 3
 
 
 def test_the_real_run_s_oracle_sends_each_prompt_to_the_cache_holding_it() -> None:
