@@ -88,6 +88,14 @@ local function refusal(stream, other, n, max_queued, lane_max, tenant, share_max
   return nil, mine
 end
 
+-- Prefix affinity's doorbell (docs/prefix-affinity.md): a worker placing by prefix blocks on
+-- `<tag>:aff:wake`, not on the lane, so whatever adds work for it rings (admission, a retry).
+local function ring_doorbell(stream, n, ttl)
+  local wake = tag_of(stream) .. ':aff:wake'
+  redis.call('XADD', wake, 'MAXLEN', '~', 64, '*', 'n', n)
+  redis.call('EXPIRE', wake, ttl)
+end
+
 -- A tenant holds `by` more (or fewer) entries of the shard of `key`; a tenant holding none
 -- leaves the hash, so it holds only tenants with work queued. `ttl` (with an increment: the
 -- status TTL of the entries counted) keeps the hash no longer than they can live.

@@ -150,9 +150,7 @@ for i = 1, n do
 end
 count_held(stream, tenant, n, status_ttl)
 if placing > 0 then  -- the doorbell: a worker placing by prefix blocks on it, not on the lane
-  local wake = tag_of(stream) .. ':aff:wake'
-  redis.call('XADD', wake, 'MAXLEN', '~', 64, '*', 'n', n)
-  redis.call('EXPIRE', wake, status_ttl)
+  ring_doorbell(stream, n, status_ttl)
 end
 if fair then
   -- active, with its weight: the tenant reserve shares a worker out among the active (dispatch.lua)

@@ -27,7 +27,8 @@ end
 if over_bound(stream, other, 1, max_queued, lane_max) then
   return false
 end
--- Straight onto the lane (an operator's retry does not wait for its tenant's turn), counted to its tenant
+-- Straight onto the lane (an operator's retry does not wait for its tenant's turn), counted to its
+-- tenant; workers placing by prefix hear of it by the doorbell
 local ok, request = pcall(cjson.decode, data)
 local tenant = ok and type(request) == 'table' and type(request.tenant) == 'string' and request.tenant or 'default'
 local entry = redis.call('XADD', stream, '*', 'id', rid, 'data', data, 'tenant', tenant)
@@ -43,4 +44,7 @@ if owner ~= '' then
 end
 redis.call('EXPIRE', status, status_ttl)
 redis.call('XDEL', dlq, letter)
+if lane_of(stream) == 'req' and redis.call('HLEN', tag_of(stream) .. ':aff:slots') > 0 then
+  ring_doorbell(stream, 1, status_ttl)  -- placing workers block on it, not on the lane
+end
 return entry

@@ -14,11 +14,13 @@ from redis.asyncio import Redis
 
 from sluice.broker.affinity import GROUP_BLOCKS, rendezvous_ranks
 from sluice.broker.consumer import StreamConsumer
+from sluice.broker.dead_letters import DeadLetters
 from sluice.broker.fair_share import dispatch
 from sluice.config.settings import Settings
 from sluice.protocol.messages import FinalResult, RequestMessage, RowOutput, SamplingSpec, State, Usage
 from sluice.protocol.prefix import PREFIX_DEPTHS
-from tests.broker.helpers import KEYS, MODEL, admission, ready_consumer
+from tests.broker.helpers import KEYS, MODEL, admission, message, ready_consumer
+from tests.broker.test_dead_letters import bury
 
 LANE = KEYS.requests
 SLOTS, OWNERS = f"{KEYS.tag}:aff:slots", f"{KEYS.tag}:aff:owners"
@@ -198,6 +200,21 @@ async def test_the_doorbell_wakes_a_blocked_worker(redis: Redis, settings: Setti
     sent = await submit(redis, settings, [mine])
     got = await asyncio.wait_for(waiting, 30)  # woken by the admission, not by the 60 s block
     assert [d.message.id for d in got] == [sent[0].id]
+
+
+async def test_a_dead_letter_retried_wakes_a_blocked_worker(redis: Redis, settings: Settings) -> None:
+    """`sluice dlq retry` puts the request straight onto the lane: a placing worker, blocked on
+    the doorbell rather than the lane, is woken by the retry (it waited out its poll before)."""
+    a = await placing(redis, settings, "wa")
+    await placing(redis, settings, "wb")
+    m = message()
+    await bury(redis, m)
+    waiting = asyncio.ensure_future(a.fetch(CAPACITY, block_ms=60_000))
+    await asyncio.sleep(0.05)  # blocked on the doorbell
+    assert not waiting.done()
+    assert await DeadLetters(redis, MODEL).retry(None, max_queued=10) == [m.id]
+    got = await asyncio.wait_for(waiting, 30)  # woken by the retry, not by the 60 s block
+    assert [d.message.id for d in got] == [m.id]
 
 
 async def test_off_nothing_of_it_is_written_and_the_pull_is_fifo(redis: Redis, settings: Settings) -> None:
