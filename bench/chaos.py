@@ -13,6 +13,8 @@ yet still replies, so a kill in that window loses what it acknowledged meanwhile
 counts the kills that found an fsync running and the postponements. Strict (`appendfsync always`)
 writes and fsyncs before every reply and has no such window. On a cluster, a Redis kill is a SIGKILL of the primary
 that holds a model's slot: its replica takes over, and the killed node comes back as a replica.
+With --tenants N (3 by default) the stack runs with a keys file and the clients send as N tenants
+of unequal weights, each with its own key and webhook endpoint (bench/chaos_tenants.py).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from rich.console import Console
 from sluice.bench.chaos_audit import audit, broken, table
 from sluice.bench.chaos_faults import WORKER_TTL_S, Chaos
 from sluice.bench.chaos_load import Load
+from sluice.bench.chaos_tenants import Tenancy
 from sluice.bench.chaos_webhooks import HookReceiver, audit_webhooks, table_rows, wait_delivered
 from sluice.broker.keys import ModelKeys
 from sluice.supervisor.processes import free_port, wait_ready
@@ -51,11 +54,12 @@ MODEL_NAMES = ["chaos-cont", "chaos-dyn"]
 class ChaosStack:
     """Redis, two apis, `workers_per_model` workers per model and (`webhooks`) a webhook sender;
     every process can be killed and started again. Process output goes to `logs/` (one file per
-    api or worker slot, `webhooks.log`)."""
+    api or worker slot, `webhooks.log`). With `tenancy`'s tenants, every process reads its keys file."""
 
     def __init__(self, tmp: Path, logs: Path, *, workers_per_model: int, token_delay_s: float, strict: bool,
-                 cluster: bool = False, webhooks: bool = False):
-        self.logs, self.strict = logs, strict
+                 cluster: bool = False, webhooks: bool = False, tenancy: Tenancy | None = None):
+        self.logs, self.strict, self.tenancy = logs, strict, tenancy or Tenancy()
+        keys_file = self.tenancy.write(tmp / "keys.yaml")
         self.rng = random.Random(1)
         self.cluster = LocalCluster(tmp / "cluster").start() if cluster else None
         env = {"SLUICE_LEASE_TIMEOUT_S": "2",
@@ -68,6 +72,7 @@ class ChaosStack:
                "SLUICE_WEBHOOKS_ALLOW_PRIVATE": "1", "SLUICE_WEBHOOKS_RETRY_BASE_S": "0.2",
                "SLUICE_WEBHOOKS_TIMEOUT_S": "2", "SLUICE_WEBHOOKS_LEASE_S": "3",
                **({"SLUICE_DURABILITY": "strict"} if strict and not cluster else {}),
+               **({"SLUICE_KEYS_FILE": str(keys_file)} if keys_file else {}),
                # On a cluster: an admission is answered once it is on a replica, so that the
                # replica that takes over has it (no bulk jobs here: their broker is never used).
                **({"SLUICE_REDIS_WAIT_REPLICAS": "1", "SLUICE_JOBS_BROKER_URL": "redis://127.0.0.1:1/0"}
@@ -187,6 +192,8 @@ def chaos(
                                   help="Run a webhook sender and a loopback receiver that fails a third of first "
                                        "attempts; audit every final's event (bench/chaos_webhooks.py)."),
     webhook_kill_every: float = typer.Option(4.0, help="Mean seconds between webhook sender kills (with --webhooks)."),
+    tenants: int = typer.Option(3, help="Tenants the clients send as (client c: tenant c % N, weights 1, 2, 1, ...), "
+                                "each with a key and a webhook endpoint of its own; 0 or 1: no keys, one caller."),
     workers_per_model: int = typer.Option(2, help="Null-engine workers per model."),
     token_delay: float = typer.Option(0.02, help="Seconds per streamed token of the null engine."),
     max_tokens: str = typer.Option("8,128", help="max_tokens range per request and row (128 outlast the lease)."),
@@ -205,23 +212,26 @@ def chaos(
     """Kill workers, apis, Redis and the webhook sender under load; exit 1 if any accepted request
     is lost, duplicated or not done (nothing in this load cancels, and ten deliveries are allowed),
     if any reader, answer or reply stream shows a text other than the final, or (--webhooks) if a
-    final's event never arrived, an event named a request not final, or a duplicate differs."""
-    rng = random.Random(seed)
+    final's event never arrived, an event named a request not final, or a duplicate differs; with
+    tenants, if a request was stored under another tenant or its event went to another's endpoint."""
+    rng, tenancy = random.Random(seed), Tenancy.of(tenants)
     with tempfile.TemporaryDirectory(dir=data_dir) as tmp:
         stack = ChaosStack(Path(tmp), logs or Path(tmp) / "logs", workers_per_model=workers_per_model,
-                           token_delay_s=token_delay, strict=strict, cluster=redis_cluster, webhooks=webhooks)
+                           token_delay_s=token_delay, strict=strict, cluster=redis_cluster, webhooks=webhooks,
+                           tenancy=tenancy)
         receiver = HookReceiver(stack.redis_url, seed=seed) if webhooks else None
         try:
             stack.start()
             if receiver is not None:
-                receiver.register(stack.urls[0])
+                receiver.register(stack.urls[0], tenancy)
             t0 = time.monotonic()
             # The kills stop with the load; clients then follow their last requests to the end.
             chaos_thread = Chaos(stack, rng, math.inf, kill_every, api_kill_every,
                                  redis_kill_every if kill_redis else None, webhook_kill_every if webhooks else None)
             load = Load(stack.urls, MODEL_NAMES, clients=clients, seed=seed, max_tokens=_pair(max_tokens),
                         hangups=hangups, late_readers=late_readers, structured=structured, multi_row=multi_row,
-                        redis_url=None if redis_cluster else stack.redis_url, rows_model="chaos-dyn")
+                        redis_url=None if redis_cluster else stack.redis_url, rows_model="chaos-dyn",
+                        tenancy=tenancy)
             chaos_thread.start()
             counts = [int(k) for k in min_kills.split(",")]
             if len(counts) not in (3, 4):
@@ -247,8 +257,9 @@ def chaos(
                 waited, left = wait_delivered(stack.redis_url, receiver, loaded.tracked, drain_timeout)
                 hooks = audit_webhooks(stack.redis_url, receiver, loaded.tracked)
                 hooks["figures"].update(wait_s=waited, left=left)
-            f = {"seconds": seconds, "clients": clients, **result["figures"], "kills": chaos_thread.kills,
-                 "reclaims": stack.reclaims(), "queue_full": loaded.queue_full, "submit_retries": loaded.submit_retries,
+            f = {"seconds": seconds, "clients": clients, "tenants": tenancy.names, **result["figures"],
+                 "kills": chaos_thread.kills, "reclaims": stack.reclaims(), "queue_full": loaded.queue_full,
+                 "tenant_refused": loaded.tenant_refused, "submit_retries": loaded.submit_retries,
                  "submit_gave_up": loaded.submit_gave_up, "rows_unknown": loaded.rows_unknown,
                  "retry_reasons": dict(loaded.retry_reasons.most_common(10)),
                  "unexpected_exits": stack.unexpected_exits, "client_errors": loaded.client_errors[:20],

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import redis as redis_sync
 from rich.table import Table
 
+from sluice.bench.chaos_tenants import per_tenant, tenant_row
 from sluice.broker.keys import ModelKeys, idempotency
 from sluice.broker.urls import sync_connect
 
@@ -65,6 +66,8 @@ class Tracked:
     readers: list[Reader] = field(default_factory=list)
     answer: dict[int, str] | None = None  # per row, the text a poll or the infer call answered
     every_reader: bool = False  # a client's first request: a late reader and a hang-up, whatever the draw
+    tenant: str = "default"  # the tenant its client sent it as (bench/chaos_tenants.py)
+    owner: str = ""  # its client's key digest ('' without keys)
 
 
 def replay(deltas: list[dict]) -> dict[int, str]:
@@ -154,14 +157,17 @@ def audit_one(r: redis_sync.Redis, t: Tracked) -> dict:
     row = {"rid": t.rid, "model": t.model, "kind": t.kind, "rows": t.rows, "state": status.get("state"),
            "finals": [f"{f['status']}@attempt{f.get('attempt')}: {f.get('error') or ''}" for f in finals],
            "deltas": runs(deltas), "status_attempt": status.get("attempt"), "worker": status.get("worker"),
-           "submit_tries": t.submit_tries, "readers": [rd.describe() for rd in t.readers], "broken": []}
+           "submit_tries": t.submit_tries, "readers": [rd.describe() for rd in t.readers], "broken": [],
+           "tenant": t.tenant, "status_tenant": status.get("tenant")}
+    if status and status.get("tenant") != t.tenant:  # admitted as another tenant than its key's
+        row["broken"].append(f"tenant: stored as {status.get('tenant')!r}, sent as {t.tenant!r}")
     if not finals:
         entry = status.get("entry")
         row["stream_entry_present"] = bool(entry and r.xrange(status.get("stream", keys.requests), entry, entry))
         # Still on its stream when the drain ended (workers too slow to come back): late, not lost.
         row["broken"].append("unfinished: no final yet, its entry is on the stream" if row["stream_entry_present"]
                              else "lost: no final event")
-        row["idempotency_bound"] = t.idem_key and r.get(idempotency(f"anonymous:{t.idem_key}"))
+        row["idempotency_bound"] = t.idem_key and r.get(idempotency(f"{t.owner or 'anonymous'}:{t.idem_key}"))
         row["in_dead_letters"] = any(f.get("id") == t.rid for _, f in r.xrange(keys.dead_letters))
     if len(finals) > 1:
         row["broken"].append(f"duplicated: {len(finals)} final events")
@@ -210,7 +216,8 @@ def audit(redis_url: str, tracked: list[Tracked]) -> dict:
                "readers_unfinished": 0, "readers_dropped": sum(rd.dropped for t in tracked for rd in t.readers),
                "readers_late": sum(rd.name != "first" for t in tracked for rd in t.readers),
                "kinds": {k: sum(t.kind == k for t in tracked) for k in ("stream", "poll", "structured", "rows")},
-               "done_once": 0, "regenerated_otherwise": 0, "diverged": 0}
+               "done_once": 0, "regenerated_otherwise": 0, "diverged": 0, "tenant_mismatch": 0,
+               "by_tenant": per_tenant(rows)}
     for row in rows:
         state = row["finals"][0].split("@")[0] if row["finals"] else None
         if state in FINAL_STATES:
@@ -224,6 +231,7 @@ def audit(redis_url: str, tracked: list[Tracked]) -> dict:
         figures["reader_mismatch"] += any(b.startswith("reader") for b in broken)
         figures["readers_mismatched"] += len({b.split(" ")[3] for b in broken if b.startswith("reader")})
         figures["answer_mismatch"] += any(b.startswith("answer") for b in broken)
+        figures["tenant_mismatch"] += any(b.startswith("tenant") for b in broken)
         figures["regenerated_otherwise"] += bool(row.get("regenerated_otherwise"))
         figures["diverged"] += row["diverged"]
         figures["retried"] += int(row["status_attempt"] or 1) > 1
@@ -237,14 +245,15 @@ def audit(redis_url: str, tracked: list[Tracked]) -> dict:
 
 def table(f: dict, models: list[str]) -> Table:
     durability = "strict" if f["strict_durability"] else "default"
-    table = Table(title=f"chaos run: {f['seconds']:.0f}s, {f['clients']} clients, models {', '.join(models)}, "
+    tenants = f" as {len(f['tenants'])} tenants" if f.get("tenants") else ""
+    table = Table(title=f"chaos run: {f['seconds']:.0f}s, {f['clients']} clients{tenants}, models {', '.join(models)}, "
                         f"{f['redis']} Redis, {durability} durability")
     table.add_column("figure")
     table.add_column("value", justify="right")
     k, kinds = f["kills"], f["kinds"]
     rows = [("accepted (stream/poll/structured/multi-row)",
              f"{f['accepted']} ({kinds['stream']}/{kinds['poll']}/{kinds['structured']}/{kinds['rows']})"),
-            ("done exactly once", f["done_once"])]
+            tenant_row(f["by_tenant"]), ("done exactly once", f["done_once"])]
     rows += [(c, f[c]) for c in ("failed", "expired", "cancelled", "lost", "duplicated")]
     rows += [("unfinished at the drain's end (entry still queued)", f["unfinished"])]
     rows += [("failed as diverged (a retried structured row regenerated other tokens)", f["diverged"])]
@@ -255,13 +264,15 @@ def table(f: dict, models: list[str]) -> Table:
               f"{f['readers']} ({f['readers_late']}, {f['readers_dropped']})"),
              ("readers != final", f["readers_mismatched"]), ("answer != final (poll, infer)", f["answer_mismatch"]),
              ("token gaps (resumed holes)", f["token_gaps"]),
+             ("stored under another tenant than its key's", f["tenant_mismatch"]),
              ("kills (workers/apis/redis)", f"{k['workers']}/{k['apis']}/{k['redis']}"),
              ("Redis kills with an AOF fsync running (default durability's window)",
               f["aof_window"]["kills_in_fsync"]),
              ("AOF writes postponed past 2 s (INFO before kills / Redis log)",
               f"{f['aof_window']['delayed_fsync']}/{f['aof_window']['postponed_logged']}"),
              ("reclaims (worker logs)", f["reclaims"]), ("retried (final attempt > 1)", f["retried"]),
-             ("dead letters", f["dead_letters"]), ("503 queue full", f["queue_full"]),
+             ("dead letters", f["dead_letters"]), ("refused: 503 queue full / 429 tenant",
+              f"{f['queue_full']} / {f['tenant_refused']}"),
              ("submit retries", f["submit_retries"]), ("readers unfinished", f["readers_unfinished"]),
              ("requests/s (done)", f"{f['requests_per_s']:.1f}")]
     for name, value in rows:
@@ -272,6 +283,6 @@ def table(f: dict, models: list[str]) -> Table:
 def broken(f: dict) -> bool:
     """Whether the run broke the promise: a request lost, duplicated or not done (but a retried
     structured row that failed as diverged, as designed), or a text (the reply stream, a reader,
-    an answer) other than the final."""
+    an answer) other than the final, or one stored under another tenant than its client's."""
     return bool(f["lost"] or f["duplicated"] or f["done"] + f["diverged"] < f["accepted"] or f["stream_mismatch"]
-                or f["reader_mismatch"] or f["answer_mismatch"])
+                or f["reader_mismatch"] or f["answer_mismatch"] or f["tenant_mismatch"])

@@ -5,34 +5,34 @@ SSE readers or a long-poll; structured ones (a background POST /v1/responses, js
 retry regenerates the row from its start); multi-row ones (POST /v1/models/{m}/infer, 2-4 rows;
 their id is read from Redis while the call waits, so readers can follow them). A followed request
 has a reader from its start and, for a share, one joining mid-stream (a Responses stream for a
-structured one); any reader may hang up once and resume (Last-Event-ID, starting_after).
+structured one); any reader may hang up once and resume (Last-Event-ID, starting_after): the
+readers are bench/chaos_readers.py. With tenants (bench/chaos_tenants.py), client c sends every
+call with the key of tenant c % N.
 """
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import math
 import random
 import time
 import uuid
 from collections import Counter
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import httpx
 import redis.asyncio as redis_async
 
-from sluice.bench.chaos_audit import FINAL_STATES, Reader, Tracked, final_texts
+from sluice.bench.chaos_audit import Tracked
+from sluice.bench.chaos_readers import Readers
+from sluice.bench.chaos_tenants import Tenancy
 from sluice.bench.prefix_workload import shared_preamble
-from sluice.bench.sse import sse_events
-from sluice.broker.keys import ModelKeys
-from sluice.protocol.openai_responses import request_id, response_id
+from sluice.broker.keys import ModelKeys, staged
+from sluice.protocol.openai_responses import request_id
 
 SUBMIT_TIMEOUT_S = 60.0  # a submit still unanswered after this long is given up (never counted as accepted)
-# A Responses stream's terminal events, and the request state each stands for ("incomplete" is
-# done at max_output_tokens; "failed" stands for expired too).
-RESPONSE_ENDS = {"response.completed": "done", "response.incomplete": "done", "response.failed": "failed",
-                 "response.cancelled": "cancelled"}
 KINDS = ("stream", "structured", "rows", "poll")
 SCHEMA = {"type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"]}
 
@@ -41,6 +41,7 @@ SCHEMA = {"type": "object", "properties": {"answer": {"type": "string"}}, "requi
 class LoadFigures:
     tracked: list[Tracked] = field(default_factory=list)
     queue_full: int = 0  # 503 overloaded: refused, not accepted
+    tenant_refused: int = 0  # 429 (a tenant's share of the queue, or a limit): refused, not accepted
     submit_gave_up: int = 0
     submit_retries: int = 0
     rows_unknown: int = 0  # multi-row calls not followed: refused, or broken off before their id was seen
@@ -48,24 +49,28 @@ class LoadFigures:
     client_errors: list[str] = field(default_factory=list)
 
 
-class Load:
+class Load(Readers):
     def __init__(self, urls: list[str], models: list[str], *, clients: int, seed: int, max_tokens: tuple[int, int],
                  hangups: float, late_readers: float = 0.5, structured: float = 0.15, multi_row: float = 0.2,
-                 redis_url: str | None = None, rows_model: str | None = None):
+                 redis_url: str | None = None, rows_model: str | None = None, tenancy: Tenancy | None = None):
         self.urls, self.models, self.clients, self.hangups = urls, models, clients, hangups
         self.late_readers, self.structured, self.multi_row = late_readers, structured, multi_row
-        self.rows_model = rows_model or models[-1]
+        self.rows_model, self.tenancy = rows_model or models[-1], tenancy or Tenancy()
         self.redis = redis_async.Redis.from_url(redis_url, decode_responses=True) if redis_url else None
         self.rng, self.max_tokens, self.figures = random.Random(seed), max_tokens, LoadFigures()
         self.loading, self.follow_until = True, math.inf  # until then (monotonic), clients follow requests
 
     async def run(self, enough: Callable[[], bool], drain_s: float) -> LoadFigures:
         """Keep `clients` requests in flight until `enough()` (asked every 0.1 s); every client then
-        follows its last request until it is final or `drain_s` passed."""
+        follows its last request until it is final or `drain_s` passed. Every call of client c
+        goes with the key of its tenant (one connection pool per tenant)."""
         timeout = httpx.Timeout(30, connect=3)
         limits = httpx.Limits(max_connections=8 * self.clients, max_keepalive_connections=2 * self.clients)
-        async with httpx.AsyncClient(timeout=timeout, limits=limits) as http:
-            clients = [asyncio.create_task(self._client(http, c)) for c in range(self.clients)]
+        async with contextlib.AsyncExitStack() as pools:
+            http = {t: await pools.enter_async_context(httpx.AsyncClient(timeout=timeout, limits=limits, headers=(
+                self.tenancy.headers(t)))) for t in {self.tenancy.of_client(c) for c in range(self.clients)}}
+            clients = [asyncio.create_task(self._client(http[self.tenancy.of_client(c)], c))
+                       for c in range(self.clients)]
             while not enough():
                 await asyncio.sleep(0.1)
             self.loading, self.follow_until = False, time.monotonic() + drain_s
@@ -96,19 +101,19 @@ class Load:
             model = self.rows_model if kind == "rows" else self.rng.choice(self.models)
             prompt = f"{shared_preamble(c % 3)}chaos client {c} request {n}"  # three prefix groups
             try:
-                await self._one(http, api, model, kind, prompt, every_reader=n == 1)
+                await self._one(http, api, model, kind, prompt, every_reader=n == 1, tenant=self.tenancy.of_client(c))
             except Exception as err:  # a bench bug must not stop the load; it is reported
                 self.figures.client_errors.append(f"{kind} {prompt}: {type(err).__name__}: {err}")
 
     async def _one(self, http: httpx.AsyncClient, api: int, model: str, kind: str, prompt: str,
-                   every_reader: bool) -> None:
+                   every_reader: bool, tenant: str) -> None:
         if kind == "rows":
-            return await self._rows(http, api, model, prompt, every_reader)
+            return await self._rows(http, api, model, prompt, every_reader, tenant)
         tracked = await (self._structured(http, api, model, prompt) if kind == "structured"
                          else self._submit(http, api, model, prompt, kind))
         if tracked is None:
             return
-        tracked.every_reader = every_reader
+        tracked.every_reader, tracked.tenant, tracked.owner = every_reader, tenant, self.tenancy.owner(tenant)
         self.figures.tracked.append(tracked)
         if kind == "poll":
             return await self._poll(http, tracked, api)
@@ -117,7 +122,7 @@ class Load:
     async def _post(self, http: httpx.AsyncClient, api: int, path: str, body: dict | list,
                     headers: dict | None = None, timeout: float = 10) -> tuple[httpx.Response | None, int]:
         """POST until an answer that is not a 5xx of a dead api or Redis (the other api on a
-        retry); (None, tries) once SUBMIT_TIMEOUT_S passed or the queue is full."""
+        retry); (None, tries) once SUBMIT_TIMEOUT_S passed or it was refused (_refused)."""
         give_up, tries = time.monotonic() + SUBMIT_TIMEOUT_S, 0
         while time.monotonic() < give_up:
             tries += 1
@@ -126,8 +131,7 @@ class Load:
                 r = await http.post(f"{url}{path}", json=body, headers=headers or {}, timeout=timeout)
             except httpx.TransportError as err:
                 r, _ = None, self.figures.retry_reasons.update([type(err).__name__])
-            if r is not None and r.status_code == 503 and "overloaded" in r.text:
-                self.figures.queue_full += 1  # refused for good: nothing was enqueued
+            if r is not None and self._refused(r):
                 await asyncio.sleep(0.5)
                 return None, tries
             if r is not None and r.status_code < 500:
@@ -141,6 +145,15 @@ class Load:
             await asyncio.sleep(0.2)  # the api or Redis is down: again, on the other api
         self.figures.submit_gave_up += 1
         return None, tries
+
+    def _refused(self, r: httpx.Response) -> bool:
+        """Whether the api refused the call for good, nothing enqueued (counted, never accepted):
+        503 overloaded (the queue is full) or 429 (the tenant's share of it, or a tenant limit)."""
+        if r.status_code == 429:
+            self.figures.tenant_refused += 1
+        elif r.status_code == 503 and "overloaded" in r.text:
+            self.figures.queue_full += 1
+        return r.status_code == 429 or (r.status_code == 503 and "overloaded" in r.text)
 
     async def _submit(self, http: httpx.AsyncClient, api: int, model: str, prompt: str, kind: str) -> Tracked | None:
         key = f"chaos-{uuid.uuid4().hex}"
@@ -157,7 +170,8 @@ class Load:
         r, tries = await self._post(http, api, "/v1/responses", body, timeout=30)  # compiles its schema
         return Tracked(request_id(r.json()["id"]) or "", model, "structured", None, tries) if r is not None else None
 
-    async def _rows(self, http: httpx.AsyncClient, api: int, model: str, prompt: str, every_reader: bool) -> None:
+    async def _rows(self, http: httpx.AsyncClient, api: int, model: str, prompt: str, every_reader: bool,
+                    tenant: str) -> None:
         """A multi-row call: its id is looked up in the model's stream while the call waits;
         readers follow it, also when the call breaks off (its api died)."""
         marker = f"{prompt} {uuid.uuid4().hex[:8]}"
@@ -166,8 +180,9 @@ class Load:
         call = asyncio.create_task(self._infer(http, api, model, rows))
         readers: asyncio.Task | None = None
         try:
-            rid = await self._find(model, marker, call)
-            t = Tracked(rid or "", model, "rows", None, 1, rows=len(rows), every_reader=every_reader)
+            rid = await self._find(model, marker, call, tenant)
+            t = Tracked(rid or "", model, "rows", None, 1, rows=len(rows), every_reader=every_reader, tenant=tenant,
+                        owner=self.tenancy.owner(tenant))
             if rid:
                 self.figures.tracked.append(t)
                 readers = asyncio.create_task(self._readers(http, t, api))
@@ -177,9 +192,7 @@ class Load:
                 self.figures.tracked.append(t)
             if r is not None and r.status_code == 200:
                 t.answer = {i: rec.get("generated_text") or "" for i, rec in enumerate(r.json())}
-            elif r is not None and r.status_code == 503 and "overloaded" in r.text:
-                self.figures.queue_full += 1
-            elif r is not None and not rid:
+            elif r is not None and not self._refused(r) and not rid:
                 self.figures.client_errors.append(f"infer {r.status_code}: {r.text[:200]}")
             if not t.rid:
                 self.figures.rows_unknown += 1
@@ -205,95 +218,20 @@ class Load:
                 return None, tries
         return None, tries
 
-    async def _find(self, model: str, marker: str, call: asyncio.Task) -> str | None:
+    async def _find(self, model: str, marker: str, call: asyncio.Task, tenant: str) -> str | None:
         """The id of the entry whose first row's prompt starts with `marker`, read from the model's
-        stream until the call is answered (None if it never showed)."""
+        stream and its tenant's staged entries (fair share: waiting for their turn onto it) until
+        the call is answered (None if it never showed)."""
         assert self.redis is not None
+        lane = ModelKeys(model).requests
         while not call.done():
             try:
-                for _, f in await self.redis.xrevrange(ModelKeys(model).requests, count=500):
-                    data = json.loads(f.get("data") or "{}")
-                    if str((data.get("rows") or [{}])[0].get("prompt", "")).startswith(marker):
-                        return data["id"]
+                for stream in (staged(lane, tenant), lane):  # (staged first: an entry moves on, never back)
+                    for _, f in await self.redis.xrevrange(stream, count=500):
+                        data = json.loads(f.get("data") or "{}")
+                        if str((data.get("rows") or [{}])[0].get("prompt", "")).startswith(marker):
+                            return data["id"]
             except (redis_async.RedisError, OSError, ValueError):
                 pass  # Redis is restarting
             await asyncio.sleep(0.05)
         return None
-
-    async def _readers(self, http: httpx.AsyncClient, t: Tracked, api: int) -> None:
-        """The reader from the start and, for a share of requests, one joining mid-stream."""
-        first = Reader("first")
-        t.readers.append(first)
-        tasks = [self._stream(http, t, first, api, hang_up=t.every_reader)]
-        if t.every_reader or self.rng.random() < self.late_readers:
-            # A structured request's second reader is a Responses stream of its background response.
-            late = Reader("responses" if t.kind == "structured" else "late")
-            t.readers.append(late)
-            tasks.append(self._stream(http, t, late, api + 1, join_after=self.rng.uniform(0.05, 1.5)))
-        await asyncio.gather(*tasks)
-
-    async def _stream(self, http: httpx.AsyncClient, t: Tracked, rd: Reader, api: int, join_after: float = 0.0,
-                      hang_up: bool = False) -> None:
-        """Follow the SSE stream to its final; a share of the readers also hang up once after a
-        few deltas (as a browser or a phone changing networks does) and resume: /events with
-        Last-Event-ID, a Responses stream (reader "responses") with starting_after."""
-        await asyncio.sleep(join_after)
-        last: str | None = None  # the last event's id (sequence number for a Responses stream)
-        text = ""  # a Responses stream's whole text (response.output_text.done)
-        drop_after = self.rng.randint(1, 6) if hang_up or self.rng.random() < self.hangups else None
-        while time.monotonic() < self.follow_until:
-            url = self.urls[(api + rd.reconnects) % len(self.urls)]
-            if rd.name == "responses":
-                path, headers = f"/v1/responses/{response_id(t.rid)}", {}
-                params = {"stream": "true", **({"starting_after": last} if last else {})}
-            else:
-                path, headers, params = f"/v1/requests/{t.rid}/events", {"Last-Event-ID": last} if last else {}, {}
-            try:
-                async with http.stream("GET", f"{url}{path}", headers=headers, params=params) as r:
-                    async for name, cursor, data in _sse(r):
-                        last = cursor or last
-                        if name in ("delta", "response.output_text.delta"):
-                            rd.deltas.append((data.get("row", 0), data["index"], data["text"]) if name == "delta"
-                                             else (0, data["sequence_number"], data["delta"]))
-                            if drop_after is not None and len(rd.deltas) >= drop_after:
-                                drop_after, rd.dropped = None, True
-                                break
-                        elif name == "response.output_text.done":
-                            text = data["text"]
-                        elif name in ("done", "error"):
-                            rd.final = data
-                            return
-                        elif name in RESPONSE_ENDS:  # as a RequestView: a text only when completed
-                            state = RESPONSE_ENDS[name]
-                            rd.final = {"status": state, **({"output": {"text": text}} if state == "done" else {})}
-                            return
-            except httpx.TransportError:
-                pass
-            rd.reconnects += 1  # the stream broke or ended without a final: resume from the last event
-            await asyncio.sleep(0.2)
-
-    async def _poll(self, http: httpx.AsyncClient, t: Tracked, api: int) -> None:
-        reconnects = 0
-        while time.monotonic() < self.follow_until:
-            url = self.urls[(api + reconnects) % len(self.urls)]
-            try:
-                r = await http.get(f"{url}/v1/requests/{t.rid}", params={"wait": 5}, timeout=15)
-                if r.status_code == 200 and r.json()["status"] in FINAL_STATES:
-                    t.answer = final_texts(r.json())
-                    return
-                if r.status_code == 200:
-                    continue
-            except httpx.TransportError:
-                pass
-            reconnects += 1
-            await asyncio.sleep(0.2)
-
-
-async def _sse(r: httpx.Response) -> AsyncIterator[tuple[str, str | None, dict]]:
-    """(event name, its id or Responses sequence number, its data) per server-sent event."""
-    if r.status_code != 200:
-        return
-    async for ev in sse_events(r):
-        data = ev.json()
-        seq = data.get("sequence_number") if isinstance(data, dict) else None
-        yield ev.event, ev.id or (str(seq) if seq is not None else None), data

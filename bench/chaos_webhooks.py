@@ -2,7 +2,10 @@
 with `standardwebhooks` and answers 500 to a random third of first attempts, the endpoint that
 points at it, and the audit at the end: every final of an accepted request has its event received
 at least once, no event names a request that was not final when it arrived, duplicates share
-their `webhook-id` (and body), no signature fails (docs/webhooks.md)."""
+their `webhook-id` (and body), no signature fails (docs/webhooks.md). With tenants (bench/
+chaos_tenants.py) each tenant's key has its own endpoint, `/hooks/<tenant>`, of its own secret: a
+POST is verified with the secret of the endpoint it was sent to, and an event of another tenant's
+request at an endpoint is a broken promise."""
 
 from __future__ import annotations
 
@@ -17,9 +20,10 @@ import redis as redis_sync
 from standardwebhooks.webhooks import Webhook, WebhookVerificationError
 
 from sluice.bench.chaos_audit import FINAL_STATES, Tracked
+from sluice.bench.chaos_tenants import Tenancy
 from sluice.broker.keys import ModelKeys
 from sluice.broker.urls import sync_connect
-from sluice.broker.webhooks import DUE, outbox
+from sluice.broker.webhooks import DUE, GROUP, outbox
 from sluice.protocol.openai_responses import request_id, response_id
 from sluice.protocol.webhooks import event_type
 
@@ -30,18 +34,21 @@ class Post:
     body: str
     event: dict
     state_then: str | None  # the request's state when the POST arrived (None: Redis did not answer)
+    endpoint: str = ""  # the tenant whose endpoint it was sent to ('' without tenants: /hooks)
 
 
 @dataclass
 class HookReceiver:
     """Records every POST; answers 400 to a bad signature, 500 to `fail_share` of first attempts.
     A POST whose body ends before its content-length is no request (its sender was killed between
-    writing headers and body): counted in `cut_off`, never verified, never answered."""
+    writing headers and body): counted in `cut_off`, never verified, never answered. `secret`
+    verifies POSTs to `url` (/hooks); `secrets` those to /hooks/<tenant>, per tenant."""
 
     redis_url: str
     fail_share: float = 1 / 3
     seed: int = 0
     secret: str = ""
+    secrets: dict[str, str] = field(default_factory=dict)  # tenant -> the secret of its endpoint
     posts: list[Post] = field(default_factory=list)
     bad_signatures: list[str] = field(default_factory=list)
     failed_first: int = 0
@@ -65,7 +72,8 @@ class HookReceiver:
                     receiver.cut_short()
                     self.close_connection = True
                     return
-                self.send_response(receiver.receive({k.lower(): v for k, v in self.headers.items()}, raw.decode()))
+                headers = {k.lower(): v for k, v in self.headers.items()}
+                self.send_response(receiver.receive(headers, raw.decode(), self.path))
                 self.send_header("content-length", "0")
                 self.end_headers()
 
@@ -77,14 +85,20 @@ class HookReceiver:
         self.url = f"http://127.0.0.1:{self._server.server_address[1]}/hooks"
         threading.Thread(target=self._server.serve_forever, daemon=True, name="hook-receiver").start()
 
-    def receive(self, headers: dict[str, str], body: str) -> int:
+    def url_for(self, tenant: str) -> str:
+        return f"{self.url}/{tenant}" if tenant else self.url
+
+    def receive(self, headers: dict[str, str], body: str, path: str = "/hooks") -> int:
+        """Verify with the secret of the endpoint at `path` (/hooks or /hooks/<tenant>), record, answer."""
+        tenant = path.removeprefix("/hooks").removeprefix("/")
         try:
-            event = Webhook(self.secret).verify(body, headers)
-        except WebhookVerificationError as err:
+            secret = self.secrets[tenant] if tenant else self.secret
+            event = Webhook(secret).verify(body, headers)
+        except (KeyError, WebhookVerificationError) as err:
             with self._lock:
-                self.bad_signatures.append(f"{headers.get('webhook-id')}: {err}")
+                self.bad_signatures.append(f"{headers.get('webhook-id')} at {path}: {type(err).__name__} {err}")
             return 400
-        post = Post(headers["webhook-id"], body, event, self._state(event))
+        post = Post(headers["webhook-id"], body, event, self._state(event), tenant)
         with self._lock:
             self.posts.append(post)
             first = post.webhook_id not in self._seen
@@ -104,24 +118,36 @@ class HookReceiver:
         except (redis_sync.RedisError, OSError):
             return None
 
-    def register(self, api_url: str, timeout_s: float = 60) -> str:
-        """Create the endpoint through the api (admin route; no keys in the chaos stack)."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                # A create that timed out here may have been made there, under a secret never
-                # seen: the receiver's earlier endpoints go first, so one endpoint, of this secret, is left.
-                for e in httpx.get(f"{api_url}/v1/webhooks", timeout=10).raise_for_status().json()["data"]:
-                    if e["url"] == self.url:
-                        httpx.delete(f"{api_url}/v1/webhooks/{e['id']}", timeout=10).raise_for_status()
-                r = httpx.post(f"{api_url}/v1/webhooks", json={"url": self.url, "description": "chaos"}, timeout=10)
-                r.raise_for_status()
-                self.secret = r.json()["secret"]
-                return r.json()["id"]
-            except httpx.HTTPError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.5)
+    def register(self, api_url: str, tenancy: Tenancy | None = None, timeout_s: float = 60) -> None:
+        """Create the endpoints through the api (an admin route): one at /hooks without tenants,
+        else one per tenant at /hooks/<tenant>, owned by its key (created with the admin key)."""
+        tenancy = tenancy or Tenancy()
+        for tenant in tenancy.names or [""]:
+            url = self.url_for(tenant)
+            secret = self._create(api_url, url, tenancy.owner(tenant) if tenant else None, tenancy.admin_headers(),
+                                  time.monotonic() + timeout_s)
+            if tenant:
+                self.secrets[tenant] = secret
+            else:
+                self.secret = secret
+
+    @staticmethod
+    def _create(api_url: str, url: str, owner: str | None, headers: dict[str, str], deadline: float) -> str:
+        """The secret of a new endpoint at `url`, the only one there."""
+        body = {"url": url, "description": "chaos", **({"owner": owner} if owner is not None else {})}
+        with httpx.Client(base_url=api_url, headers=headers, timeout=10) as http:
+            while True:
+                try:
+                    # A create that timed out here may have been made there, under a secret never seen:
+                    # the receiver's earlier endpoints at `url` go first, so one, of this secret, is left.
+                    for e in http.get("/v1/webhooks").raise_for_status().json()["data"]:
+                        if e["url"] == url:
+                            http.delete(f"/v1/webhooks/{e['id']}").raise_for_status()
+                    return str(http.post("/v1/webhooks", json=body).raise_for_status().json()["secret"])
+                except httpx.HTTPError:
+                    if time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.5)
 
     def stop(self) -> None:
         self._server.shutdown()
@@ -143,8 +169,8 @@ def _expected(t: Tracked, state: str) -> tuple[str, str]:
 def wait_delivered(redis_url: str, receiver: HookReceiver, tracked: list[Tracked],
                    timeout_s: float) -> tuple[float, dict[str, int]]:
     """Until every final among `tracked` has had an event and nothing is left to deliver (no
-    delivery due, no outbox entry unread); returns the seconds waited and what was left then
-    (finals without an event, deliveries due, outbox entries: all 0 unless it timed out)."""
+    delivery due, no outbox entry unread or unacknowledged); returns the seconds waited and what was
+    left then (finals without an event, deliveries due, outbox entries: all 0 unless it timed out)."""
     r, t0 = sync_connect(redis_url), time.monotonic()
     outboxes = {outbox(ModelKeys(t.model)) for t in tracked}
     left = {"finals_without_event": -1, "due": -1, "outbox": -1}
@@ -153,13 +179,24 @@ def wait_delivered(redis_url: str, receiver: HookReceiver, tracked: list[Tracked
             finals = _finals(r, tracked)
             got = {p.event["data"].get("id") for p in receiver.posts}
             left = {"finals_without_event": sum(_expected(t, s)[0] not in got for t, s in finals),
-                    "due": r.zcard(DUE), "outbox": sum(r.xlen(o) for o in outboxes)}
+                    "due": r.zcard(DUE), "outbox": sum(undelivered(r, o) for o in outboxes)}
             if not any(left.values()):
                 break
         except redis_sync.RedisError:
             pass
         time.sleep(0.5)
     return time.monotonic() - t0, left
+
+
+def undelivered(r: redis_sync.Redis, stream: str) -> int:
+    """Outbox entries the senders have not fanned out: unread by their group, or read and not
+    acknowledged. Not its length: a sender killed between its XACK and its XDEL of an entry it
+    fanned out leaves that entry on the stream, read and acknowledged, for good."""
+    group = next((g for g in r.xinfo_groups(stream) if g["name"] == GROUP), None) if r.exists(stream) else None
+    if group is None:
+        return r.xlen(stream)
+    unread = r.xrange(stream, f"({group['last-delivered-id']}", "+", count=10_000)
+    return int(group["pending"]) + len(unread)
 
 
 def _finals(r: redis_sync.Redis, tracked: list[Tracked]) -> list[tuple[Tracked, str]]:
@@ -187,9 +224,13 @@ def audit_webhooks(redis_url: str, receiver: HookReceiver, tracked: list[Tracked
             broken.append(f"missing: no event for {object_id} ({state})")
         elif {p.event["type"] for p in posts} != {kind}:
             broken.append(f"wrong type: {object_id} is {state}, events {sorted({p.event['type'] for p in posts})}")
+    wrong_endpoint = 0
     for object_id, posts in by_object.items():
         data = posts[0].event["data"]
-        now = r.hget(ModelKeys(data.get("model", "")).status(_request_of(object_id)), "state")
+        now, tenant = r.hmget(ModelKeys(data.get("model", "")).status(_request_of(object_id)), "state", "tenant")
+        if wrong := sorted({p.endpoint for p in posts if p.endpoint and p.endpoint != tenant}):
+            wrong_endpoint += 1  # an event of one tenant's request sent to another's endpoint
+            broken.append(f"wrong endpoint: {object_id} of tenant {tenant} posted to the endpoint of {wrong}")
         then = [p.state_then for p in posts if p.state_then is not None]
         if now not in FINAL_STATES or any(s not in FINAL_STATES for s in then):
             broken.append(f"not final: an event for {object_id} while its state was {then or now}")
@@ -202,7 +243,9 @@ def audit_webhooks(redis_url: str, receiver: HookReceiver, tracked: list[Tracked
     figures = {"finals": len(finals), "events": len(ids), "posts": len(receiver.posts),
                "failed_first": receiver.failed_first, "cut_off": receiver.cut_off,
                "posted_again": sum(sum(p.webhook_id == i for p in receiver.posts) > 1 for i in ids),
-               "broken": len(broken), "bad_signatures": len(receiver.bad_signatures)}
+               "broken": len(broken), "bad_signatures": len(receiver.bad_signatures), "wrong_endpoint": wrong_endpoint,
+               "by_endpoint": {t: len({p.webhook_id for p in receiver.posts if p.endpoint == t})
+                               for t in sorted({p.endpoint for p in receiver.posts})}}
     return {"figures": figures, "broken": broken[:20]}
 
 
@@ -212,5 +255,6 @@ def table_rows(w: dict) -> list[tuple[str, object]]:
             ("webhooks: finals / events received (posts)", f"{w['finals']} / {w['events']} ({w['posts']})"),
             ("webhooks: first attempts answered 500 / events posted again",
              f"{w['failed_first']} / {w['posted_again']}"),
-            ("webhooks: broken (missing, not final, other id or body, bad signature)", w["broken"]),
+            ("webhooks: events per endpoint", ", ".join(f"{t or '/hooks'} {n}" for t, n in w["by_endpoint"].items())),
+            ("webhooks: broken (missing, not final, other id or body, bad signature, wrong endpoint)", w["broken"]),
             ("webhooks: seconds to deliver the rest after the drain", f"{w['wait_s']:.1f}")]

@@ -4,8 +4,11 @@ checked are reached): a worker killed every 2 s, an api every 8 s and Redis ever
 slot) under a load of plain, structured and multi-row requests with readers that join late or
 hang up and resume; on the single Redis, the webhook sender is killed every 4 s as well; then
 every accepted request audited in Redis, every reader's text compared with the final, and
-every final's webhook event checked at the receiver. `make test` runs it (only `soak` is left
-out); `-m chaos` selects it alone; `sluice bench chaos --seconds 600` is the README's run."""
+every final's webhook event checked at the receiver. The clients send as three tenants of
+weights 1, 2, 1 (a keys file; fair share on), each with its key and its webhook endpoint: every
+tenant's requests are all done, each stored as its tenant, each event posted to its tenant's
+endpoint. `make test` runs it (only `soak` is left out); `-m chaos` selects it alone;
+`sluice bench chaos --seconds 600` is the README's run."""
 
 from __future__ import annotations
 
@@ -54,7 +57,7 @@ def test_chaos_run_loses_and_duplicates_nothing(tmp_path: Path, topology: list[s
     # The run goes on past its seconds until the figures checked below are reached (a loaded
     # machine accepts fewer requests per second: 18 in 30 s once), at most 240 s.
     run = subprocess.run([sys.executable, "-m", "sluice.cli", "bench", "chaos", "--seconds", "40", "--kill-every", "2",
-                          "--api-kill-every", "8", *(topology or ON_SINGLE), *DATA_DIR,
+                          "--api-kill-every", "8", "--tenants", "3", *(topology or ON_SINGLE), *DATA_DIR,
                           "--min-accepted", "20", "--min-kills", "10,2,2,3",
                           "--max-seconds", "240",
                           "--json", str(out), "--logs", str(tmp_path / "logs")],
@@ -75,6 +78,14 @@ def test_chaos_run_loses_and_duplicates_nothing(tmp_path: Path, topology: list[s
     # tokens than it streamed (the null engine's tokens depend on the batch, as a real engine's
     # may): it fails, saying so, with no text beside what was streamed (workers/generation.py).
     assert figures["done"] + figures["diverged"] == figures["accepted"], json.dumps(figures["not_done"][:5], indent=1)
+    # The same per tenant (client c sends as t{c % 3}): each had requests accepted, all done (or
+    # failed as diverged, as above), each stored under its client's tenant, none under another.
+    by_tenant = figures["by_tenant"]
+    assert sorted(by_tenant) == ["t0", "t1", "t2"], by_tenant
+    for name, t in by_tenant.items():
+        assert t["accepted"] > 0 and t["done"] + t["diverged"] == t["accepted"], (name, by_tenant)
+        assert t["mismatch"] == 0, (name, broken)
+    assert figures["tenant_mismatch"] == 0, broken
     kinds = figures["kinds"]
     assert kinds["stream"] and kinds["structured"] and (kinds["rows"] or topology), kinds
     assert figures["readers_late"] and figures["readers_dropped"], figures
@@ -87,5 +98,7 @@ def test_chaos_run_loses_and_duplicates_nothing(tmp_path: Path, topology: list[s
     hooks = figures["webhooks"]
     assert figures["kills"]["webhooks"] >= 3 and hooks["failed_first"] > 0, (figures["kills"], hooks)
     assert hooks["finals"] == figures["accepted"], hooks
+    # Each tenant's events at its own endpoint (verified with that endpoint's secret), none elsewhere.
+    assert sorted(hooks["by_endpoint"]) == ["t0", "t1", "t2"] and hooks["wrong_endpoint"] == 0, hooks
     assert hooks["broken"] == 0 and not figures["webhooks_broken"], figures["webhooks_broken"]
     assert run.returncode == 0, run.stdout[-3000:]
