@@ -11,6 +11,7 @@ from typing import Any
 
 from redis.asyncio import Redis
 
+from tests.broker.helpers import queued_len
 from tests.sim.actors import settle
 from tests.sim.clock import installed
 from tests.sim.invariants import check_end, check_step
@@ -192,7 +193,9 @@ async def drain(world: World, do: Callable[[Step], Any]) -> None:
                     await settle()
                 await do(("commit", wi, idx[rid]))
             await do(("flush", wi))
-        if not await world.redis.xlen(KEYS.requests) + await world.redis.xlen(KEYS.bulk):
+        # Queued is on a lane's stream or staged for its tenant's turn (fair share, prefix
+        # affinity): a drain that looked at the streams alone left staged requests queued.
+        if not await queued_len(world.redis, KEYS.requests) + await queued_len(world.redis, KEYS.bulk):
             return
         await world.age_pending()  # what is left is held by a crashed worker's old run, or a frozen one
         for wi in range(len(world.workers)):
