@@ -10,17 +10,14 @@ names its client's tenant, and counts accepted and done per tenant."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import secrets
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from sluice.api.auth import digest
+
 ADMIN_TENANT = "ops"
-
-
-def digest(key: str) -> str:
-    return hashlib.sha256(key.encode()).hexdigest()
 
 
 @dataclass

@@ -24,7 +24,6 @@ equal weights 45-55 % in every window; 3:1 70-80 %; total throughput at least 0.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
 import random
 import secrets
@@ -37,6 +36,7 @@ import httpx
 import redis
 import typer
 
+from sluice.api.auth import digest
 from sluice.bench.fairness_figures import TenantFigures, figures_of
 from sluice.broker.keys import ModelKeys
 from sluice.supervisor.stack import LocalStack
@@ -96,7 +96,7 @@ def _keys_file(path: Path, offers: list[Offer]) -> dict[str, str]:
     keys = {o.tenant: f"sk-bench-{o.tenant}-{secrets.token_hex(8)}" for o in offers}
     path.write_text(json.dumps({  # YAML is a superset of JSON
         "tenants": {o.tenant: {"weight": o.weight} for o in offers},
-        "keys": [{"key": "sha256:" + hashlib.sha256(k.encode()).hexdigest(), "tenant": t} for t, k in keys.items()],
+        "keys": [{"key": "sha256:" + digest(k), "tenant": t} for t, k in keys.items()],
     }))
     return keys
 

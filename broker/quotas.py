@@ -58,6 +58,7 @@ class Quotas:
         self.redis = redis
         self.record_ttl_s = record_ttl_s
         charge, release = register_script(redis, "quota"), register_script(redis, "quota_release")
+        self._peek = register_script(redis, "quota_peek")
         if is_cluster(redis):
             self._charge, self._release = charge, release
         else:  # the charges of the calls that arrived together: one round trip
@@ -89,10 +90,7 @@ class Quotas:
     async def requests_wait_s(self, model: str, tenant: str, *, requests_per_minute: int, shards: int = 1) -> float:
         """A look, charging nothing: how long until the tenant's requests bucket on `model` (its
         first shard) takes one more request; 0 when it would now. Only a hint: the charge decides."""
-        # One script call, on the key's node (a cluster refuses TIME in a pipeline): its bucket and Redis' clock.
-        key = ModelKeys(model).quota(tenant, "requests")
-        tat, (seconds, micros) = await self.redis.eval(
-            "return {redis.call('GET', KEYS[1]) or '0', redis.call('TIME')}", 1, key)
+        tat, (seconds, micros) = await self._peek(keys=[ModelKeys(model).quota(tenant, "requests")])
         now_ms = int(seconds) * 1000 + int(micros) // 1000
         interval = 60_000 / self.per_shard(requests_per_minute, shards)
         return max(0.0, (max(int(tat or 0), now_ms) + interval - now_ms - 60_000) / 1000)

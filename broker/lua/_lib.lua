@@ -90,6 +90,16 @@ end
 
 -- Prefix affinity's doorbell (docs/prefix-affinity.md): a worker placing by prefix blocks on
 -- `<tag>:aff:wake`, not on the lane, so whatever adds work for it rings (admission, a retry).
+-- A placing worker's field of `<tag>:aff:slots` ('<free slots>|<ms seen, Redis' clock>', written by
+-- dispatch.lua, affinity_beat.lua and commit.lua): its free slots and when it was seen, or nil.
+local function slots_field(value)
+  local free, seen = string.match(value or '', '^(%-?%d+)|(%d+)$')
+  if free then
+    return tonumber(free), seen
+  end
+  return nil
+end
+
 local function ring_doorbell(stream, n, ttl)
   local wake = tag_of(stream) .. ':aff:wake'
   redis.call('XADD', wake, 'MAXLEN', '~', 64, '*', 'n', n)

@@ -66,9 +66,9 @@ local written = write_final(status, reply, state, final, now, result_ttl, reply_
                             rows, {known.state, known.retain_s, got[5]})
 ack_and_delete(stream, group, entry_id)
 local slots = tag_of(stream) .. ':aff:slots'
-local free, seen = string.match(redis.call('HGET', slots, consumer) or '', '^(%-?%d+)|(%d+)$')
+local free, seen = slots_field(redis.call('HGET', slots, consumer))
 if free then
-  redis.call('HSET', slots, consumer, (tonumber(free) + 1) .. '|' .. seen)
+  redis.call('HSET', slots, consumer, (free + 1) .. '|' .. seen)
 end
 if written then
   return 1

@@ -91,10 +91,10 @@ if asked then
   redis.call('PEXPIRE', slots, 3 * live_ms)
   local all = redis.call('HGETALL', slots)
   for i = 1, #all, 2 do
-    local free, seen = string.match(all[i + 1], '^(%-?%d+)|(%d+)$')
-    if seen and tonumber(seen) >= clock - live_ms then
+    local free, seen = slots_field(all[i + 1])
+    if free and tonumber(seen) >= clock - live_ms then
       live[#live + 1] = all[i]
-      free_of[all[i]] = tonumber(free)
+      free_of[all[i]] = free
     end
   end
   aff = #live > 1

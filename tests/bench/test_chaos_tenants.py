@@ -14,9 +14,9 @@ import httpx
 import pytest
 from redis.asyncio import Redis
 
-from sluice.api.auth import caller_for, load_keys
+from sluice.api.auth import caller_for, digest, load_keys
 from sluice.bench.chaos_audit import Tracked, audit, broken
-from sluice.bench.chaos_tenants import Tenancy, digest
+from sluice.bench.chaos_tenants import Tenancy
 from sluice.bench.chaos_webhooks import HookReceiver, audit_webhooks, undelivered
 from sluice.broker.keys import ModelKeys
 from sluice.broker.urls import sync_connect
