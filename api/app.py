@@ -16,16 +16,19 @@ from sluice.api.limits import BodySizeLimit
 from sluice.api.state import build_state
 from sluice.api.tenant_limits import RateLimitHeaders
 from sluice.config.model import load_models
+from sluice.config.runtime import freeze_gc_heap
 from sluice.config.settings import Settings
 from sluice.protocol import structured
 
 
 def app_from_environment() -> FastAPI:
     """The app of one of several api processes (`sluice api --workers N`): settings from SLUICE_*."""
-    return create_app(Settings())
+    return create_app(Settings(), freeze_gc=True)
 
 
-def create_app(settings: Settings | None = None) -> FastAPI:
+def create_app(settings: Settings | None = None, *, freeze_gc: bool = False) -> FastAPI:
+    """The api. `freeze_gc`: the process is the api's own, and its start-up heap is frozen once
+    the start is done (config/runtime.py)."""
     settings = settings or Settings()
     models = load_models(settings.models_file)
     _, tenants = load_keys(settings)  # a bad keys file stops the start here, with its message
@@ -41,6 +44,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         app.state.sluice = build_state(settings, models)
         await app.state.sluice.open()
         await app.state.structured_backend
+        if freeze_gc:
+            freeze_gc_heap()
         try:
             yield
         finally:

@@ -61,7 +61,7 @@ class ReplyWriter:
     def delta(self, owner: Delivery, event: DeltaEvent) -> None:
         self._buffer.append((owner, event))
         row = owner.sent.rows.setdefault(event.row, {})
-        row[event.i] = event
+        row[event.i] = _kept(event)
         if len(row) > _KEPT:
             del row[next(iter(row))]
         self._ready.set()
@@ -202,8 +202,25 @@ class Sent:
     stream always ends where one of them ended (a write joins whole deltas), so a resend can
     start at any index the stream ends at."""
 
-    rows: dict[int, dict[int, DeltaEvent]] = field(default_factory=dict)
+    rows: dict[int, dict[int, tuple]] = field(default_factory=dict)  # row -> index -> _kept(event)
     ttl_set: bool = False  # the reply stream's TTL (set by the attempt's first write)
+
+
+def _kept(ev: DeltaEvent) -> tuple:
+    """A delta as kept for a resend: a plain tuple of its fields, which the garbage collector
+    stops tracking (ints, strings and tuples of them hold no reference cycle). A worker keeps
+    every running request's deltas, tens of thousands at GPU rates; kept as models (four
+    tracked objects each) they made each full collection walk them all, a pause of 30 to 60 ms
+    on the worker's event loop every few seconds under load (docs/performance.md)."""
+    if ev.logprobs is None and ev.prompt_logprobs is None:
+        return ev.i, ev.text, tuple(ev.token_ids), ev.attempt, ev.row, ev.finish
+    return ev.i, ev.text, tuple(ev.token_ids), ev.attempt, ev.row, ev.finish, ev.logprobs, ev.prompt_logprobs
+
+
+def _event(kept: tuple) -> DeltaEvent:
+    i, text, ids, attempt, row, finish, *lp = kept
+    return DeltaEvent(i=i, text=text, token_ids=list(ids), attempt=attempt, row=row, finish=finish,
+                      logprobs=lp[0] if lp else None, prompt_logprobs=lp[1] if lp else None)
 
 
 def _refill(d: Delivery, answer: list[int]) -> list[tuple[Delivery, DeltaEvent]]:
@@ -218,7 +235,8 @@ def _refill(d: Delivery, answer: list[int]) -> list[tuple[Delivery, DeltaEvent]]
     out: list[tuple[Delivery, DeltaEvent]] = []
     for row, at in zip(answer[::2], answer[1::2]):
         sent = d.sent.rows.get(row, {})
-        while (ev := sent.get(at)) is not None:
+        while (kept := sent.get(at)) is not None:
+            ev = _event(kept)
             out.append((d, ev))
             if ev.finish is not None or not ev.token_ids:
                 break

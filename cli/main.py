@@ -70,8 +70,8 @@ def api(
     # limit is raised for the cap first (the processes of --workers inherit it).
     allowed = raise_fd_limit(settings.api_max_connections)
     if workers == 1:
-        uvicorn.run(create_app(settings), http=guarded(settings.model_copy(update={"api_max_connections": allowed})),
-                    **options)
+        limits = settings.model_copy(update={"api_max_connections": allowed})
+        uvicorn.run(create_app(settings, freeze_gc=True), http=guarded(limits), **options)
         return
     # Each process builds its app from SLUICE_* (the options above go there too), and writes its
     # metrics where every process's scrape reads them (api/metrics.py).

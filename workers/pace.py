@@ -14,6 +14,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from sluice.batching.base import BatchingPolicy
 from sluice.batching.continuous import ContinuousAdmission
 from sluice.batching.slo import ConcurrencyGovernor
@@ -21,6 +23,7 @@ from sluice.config.model import ModelConfig
 from sluice.protocol.messages import FinalResult
 from sluice.protocol.states import State
 from sluice.workers import metrics
+from sluice.workers.generation import Running
 
 _GAP_WINDOW = 32  # token gaps per look at the limit: about one engine step at 32 running
 _GAP_SMOOTHING = 0.02  # a gap's weight in the moving average (hundreds come a second)
@@ -75,3 +78,10 @@ class Pace:
 
     def _gauge(self) -> None:
         metrics.ADMITTED_CONCURRENCY.labels(self.model.name, self.worker).set(self.admitted)
+
+
+def expected_tokens(running: Iterable[Running]) -> float | None:
+    """The output tokens a running request asks for, on average (None with none running)."""
+    asks = [int(row.get("max_tokens") or run.delivery.message.sampling.max_tokens)
+            for run in running for row in run.delivery.message.rows]
+    return sum(asks) / len(asks) if asks else None

@@ -41,7 +41,7 @@ async def serve(settings: Settings, model_name: str, name: str | None, engine: E
             metrics_url = settings.worker_metrics_url or f"http://{socket.gethostname()}:{metrics_port}/metrics"
             log.info("metrics on %s", metrics_url)
         worker = Worker(settings, model, build_engine(model, settings, engine), redis,
-                        name or f"{socket.gethostname()}-{model.name}", metrics_url=metrics_url)
+                        name or f"{socket.gethostname()}-{model.name}", metrics_url=metrics_url, freeze_gc=True)
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, _stop_handler(worker, sig))

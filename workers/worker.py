@@ -26,29 +26,32 @@ from sluice.broker.limits import ConsumerLimits
 from sluice.broker.registry import ModelRegistry, WorkerInfo, WorkerRegistry
 from sluice.broker.replies import ReplyWriter, delivered
 from sluice.config.model import ModelConfig
+from sluice.config.runtime import freeze_gc_heap
 from sluice.config.settings import Settings
 from sluice.protocol.messages import RowOutput
 from sluice.protocol.states import State
 from sluice.workers import metrics
 from sluice.workers.engines.base import Engine
 from sluice.workers.generation import Generation, Running, final_result, log_records
-from sluice.workers.pace import Pace
+from sluice.workers.pace import Pace, expected_tokens
 
 log = logging.getLogger(__name__)
 
 
 class Worker:
     def __init__(self, settings: Settings, model: ModelConfig, engine: Engine, redis: Redis, name: str, *,
-                 metrics_url: str | None = None):
+                 metrics_url: str | None = None, freeze_gc: bool = False):
+        """`freeze_gc`: the process is this worker's own, and its start-up heap is frozen once
+        the engine has started (config/runtime.py)."""
         self.settings = settings
+        self.freeze_gc = freeze_gc
         self.metrics_url = metrics_url
         self.model = model
         self.engine = engine
         self.redis = redis
         self.name = name
         self.consumer = StreamConsumer(redis, model.name, name, ConsumerLimits.of(settings, model))
-        # An unfinished request's reply stream lives as long as its status: a retry resumes
-        # from it. The final shortens it to reply_ttl_s.
+        # An unfinished request's reply stream lives as long as its status (a retry resumes from it).
         self.replies = ReplyWriter(redis, model.name, reply_ttl_s=settings.status_ttl_s,
                                    on_call=metrics.REPLY_CALLS.labels(model.name).inc)
         self.inference_log = LogBuffer(self.consumer.append_log)
@@ -86,8 +89,7 @@ class Worker:
         try:
             return await self.consumer.fetch(count, int(timeout_s * 1000), quarantine_room=quarantine_room)
         except Exception as err:
-            # Redis away: say so, wait, and try again (a lost consumer group the consumer
-            # re-creates itself)
+            # Redis away: say so, wait, and try again (the consumer re-creates a lost consumer group)
             log.warning("fetching from Redis failed (%s: %s); retrying", type(err).__name__, err)
             await asyncio.sleep(min(timeout_s, 1.0))
             return []
@@ -96,6 +98,8 @@ class Worker:
         self.name = await until_redis_answers(lambda: self.consumer.claim_name(self.settings.worker_ttl_s))
         await until_redis_answers(self._read_shards)
         await self.engine.start()
+        if self.freeze_gc:
+            freeze_gc_heap()
         self.replies.start()
         self._background = [
             asyncio.create_task(self._every(min(self.settings.heartbeat_interval_s, 0.25), self._heartbeat),
@@ -247,18 +251,13 @@ class Worker:
             in_flight=len(self.running), capacity=self.policy.capacity,
             started_at=self.started_at, heartbeat_at=0.0,
             state="draining" if self.stopping.is_set() else "running", metrics_url=self.metrics_url,
-            admitted=self.pace.admitted, service_rate=round(self.pace.service_rate(self._expected_tokens()), 3),
+            admitted=self.pace.admitted,
+            service_rate=round(self.pace.service_rate(expected_tokens(self.running.values())), 3),
             **self._prefix_cache.heartbeat(self.engine.prefix_cache_counters()),
         ))
         await self.consumer.refresh_name(self.settings.worker_ttl_s)
         await self.consumer.affinity.heartbeat(self.name, self.policy.capacity - len(self.running))
         await self._check_version()
-
-    def _expected_tokens(self) -> float | None:
-        """The output tokens a running request asks for, on average (None with none running)."""
-        asks = [int(row.get("max_tokens") or run.delivery.message.sampling.max_tokens)
-                for run in self.running.values() for row in run.delivery.message.rows]
-        return sum(asks) / len(asks) if asks else None
 
     async def _check_version(self) -> None:
         current = await self.models.get(self.model.name)

@@ -384,6 +384,27 @@ async def test_the_deltas_kept_for_a_resend_are_bounded(redis: Redis, settings: 
     assert (await delivered(redis, MODEL, m.id))[0].token_ids == list(range(_KEPT + 100))
 
 
+async def test_the_deltas_kept_for_a_resend_are_out_of_the_garbage_collectors_reach(redis: Redis,
+                                                                                    settings: Settings) -> None:
+    """Kept deltas are plain tuples the collector stops tracking: a worker keeps every running
+    request's, and tracked they made each full collection walk them all (a pause of tens of ms
+    on the worker's loop under load). A resend still rebuilds each delta whole."""
+    import gc
+
+    from sluice.broker.replies import _event
+
+    _, m, _, d = await running_request(redis, settings)
+    writer = ReplyWriter(redis, MODEL, reply_ttl_s=settings.reply_ttl_s)
+    events = [DeltaEvent(i=i, text=f" t{i}", token_ids=[i], finish="length" if i == 9 else None) for i in range(10)]
+    for ev in events:
+        writer.delta(d, ev)
+    gc.collect()  # a collection untracks a tuple whose items are untracked: the ids' tuple,
+    gc.collect()  # then (by the next, long before a delta would reach the oldest generation) the delta's
+    kept = d.sent.rows[0]
+    assert not any(gc.is_tracked(k) for k in kept.values())
+    assert [_event(kept[i]) for i in range(10)] == events
+
+
 async def test_deltas_of_two_attempts_are_never_joined(redis: Redis, settings: Settings) -> None:
     """A lagging writer joins a row's contiguous deltas, but never across attempts: attempt 1's
     leftover and attempt 2's next token stay apart, so the earlier one is fenced on its own and

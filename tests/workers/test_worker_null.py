@@ -372,3 +372,31 @@ async def test_interactive_requests_overtake_bulk_work_queued_before_them(
     assert sorted(engine.admitted[2:5]) == ["interactive 0", "interactive 1", "interactive 2"], engine.admitted
     assert sorted(engine.admitted[5:]) == ["bulk 2", "bulk 3", "bulk 4", "bulk 5"]
     await stop(worker, task)
+
+
+async def test_a_worker_process_freezes_its_start_up_heap_once_its_engine_started(redis: Redis,
+                                                                                  settings: Settings) -> None:
+    """The worker's own process (workers/process.py) freezes what its start made, the engine's
+    included, as vLLM's engine core does: full collections walking it took 30 to 140 ms under
+    load. A worker in a test's process leaves the collector alone."""
+    import gc
+
+    class Started(NullEngine):
+        frozen_at_start: int | None = None
+
+        async def start(self) -> None:
+            self.frozen_at_start = gc.get_freeze_count()
+
+    model = ModelConfig(name=MODEL)
+    assert gc.get_freeze_count() == 0
+    for freeze, name in ((False, "gc-a"), (True, "gc-b")):
+        engine = Started()
+        worker = Worker(settings, model, engine, redis, name, freeze_gc=freeze)
+        task = asyncio.create_task(worker.run())
+        try:
+            await eventually(lambda e=engine, w=worker: e.frozen_at_start is not None and w.replies._task is not None,
+                             what="the engine started")
+            assert engine.frozen_at_start == 0 and (gc.get_freeze_count() > 0) == freeze
+        finally:
+            await stop(worker, task)
+            gc.unfreeze()
