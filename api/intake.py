@@ -109,7 +109,7 @@ class Intake:
                 model.name, shard, lane, len(requests), max_queued=max_queued, shards=model.shards,
                 tenant=tenant, share=share) == "bound":
             raise self._queue_full(model, len(requests))
-        checked, prefixes = await self._checked_call(model, requests, sampling.min_tokens)
+        checked, firsts = await self._checked_call(model, requests, sampling.min_tokens)
         now = time.time()
         seed = sampling.seed if sampling.seed is not None else secrets.randbits(31)
         timeout_s = sampling.timeout_s or model.request_timeout_s or self.settings.request_timeout_s
@@ -128,7 +128,8 @@ class Intake:
                 tenant=tenant,
                 priority=sampling.priority,
                 lane=lane,
-                prefix=list(prefixes[i]),
+                prefix=list(firsts[i].prefix),
+                prefix_tokens=firsts[i].tokens,
             ))
         bound = {"max_queued": max_queued, "shards": model.shards, "keyed": keyed,
                  "result_ttl_s": model.result_ttl_s or self.settings.result_ttl_s,
@@ -199,15 +200,15 @@ class Intake:
             raise ApiError(problem.status, problem.message, param=problem.param)
 
     async def _checked_call(self, model: ModelConfig, requests: Sequence[Rows], min_tokens: int = 0
-                            ) -> tuple[list[list[dict[str, Any]]], list[tuple[str, ...]]]:
-        """Every request's rows checked, a chunk of rows at a time, and each request's prefix key
-        (its first row's); a prompt repeated in the call (its n choices) is measured once."""
+                            ) -> tuple[list[list[dict[str, Any]]], list[Measured]]:
+        """Every request's rows checked, a chunk of rows at a time, and each request's first row
+        as measured (its prefix key); a prompt repeated in the call (its n choices) is measured once."""
         known: dict[tuple[str, int], Measured] = {}
-        checked, prefixes, since_yield = [], [], 0
+        checked, firsts, since_yield = [], [], 0
         for rows in requests:
             measured = await self._checked(model, rows, known)
             checked.append(measured[0])
-            prefixes.append(measured[1])
+            firsts.append(measured[1])
             for i, row in enumerate(checked[-1]):
                 problem = sampling_problem(model, {"min_tokens": min_tokens}, row["max_tokens"], None)
                 if problem:
@@ -217,17 +218,17 @@ class Intake:
             if since_yield >= CHUNK:
                 since_yield = 0
                 await asyncio.sleep(0)
-        return checked, prefixes
+        return checked, firsts
 
     async def _checked(self, model: ModelConfig, rows: Rows,
-                       known: dict[tuple[str, int], Measured]) -> tuple[list[dict[str, Any]], tuple[str, ...]]:
-        """The rows checked, and the prefix key of the first (the one the engine's batch starts with)."""
+                       known: dict[tuple[str, int], Measured]) -> tuple[list[dict[str, Any]], Measured]:
+        """The rows checked, and the first as measured (its prefix key: the engine's batch starts with it)."""
         try:
             checked = checked_rows(model, rows, max_prompt_chars=self.settings.max_prompt_chars)
         except RowsRefused as refused:
             REJECTED.labels(model.name, refused.reason).inc()
             raise
-        prefix: tuple[str, ...] = ()
+        first = Measured()
         for i, row in enumerate(checked):
             key = (_measured_as(row), row["max_tokens"])
             if key not in known:
@@ -237,8 +238,8 @@ class Intake:
                 REJECTED.labels(model.name, "context").inc()
                 raise ApiError(400, where(too_long, i, len(checked)), param="prompt")
             if i == 0:
-                prefix = known[key].prefix
-        return checked, prefix
+                first = known[key]
+        return checked, first
 
 
 def _measured_as(row: Mapping[str, Any]) -> str:

@@ -101,6 +101,7 @@ async def _oracles(http: httpx.AsyncClient, chats: list[list[dict[str, str]]],
         if system not in shared:
             body = {"model": MODEL, "messages": chat[:1], "add_generation_prompt": False}
             r = await http.post("/tokenize", json=body)
+            r.raise_for_status()
             shared[system] = r.json()["count"] // DEFAULT_BLOCK_SIZE * DEFAULT_BLOCK_SIZE
         prompts.append((await http.post("/tokenize", json={"model": MODEL, "messages": chat})).json()["tokens"])
         n = len(prompts[-1])

@@ -33,6 +33,7 @@ within `group_blocks` blocks), as the pull side will group them.
 from __future__ import annotations
 
 import heapq
+import math
 import random
 import statistics
 from collections import OrderedDict
@@ -136,8 +137,12 @@ class Simulation:
             for w in self.workers:
                 w.digest = frozenset(w.recent)
         elif self.policy == "rendezvous" and self.config.bounded_load and self.interval_counts:
-            self.owners = bounded_owners(self.interval_counts, self.names, self.config.bounded_load, self._ranked,
-                                         self.owners)
+            c = self.config  # the caches' room as broker/affinity.py cache_room counts it
+            running = math.ceil(sum(c.slots - w.free for w in self.workers) / len(self.workers))
+            room = {w.name: float((c.cache_blocks - running) * c.block_size) for w in self.workers}
+            size = float((c.prefix_tokens + sum(c.user_tokens) // 2) // c.block_size * c.block_size)
+            self.owners = bounded_owners(self.interval_counts, self.names, c.bounded_load, self._ranked, self.owners,
+                                         room=room, sizes=dict.fromkeys(self.interval_counts, size))
             self.interval_counts = {}
 
     def _pick_digest(self, w: WorkerState, waiting: list[Entry], now: float) -> Entry | None:

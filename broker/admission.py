@@ -102,7 +102,8 @@ class Admission:
                   "1" if hook else "", first.tenant, share_max, "1" if limits.fair_share else "",
                   share.weight,
                   *(x for m in messages
-                    for x in (m.id, m.model_dump_json(), expected_cost(m) / share.weight, group_of(m.prefix)))],
+                    for x in (m.id, m.model_dump_json(), expected_cost(m) / share.weight, group_of(m.prefix),
+                              m.prefix_tokens))],
         )
         if entries == "share":
             raise TenantQueueFull(first.model, first.tenant, share_max)

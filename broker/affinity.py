@@ -15,13 +15,15 @@ the same with `redis.sha1hex` for a group the table does not name yet.
 from __future__ import annotations
 
 import hashlib
+import json
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from redis.asyncio import Redis
 
-from sluice.broker.keys import affinity_wake
+from sluice.broker.keys import WORKERS, affinity_wake
 from sluice.protocol.prefix import prefix_group
 
 if TYPE_CHECKING:
@@ -33,6 +35,7 @@ GROUP_BLOCKS = 16  # a group is a request's prefix key covering at most 16 block
 BOUNDED_LOAD = 1.3  # a worker owns groups worth at most this times the mean load
 WINDOW = 32  # staged entries of a tenant a dispatch looks at, oldest first
 GROUPS_MAX = 4096  # distinct groups counted per interval (more are placed by rank alone)
+COUNT_DECAY = 0.5 ** (1 / 8)  # the groups' request counts, at each recompute: halved every 8 intervals
 
 
 def group_of(prefix: list[str]) -> str:
@@ -50,31 +53,49 @@ def rendezvous_ranks(group: str, workers: list[str], k: int | None = None) -> li
 
 
 def bounded_owners(counts: dict[str, float], workers: list[str], bound: float, ranks: Callable[[str], list[str]],
-                   before: dict[str, list[str]] | None = None) -> dict[str, list[str]]:
+                   before: dict[str, list[str]] | None = None, *, sizes: dict[str, float] | None = None,
+                   room: dict[str, float] | None = None) -> dict[str, list[str]]:
     """Each group's owners: its owners `before` that are still live, then the highest-ranked
     workers, as long as they have room, where a worker's room is `bound` times the mean of the
     requests these groups made (heaviest group first; a group heavier than one worker's room gets
     as many as it fills). Consistent hashing with bounded loads over rendezvous ranks, sticky: a
-    group moves only when its worker leaves or is over its bound, so caches stay warm."""
+    group moves only when its worker leaves or is over its bound, so caches stay warm.
+
+    With `room` (a worker's prefix-cache room, in tokens) and `sizes` (the tokens a group's
+    prompt leaves in a cache), a worker also owns no more prompts than its cache keeps: a group
+    goes to the workers whose cache has room left for it, and only a group no cache has room for
+    is placed by load alone (it evicts wherever it goes; the lightest groups come last)."""
     before = before or {}
     cap = bound * sum(counts.values()) / len(workers)
     load = dict.fromkeys(workers, 0.0)
+    cached = dict.fromkeys(workers, 0.0)
     owners: dict[str, list[str]] = {}
     for group, n in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])):
-        left, mine = float(n), []
+        size = (sizes or {}).get(group, 0.0)
         kept = [w for w in before.get(group, ()) if w in load]
-        for w in kept + [w for w in ranks(group) if w in load and w not in kept]:
-            if left <= 0:
-                break
-            room = cap - load[w]
-            if room <= 0:
-                continue
-            taken = min(room, left)
-            load[w] += taken
-            left -= taken
-            mine.append(w)
+        order = kept + [w for w in ranks(group) if w in load and w not in kept]
+        fits = order if room is None else [w for w in order if cached[w] + size <= room.get(w, float("inf"))]
+        mine = _take(float(n), fits, load, cap) or _take(float(n), order, load, cap)
+        for w in mine:
+            cached[w] += size
         owners[group] = mine or [min(workers, key=load.__getitem__)]
     return owners
+
+
+def _take(n: float, order: list[str], load: dict[str, float], cap: float) -> list[str]:
+    """The workers of `order` that take a group's `n` requests, each up to `cap` in all."""
+    mine: list[str] = []
+    for w in order:
+        if n <= 0:
+            break
+        room = cap - load[w]
+        if room <= 0:
+            continue
+        taken = min(room, n)
+        load[w] += taken
+        n -= taken
+        mine.append(w)
+    return mine
 
 
 @dataclass
@@ -86,6 +107,7 @@ class Placement:
 
     scripts: Scripts
     lanes: Callable[[], list[str]]  # the interactive streams its worker reads (a sharded model's every shard)
+    redis: Redis  # where the workers' heartbeats say how large their prefix caches are
     wait_ms: int | None = None
     live_ms: int = 10_000
     interval_ms: int = 2_000
@@ -118,9 +140,12 @@ class Placement:
         got = await self.scripts.affinity_beat(keys=[stream], args=[consumer, free, self.live_ms, self.interval_ms])
         if not got:
             return None
-        live, counts, before = got[0], _pairs(got[1]), _pairs(got[2])
-        if not live or not counts:
+        live, counts, before, sizes = got[0], _pairs(got[1]), _pairs(got[2]), _pairs(got[3])
+        if not live or not (counts or before):
             return None
+        beats = await self.redis.hmget(WORKERS, live)
+        room, block = cache_room([json.loads(raw) if raw else {} for raw in beats], live)
+        kept = {g: float(int(n) // block * block) for g, n in sizes.items()} if block else {}  # its full blocks
         ranked: dict[str, list[str]] = {}
 
         def ranks(group: str) -> list[str]:
@@ -129,7 +154,14 @@ class Placement:
             return ranked[group]
 
         owners = bounded_owners({g: float(n) for g, n in counts.items()}, live, BOUNDED_LOAD, ranks,
-                                {g: o.split(",") for g, o in before.items()})
+                                {g: o.split(",") for g, o in before.items()}, room=room,
+                                sizes=kept)
+        for group, was in before.items():
+            # A group not requested lately keeps its live owners: dropped, it would go back to its
+            # rank-1 worker, which is not where the room bound may have put it (and its cache is).
+            still = [w for w in was.split(",") if w in live]
+            if group not in owners and still and len(owners) < GROUPS_MAX:
+                owners[group] = still
         pairs = (x for g, o in owners.items() for x in (g, ",".join(o)))
         await self.scripts.affinity_owners(keys=[stream], args=[4 * self.interval_ms, *pairs])
         return owners
@@ -144,6 +176,19 @@ class Placement:
         wake_id, due_ms = self.wake.pop(stream)
         await redis.xread({affinity_wake(stream): wake_id}, count=1,
                           block=max(1, min(block_ms, due_ms)) if due_ms >= 0 else block_ms)
+
+
+def cache_room(infos: list[dict], live: list[str]) -> tuple[dict[str, float] | None, int]:
+    """Each live worker's room for the prompts it owns, in tokens, from its heartbeat (`infos`,
+    in the order of `live`): its prefix cache less one block for each request the workers run
+    on average (a running request holds its last, partial block alone), and the cache's block
+    size; (None, 0) while a worker's cache size is not known (no room bound then)."""
+    blocks = [info.get("prefix_cache_blocks") for info in infos]
+    sizes = [info.get("prefix_cache_block_size") for info in infos]
+    if not all(blocks) or not all(sizes):
+        return None, 0
+    running = math.ceil(sum(info.get("in_flight") or 0 for info in infos) / len(infos))
+    return {w: float((n - running) * size) for w, n, size in zip(live, blocks, sizes)}, min(sizes)
 
 
 def _pairs(flat: list) -> dict[str, str]:

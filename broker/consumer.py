@@ -69,7 +69,7 @@ class StreamConsumer:
         self.quarantine = Quarantine()  # suspects held until the engine is empty
         self.reserved_slots = 0  # of a fetch's count, what the bulk lane leaves to interactive work
         self.tenant_reserved_slots, self.capacity = 0, 0  # fair share: dispatch.lua's tenant reserve
-        self.affinity = Placement(self.scripts, lambda: self.streams[:-1])  # prefix affinity: off until set
+        self.affinity = Placement(self.scripts, lambda: self.streams[:-1], redis)  # prefix affinity: off until set
         self.reclaimed = self.dead_lettered = 0  # running totals, for the worker's metrics
         self.webhook_owners = webhooks.SubscribedOwners(redis)  # a dead letter whose status expired keeps its event
         # Own pending entries are re-read once after a (re)start, following a cursor.

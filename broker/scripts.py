@@ -13,7 +13,7 @@ from redis.asyncio import Redis
 from redis.commands.core import AsyncScript
 from redis.exceptions import NoScriptError
 
-from sluice.broker.affinity import GROUPS_MAX
+from sluice.broker.affinity import COUNT_DECAY, GROUPS_MAX
 from sluice.broker.connection import is_cluster
 from sluice.broker.keys import ACTIVE_S, GROUP, VTC_TTL_S
 from sluice.broker.webhooks import OUTBOX_MAX_LEN
@@ -37,7 +37,8 @@ def prelude() -> str:
             f"local GROUP = '{GROUP}'  -- broker/keys.py\n"
             f"local VTC_TTL_S = {VTC_TTL_S}  -- broker/keys.py\n"
             f"local ACTIVE_S = {ACTIVE_S}  -- broker/keys.py\n"
-            f"local AFFINITY_GROUPS_MAX = {GROUPS_MAX}  -- broker/affinity.py\n")
+            f"local AFFINITY_GROUPS_MAX = {GROUPS_MAX}  -- broker/affinity.py\n"
+            f"local COUNT_DECAY = {COUNT_DECAY!r}  -- broker/affinity.py\n")
 
 
 def _source(name: str) -> str:

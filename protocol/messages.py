@@ -94,6 +94,7 @@ class RequestMessage(BaseModel):
     # (protocol/prefix.py): requests sharing a prefix share their leading keys, and placement
     # prefers the worker likely to hold them. Empty: no affinity (nothing cacheable, not computed).
     prefix: list[str] = Field(default_factory=list, max_length=8)
+    prefix_tokens: int = 0  # the tokens `prefix` was computed from (its prompt's), for placement; 0: not counted
 
     def to_fields(self) -> dict[str, str]:
         return {"id": self.id, "data": self.model_dump_json()}

@@ -12,6 +12,7 @@ import asyncio
 import json
 import logging
 import threading
+import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +26,8 @@ from sluice.protocol.rows import prompt_text
 log = logging.getLogger(__name__)
 
 
+MISSING_S = 5.0  # a model whose tokenizer files were not found is looked for again this much later
+
 # A prompt this short is measured on the event loop: tokenizing it costs less than a thread's round trip.
 INLINE_BYTES = 2048
 
@@ -36,19 +39,30 @@ class Measured:
 
     problem: str | None = None
     prefix: tuple[str, ...] = ()
+    tokens: int = 0  # its prompt's tokens, where the prefix key was computed (0: not counted)
 
 
 class PromptLimits:
     def __init__(self, cache_dir: Path):
         self.cache_dir = cache_dir
         self._loaded: dict[tuple[str, str], tuple[object, int] | None] = {}
+        self._missing_since: dict[tuple[str, str], float] = {}  # files not found: looked for again after MISSING_S
         self._templates: dict[tuple[str, str, str], object] = {}
         self._no_template: set[tuple[str, str]] = set()
         self._lock = threading.Lock()  # one load per model, whichever thread asks first
 
     def is_loaded(self, model: ModelConfig) -> bool:
-        """Whether `model`'s tokenizer was read already (or found unreadable): no disk read left."""
-        return (model.name, model.path) in self._loaded
+        """Whether `model`'s tokenizer was read already (or found unreadable lately): no disk read left."""
+        return self._known((model.name, model.path))
+
+    def _known(self, key: tuple[str, str]) -> bool:
+        """A tokenizer read stays read; files not found are looked for again after MISSING_S: the
+        default model's are written by the first worker to start (workers/model_prep.py), often
+        after the api has started, and a miss kept for good left that api without its tokenizer
+        (no prefix keys, no context check, /tokenize 501) until it restarted."""
+        if key not in self._loaded:
+            return False
+        return self._loaded[key] is not None or time.monotonic() - self._missing_since[key] < MISSING_S
 
     async def load(self, model: ModelConfig) -> tuple[object, int] | None:
         """As `loaded`, reading the files in a thread when they were not read yet: reading one
@@ -89,10 +103,10 @@ class PromptLimits:
 
     def _load(self, model: ModelConfig) -> tuple[object, int] | None:
         key = (model.name, model.path)
-        if key in self._loaded:
+        if self._known(key):
             return self._loaded[key]
         with self._lock:
-            if key in self._loaded:
+            if self._known(key):
                 return self._loaded[key]
             found: tuple[object, int] | None = None
             try:
@@ -105,6 +119,7 @@ class PromptLimits:
                     if context:
                         found = (Tokenizer.from_file(str(directory / "tokenizer.json")), int(context))
             finally:
+                self._missing_since[key] = time.monotonic()
                 self._loaded[key] = found  # set once complete: a reader never sees a half-loaded entry
         return found
 
@@ -152,7 +167,7 @@ class PromptLimits:
         else:
             ids = _token_ids(tokenizer, text)
             problem = _too_long(len(ids), max_tokens, context)
-        return Measured(problem, tuple(prefix_keys(ids, model.framework_config.cache_block_size)))
+        return Measured(problem, tuple(prefix_keys(ids, model.framework_config.cache_block_size)), len(ids))
 
     def _has_template(self, model: ModelConfig) -> bool:
         return ("chat", model.name, model.path) in self._templates or (model.name, model.path) in self._no_template

@@ -23,25 +23,26 @@
 --       keep_s, hook ('1' when the owner has a webhook endpoint: each status carries the mark,
 --       and write_final appends its event to the outbox; '' for none), tenant, share_max,
 --       fair ('1': fair share on; '' for plain FIFO), weight, then rid, data, cost (its
---       expected tokens over the tenant's weight), group (its prefix group, '' for none) for
---       each request
+--       expected tokens over the tenant's weight), group (its prefix group, '' for none),
+--       prompt tokens (its prefix_tokens: what its prompt leaves in a prefix cache) for each request
 -- Prefix affinity (docs/prefix-affinity.md): while workers of the shard place by prefix (their
 -- fetches keep `<tag>:aff:slots`), an interactive request is staged even when nothing waits, so
--- that dispatch.lua places it (with two or more such workers), its group is counted for the
--- owners' next recompute, and the call rings the shard's doorbell (`<tag>:aff:wake`, a capped
--- stream) that those workers block on instead of the lane.
+-- that dispatch.lua places it (with two or more such workers), its group is counted (and its
+-- prompt's size noted) for the owners' next recompute, and the call rings the shard's doorbell
+-- (`<tag>:aff:wake`, a capped stream) that those workers block on instead of the lane.
 -- Returns the entry ids ('' for one final already; the first ones on a re-run), false when
 -- the bound refuses them, or 'share' when the tenant's share of it does.
 local stream, other = KEYS[1], KEYS[2]
 local max_queued, lane_max, status_ttl, now = tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3], ARGV[4]
 local model, lane, owner, retain_s, keep_s = ARGV[5], ARGV[6], ARGV[7], ARGV[8], tonumber(ARGV[9])
 local hook, tenant, share_max, fair, weight = ARGV[10], ARGV[11], tonumber(ARGV[12]), ARGV[13] == '1', ARGV[14]
-local n = (#ARGV - 14) / 4
+local n = (#ARGV - 14) / 5
 local FIRST_STATUS, FIRST_MARK = 3, 3 + n  -- KEYS[3 .. 2 + n]: statuses; KEYS[3 + n ...]: marks
-local function rid_of(i) return ARGV[11 + 4 * i] end  -- ARGV[15...]: rid, data, cost, group quads
-local function data_of(i) return ARGV[12 + 4 * i] end
-local function cost_of(i) return tonumber(ARGV[13 + 4 * i]) end
-local function group_of(i) return ARGV[14 + 4 * i] end
+local function rid_of(i) return ARGV[10 + 5 * i] end  -- ARGV[15...]: rid, data, cost, group, size fives
+local function data_of(i) return ARGV[11 + 5 * i] end
+local function cost_of(i) return tonumber(ARGV[12 + 5 * i]) end
+local function group_of(i) return ARGV[13 + 5 * i] end
+local function size_of(i) return ARGV[14 + 5 * i] end
 
 local entries = {}
 if redis.call('EXISTS', KEYS[FIRST_STATUS]) == 1 then
@@ -104,7 +105,7 @@ local function lifted()
 end
 
 local placing = fair and lane_of(stream) == 'req' and redis.call('HLEN', tag_of(stream) .. ':aff:slots') or 0
-local groups = tag_of(stream) .. ':aff:groups'
+local groups, sizes = tag_of(stream) .. ':aff:groups', tag_of(stream) .. ':aff:sizes'
 for i = 1, n do
   local status = KEYS[FIRST_STATUS + i - 1]
   local staged, entry = nil, nil
@@ -116,7 +117,9 @@ for i = 1, n do
     if placing > 1 and group ~= '' and (redis.call('HEXISTS', groups, group) == 1 or
                                         redis.call('HLEN', groups) < AFFINITY_GROUPS_MAX) then
       redis.call('HINCRBYFLOAT', groups, group, 1)
+      redis.call('HSET', sizes, group, size_of(i))
       redis.call('EXPIRE', groups, status_ttl)
+      redis.call('EXPIRE', sizes, status_ttl)
     end
     if not redis.call('ZSCORE', backlog, tenant) then
       redis.call('ZADD', backlog, lifted(), tenant)

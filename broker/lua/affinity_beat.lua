@@ -3,13 +3,14 @@
 -- within live_ms) and how free; fields of workers not seen within live_ms are dropped. Once per
 -- interval (a lock under the tag, so one worker of the shard does it) it hands the caller what
 -- the owners are recomputed from: the live workers, the groups requested since the last time
--- (counted by admit.lua, decayed here) and the current owners.
+-- (counted by admit.lua, decayed here), the current owners and the groups' prompt sizes.
 -- KEYS: the interactive lane stream (its tag names the affinity keys)
 -- ARGV: consumer, free (-1: the worker leaves), live_ms, interval_ms (0: no recompute)
--- Returns {live workers, {group, count, ...}, {group, owners, ...}} when this call is the
--- interval's recompute, else false.
+-- Returns {live workers, {group, count, ...}, {group, owners, ...}, {group, prompt tokens, ...}}
+-- when this call is the interval's recompute, else false.
 local tag = tag_of(KEYS[1])
 local slots, groups, owners = tag .. ':aff:slots', tag .. ':aff:groups', tag .. ':aff:owners'
+local sizes = tag .. ':aff:sizes'
 local consumer, free, live_ms, interval_ms = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
 local now = now_ms()
 if free < 0 then
@@ -30,15 +31,17 @@ end
 if interval_ms <= 0 or not redis.call('SET', tag .. ':aff:lock', consumer, 'NX', 'PX', interval_ms) then
   return false
 end
--- The counts decay by half at each recompute (a moving sum over about two intervals), so that
--- owners follow traffic without being drawn from one interval's handful of requests.
+-- The counts decay by COUNT_DECAY at each recompute (halved every 8 intervals: a moving sum
+-- over about 12), so that owners follow traffic without being drawn from a few intervals'
+-- handful of requests; a count under 0.25 is dropped (one request is forgotten in 16 intervals).
 local counts = redis.call('HGETALL', groups)
 for i = 1, #counts, 2 do
-  local half = tonumber(counts[i + 1]) / 2
-  if half < 0.25 then
+  local left = tonumber(counts[i + 1]) * COUNT_DECAY
+  if left < 0.25 then
     redis.call('HDEL', groups, counts[i])
+    redis.call('HDEL', sizes, counts[i])
   else
-    redis.call('HSET', groups, counts[i], half)
+    redis.call('HSET', groups, counts[i], left)
   end
 end
-return {live, counts, redis.call('HGETALL', owners)}
+return {live, counts, redis.call('HGETALL', owners), redis.call('HGETALL', sizes)}

@@ -1,5 +1,6 @@
--- Prefix affinity: the owners of the groups requested in the last interval, as recomputed by
--- broker/affinity.py (rendezvous with bounded loads), replacing the table at once. A group the
+-- Prefix affinity: the owners of the groups requested lately, as recomputed by
+-- broker/affinity.py (rendezvous with bounded loads; the groups not requested lately keep their
+-- live owners, up to GROUPS_MAX groups), replacing the table at once. A group the
 -- table does not name is placed by its rank-1 live worker (dispatch.lua).
 -- KEYS: the interactive lane stream (its tag names the affinity keys)
 -- ARGV: ttl_ms (the table outlives a few intervals without a recompute, then goes), then

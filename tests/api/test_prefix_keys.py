@@ -121,6 +121,7 @@ async def test_entries_carry_the_keys_of_their_prompt_tokens(app: FastAPI, api: 
     r = await api.post("/v1/completions", json={"model": "tiny", "prompt": words(1, 2, 3)})  # under a block
     first, second, short = entries
     assert first.prefix == prefix_keys([*shared, *range(40, 72)])
+    assert first.prefix_tokens == second.prefix_tokens == 64 and short.prefix_tokens == 3  # their sizes, for placement
     assert first.prefix[:2] == second.prefix[:2] and first.prefix[2] != second.prefix[2]
     assert short.prefix == []
 
@@ -143,6 +144,7 @@ async def test_a_chat_s_keys_are_those_of_its_rendered_template(app: FastAPI, ap
     a, b = entries
     header = list(range(81, 97))
     assert a.prefix == prefix_keys([*header, 3, 99]) == prefix_keys(header) == b.prefix
+    assert a.prefix_tokens == len([*header, 3, 99])
 
 
 async def test_without_affinity_no_keys_are_computed(start_api: StartApi, tmp_path: Path) -> None:
@@ -152,4 +154,26 @@ async def test_without_affinity_no_keys_are_computed(start_api: StartApi, tmp_pa
             r = await client.post("/v1/completions", json={"model": "tiny", "prompt": words(*range(1, 40))})
             assert r.status_code in (200, 504), r.text
     (entry,) = entries
-    assert entry.prefix == []
+    assert entry.prefix == [] and entry.prefix_tokens == 0
+
+
+async def test_a_tokenizer_written_after_the_api_started_is_found(start_api: StartApi, tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """The default model's files are written by the first worker to start, often after the api
+    has started (`sluice up` on a fresh machine): the api, not finding them, looks again a few
+    seconds later instead of going without a tokenizer (no prefix keys, no context check,
+    /tokenize 501) until it restarts."""
+    from sluice.protocol import tokens
+
+    async with start_api(_models(tmp_path / "tiny"), max_wait_s=0.05) as app:
+        entries = recorded(app)
+        async with http_client(app) as client:
+            body = {"model": "tiny", "prompt": words(*range(1, 40))}
+            assert (await client.post("/v1/completions", json=body)).status_code in (200, 504)
+            assert (await client.post("/tokenize", json=body)).status_code == 501
+            chat_model(tmp_path / "tiny")  # the worker has prepared the model
+            assert (await client.post("/v1/completions", json=body)).status_code in (200, 504)
+            monkeypatch.setattr(tokens, "MISSING_S", 0.0)  # (the few seconds have passed)
+            assert (await client.post("/v1/completions", json=body)).status_code in (200, 504)
+            assert (await client.post("/tokenize", json=body)).json()["count"] == 39
+    assert [e.prefix for e in entries] == [[], [], prefix_keys(list(range(1, 40)))]

@@ -65,6 +65,39 @@ def test_bounded_owners_keep_every_worker_within_its_bound_and_split_a_hot_group
     assert sum(left[g] == owners[g] for g in kept) >= 0.8 * len(kept)
 
 
+def test_owners_keep_no_more_prompts_than_their_caches_hold() -> None:
+    """With the caches' room and the groups' sizes, no worker owns more prompt tokens than its
+    cache keeps while another cache has room for the group; a group no cache has room for still
+    gets an owner (by load). Many random workloads and caches, with a load bound too loose to
+    decide (the load bound has its own test above). Without the room, the same workloads put
+    more prompts on some worker than its cache holds (the room matters)."""
+    import random
+
+    over_without = 0
+    for seed in range(200):
+        rng = random.Random(seed)
+        workers = [f"w{i}" for i in range(rng.randint(2, 5))]
+        groups = {f"g{k}": float(rng.randint(1, 60)) for k in range(rng.randint(2, 16))}
+        sizes = {g: float(rng.choice([128, 256, 384, 512])) for g in groups}
+        room = {w: float(rng.randint(2, 12) * 128) for w in workers}
+
+        def ranks(g: str, workers: list[str] = workers) -> list[str]:
+            return rendezvous_ranks(g, workers)
+
+        owners = bounded_owners(groups, workers, 100.0, ranks, sizes=sizes, room=room)
+        assert set(owners) == set(groups) and all(owners.values())
+        cached = dict.fromkeys(workers, 0.0)
+        for g, _ in sorted(groups.items(), key=lambda kv: (-kv[1], kv[0])):  # the order they are placed in
+            (w,) = owners[g]  # (one owner each: the load bound never splits a group here)
+            if cached[w] + sizes[g] > room[w]:  # beyond its cache's room: no cache had room for it
+                assert all(cached[v] + sizes[g] > room[v] for v in workers), (seed, g)
+            cached[w] += sizes[g]
+        plain = bounded_owners(groups, workers, 100.0, ranks)
+        held = {w: sum(sizes[g] for g, o in plain.items() if w in o) for w in workers}
+        over_without += any(held[w] > room[w] for w in workers)
+    assert over_without > 50
+
+
 def test_the_runs_are_the_seed_s() -> None:
     first = [r.row(1.0) for r in simulate(SMALL)]
     assert first == [r.row(1.0) for r in simulate(SMALL)]

@@ -6,16 +6,19 @@ affinity off nothing of it exists. Waits are the script's own (`due`), never ass
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 import time
 import uuid
+from collections import Counter
 
 from redis.asyncio import Redis
 
-from sluice.broker.affinity import GROUP_BLOCKS, rendezvous_ranks
+from sluice.broker.affinity import BOUNDED_LOAD, GROUP_BLOCKS, bounded_owners, rendezvous_ranks
 from sluice.broker.consumer import StreamConsumer
 from sluice.broker.dead_letters import DeadLetters
 from sluice.broker.fair_share import dispatch
+from sluice.broker.keys import WORKERS
 from sluice.config.settings import Settings
 from sluice.protocol.messages import FinalResult, RequestMessage, RowOutput, SamplingSpec, State, Usage
 from sluice.protocol.prefix import PREFIX_DEPTHS
@@ -28,14 +31,14 @@ CAPACITY = 4
 GROUPS = [f"{k:012x}" for k in range(0x5100, 0x5108)]
 
 
-def request(group: str, tenant: str = "default") -> RequestMessage:
+def request(group: str, tenant: str = "default", prefix_tokens: int = 0) -> RequestMessage:
     """A request whose prefix group (the key at GROUP_BLOCKS blocks) is `group`."""
     now = time.time()
     depth = PREFIX_DEPTHS.index(GROUP_BLOCKS)
     prefix = [f"{i:012x}" for i in range(depth)] + [group]
     return RequestMessage(id=f"req-{uuid.uuid4().hex}", model=MODEL, rows=[{"prompt": "x" * 40, "max_tokens": 8}],
                           sampling=SamplingSpec(max_tokens=8, seed=1), enqueued_at=now, deadline=now + 3600,
-                          tenant=tenant, prefix=prefix)
+                          tenant=tenant, prefix=prefix, prefix_tokens=prefix_tokens)
 
 
 async def placing(redis: Redis, settings: Settings, name: str, *, wait_ms: int = 600_000,
@@ -46,10 +49,10 @@ async def placing(redis: Redis, settings: Settings, name: str, *, wait_ms: int =
     return c
 
 
-async def submit(redis: Redis, settings: Settings, groups: list[str]) -> list[RequestMessage]:
+async def submit(redis: Redis, settings: Settings, groups: list[str], prefix_tokens: int = 0) -> list[RequestMessage]:
     adm, out = admission(redis, settings), []
     for g in groups:
-        out.append(request(g))
+        out.append(request(g, prefix_tokens=prefix_tokens))
         await adm.submit(out[-1], max_queued=10_000)
     return out
 
@@ -123,13 +126,15 @@ async def test_no_request_waits_past_the_bound_while_a_worker_has_room(redis: Re
 
 
 async def test_a_worker_declines_within_the_bound_and_takes_at_it(redis: Redis, settings: Settings) -> None:
-    await placing(redis, settings, "wa", wait_ms=40)
-    b = await placing(redis, settings, "wb", wait_ms=40)
+    # A bound of a second, not tens of ms: on a loaded machine the submit and the first
+    # dispatch can be that far apart (Redis' clock decides), and the entries would be overdue.
+    await placing(redis, settings, "wa", wait_ms=1000)
+    b = await placing(redis, settings, "wb", wait_ms=1000)
     theirs = [g for g in GROUPS if owner(g, ["wa", "wb"]) == "wa"][:2]
     sent = await submit(redis, settings, theirs)
     assert await dispatch(b, LANE, CAPACITY) == []  # a has free slots: its groups wait for it
     due = b.affinity.wake[LANE][1]
-    assert 0 < due <= 40
+    assert 0 < due <= 1000
     await asyncio.sleep(due / 1000)
     taken = [f["id"] for _, f in await dispatch(b, LANE, CAPACITY)]
     assert taken and taken == [m.id for m in sent][:len(taken)]  # overdue: b takes them, oldest first
@@ -188,6 +193,38 @@ async def test_the_owners_table_spreads_a_hot_group_within_the_bound(redis: Redi
     assert await b.affinity.beat(LANE, "wb", CAPACITY) is None  # one recompute per interval (the lock)
     got = {c.consumer: [group_of(f) for _, f in await dispatch(c, LANE, CAPACITY)] for c in (a, b)}
     assert got["wa"].count(hot) > 0 and got["wb"].count(hot) > 0  # both caches take the hot group
+
+
+async def test_owners_keep_no_more_prompts_than_the_caches_their_heartbeats_report(redis: Redis,
+                                                                                   settings: Settings) -> None:
+    """admit.lua notes each group's prompt tokens; the recompute reads each live worker's cache
+    size from its heartbeat and gives no worker more prompts than its cache keeps beside its
+    running requests (a block each). Two caches of 7 blocks of 128 tokens, nothing running, and
+    four groups of 3 full blocks (420 tokens), three of them ranked first by the same worker:
+    the load bound alone would give it three, its cache keeps two."""
+    a, _ = await placing(redis, settings, "wa"), await placing(redis, settings, "wb")
+    for name in ("wa", "wb"):
+        await redis.hset(WORKERS, name, json.dumps({"name": name, "in_flight": 0, "prefix_cache_blocks": 7,
+                                                    "prefix_cache_block_size": 128}))
+    ranked_a = [g for g in GROUPS if owner(g, ["wa", "wb"]) == "wa"]
+    ranked_b = [g for g in GROUPS if owner(g, ["wa", "wb"]) == "wb"]
+    groups = ranked_a[:3] + ranked_b[:1]
+    await submit(redis, settings, groups, prefix_tokens=420)
+    assert await redis.hgetall(f"{KEYS.tag}:aff:sizes") == dict.fromkeys(groups, "420")
+    owners = await a.affinity.beat(LANE, "wa", CAPACITY)
+    assert owners is not None and set(owners) == set(groups)
+    assert Counter(o for owned in owners.values() for o in owned) == {"wa": 2, "wb": 2}
+    # a group not requested lately keeps its owner (not its rank-1 worker) until its owner leaves
+    moved = next(g for g in ranked_a[:3] if owners[g] == ["wb"])
+    for _ in range(17):  # counts decayed below 0.25 (halved every 8): no group requested lately
+        await redis.delete(f"{KEYS.tag}:aff:lock")
+        assert await a.affinity.beat(LANE, "wa", CAPACITY) is not None
+    assert not await redis.exists(f"{KEYS.tag}:aff:groups")
+    assert (await redis.hgetall(OWNERS))[moved] == "wb"
+    # by the load bound alone, wa would own its three (one in part)
+    plain = bounded_owners(dict.fromkeys(groups, 1.0), ["wa", "wb"], BOUNDED_LOAD,
+                           lambda g: rendezvous_ranks(g, ["wa", "wb"]))
+    assert sum("wa" in owned for owned in plain.values()) == 3
 
 
 async def test_the_doorbell_wakes_a_blocked_worker(redis: Redis, settings: Settings) -> None:
