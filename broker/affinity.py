@@ -145,7 +145,7 @@ class Placement:
             return None
         beats = await self.redis.hmget(WORKERS, live)
         room, block = cache_room([json.loads(raw) if raw else {} for raw in beats], live)
-        kept = {g: float(int(n) // block * block) for g, n in sizes.items()} if block else {}  # its full blocks
+        footprint = {g: float(int(n) // block * block) for g, n in sizes.items()} if block else {}  # full blocks
         ranked: dict[str, list[str]] = {}
 
         def ranks(group: str) -> list[str]:
@@ -154,8 +154,7 @@ class Placement:
             return ranked[group]
 
         owners = bounded_owners({g: float(n) for g, n in counts.items()}, live, BOUNDED_LOAD, ranks,
-                                {g: o.split(",") for g, o in before.items()}, room=room,
-                                sizes=kept)
+                                {g: o.split(",") for g, o in before.items()}, room=room, sizes=footprint)
         for group, was in before.items():
             # A group not requested lately keeps its live owners: dropped, it would go back to its
             # rank-1 worker, which is not where the room bound may have put it (and its cache is).
