@@ -111,7 +111,7 @@ class Worker:
             asyncio.create_task(self._every(0.1, self.inference_log.flush), name="log"),
             asyncio.create_task(self._forward_stop(), name="stop"),
         ]
-        await self._heartbeat()
+        await until_redis_answers(self._heartbeat)  # (a failover met here ended the process once)
         try:
             while not self.stopping.is_set():
                 log.info("worker %s serving model %s v%d (%s batching, capacity %d)", self.name,

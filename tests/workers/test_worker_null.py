@@ -400,3 +400,30 @@ async def test_a_worker_process_freezes_its_start_up_heap_once_its_engine_starte
         finally:
             await stop(worker, task)
             gc.unfreeze()
+
+
+async def test_a_worker_whose_first_heartbeat_meets_a_failover_rides_it_out(
+        redis: Redis, settings: Settings, admission: Admission) -> None:
+    """A worker's first heartbeat (made before its loop, not by the heartbeat duty that retries)
+    met a Redis Cluster failover in a CI run: the primary of its slot killed a moment after the
+    worker started, `Connection refused`, and the worker process exited. It waits for Redis as
+    its start does, then serves."""
+    from redis.exceptions import ConnectionError as RedisConnectionError
+
+    model = ModelConfig(name=MODEL, continuous_batching_config=ContinuousBatchingConfig(max_concurrent_batch_size=4))
+    worker = Worker(settings, model, NullEngine(), redis, "blip")
+    beat, refused = worker.workers.beat, [RedisConnectionError("Error 111 connecting. Connection refused.")]
+
+    async def failing_over(info):  # type: ignore[no-untyped-def]
+        if refused:
+            raise refused.pop()
+        return await beat(info)
+
+    worker.workers.beat = failing_over  # type: ignore[method-assign]
+    task = asyncio.create_task(worker.run())
+    try:
+        msgs = await submit(admission, 2, max_tokens=3)
+        await eventually(lambda: _all_done(redis, msgs), what="both requests done after the blip")
+        assert not refused and not task.done()
+    finally:
+        await stop(worker, task)
