@@ -33,7 +33,6 @@ within `group_blocks` blocks), as the pull side will group them.
 from __future__ import annotations
 
 import heapq
-import math
 import random
 import statistics
 from collections import OrderedDict
@@ -41,7 +40,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from sluice.bench.prefix_workload import Entry, SimConfig, workload
-from sluice.broker.affinity import bounded_owners, rendezvous_ranks
+from sluice.broker.affinity import bounded_owners, cache_room, full_blocks, rendezvous_ranks
 from sluice.protocol.prefix import block_hashes
 from sluice.workers.engines.prefix_cache import SimulatedPrefixCache
 
@@ -137,10 +136,10 @@ class Simulation:
             for w in self.workers:
                 w.digest = frozenset(w.recent)
         elif self.policy == "rendezvous" and self.config.bounded_load and self.interval_counts:
-            c = self.config  # the caches' room as broker/affinity.py cache_room counts it
-            running = math.ceil(sum(c.slots - w.free for w in self.workers) / len(self.workers))
-            room = {w.name: float((c.cache_blocks - running) * c.block_size) for w in self.workers}
-            size = float((c.prefix_tokens + sum(c.user_tokens) // 2) // c.block_size * c.block_size)
+            c = self.config  # the caches' room and the prompts' size as the workers' recompute counts them
+            room, _ = cache_room([{"prefix_cache_blocks": c.cache_blocks, "prefix_cache_block_size": c.block_size,
+                                   "in_flight": c.slots - w.free} for w in self.workers], self.names)
+            size = full_blocks(c.prefix_tokens + sum(c.user_tokens) // 2, c.block_size)
             self.owners = bounded_owners(self.interval_counts, self.names, c.bounded_load, self._ranked, self.owners,
                                          room=room, sizes=dict.fromkeys(self.interval_counts, size))
             self.interval_counts = {}

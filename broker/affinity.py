@@ -63,8 +63,8 @@ def bounded_owners(counts: dict[str, float], workers: list[str], bound: float, r
 
     With `room` (a worker's prefix-cache room, in tokens) and `sizes` (the tokens a group's
     prompt leaves in a cache), a worker also owns no more prompts than its cache keeps: a group
-    goes to the workers whose cache has room left for it, and only a group no cache has room for
-    is placed by load alone (it evicts wherever it goes; the lightest groups come last)."""
+    goes to the workers whose cache has room left for it, and only a group no cache with load to
+    spare has room for is placed by load alone (it evicts wherever it goes; the lightest come last)."""
     before = before or {}
     cap = bound * sum(counts.values()) / len(workers)
     load = dict.fromkeys(workers, 0.0)
@@ -145,7 +145,7 @@ class Placement:
             return None
         beats = await self.redis.hmget(WORKERS, live)
         room, block = cache_room([json.loads(raw) if raw else {} for raw in beats], live)
-        footprint = {g: float(int(n) // block * block) for g, n in sizes.items()} if block else {}  # full blocks
+        footprint = {g: full_blocks(int(n), block) for g, n in sizes.items()} if block else {}
         ranked: dict[str, list[str]] = {}
 
         def ranks(group: str) -> list[str]:
@@ -188,6 +188,11 @@ def cache_room(infos: list[dict], live: list[str]) -> tuple[dict[str, float] | N
         return None, 0
     running = math.ceil(sum(info.get("in_flight") or 0 for info in infos) / len(infos))
     return {w: float((n - running) * size) for w, n, size in zip(live, blocks, sizes)}, min(sizes)
+
+
+def full_blocks(tokens: int, block: int) -> float:
+    """The tokens of a prompt of `tokens` that a prefix cache keeps: its full blocks."""
+    return float(tokens // block * block)
 
 
 def _pairs(flat: list) -> dict[str, str]:

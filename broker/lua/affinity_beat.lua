@@ -21,7 +21,8 @@ redis.call('HSET', slots, consumer, free .. '|' .. now)
 redis.call('PEXPIRE', slots, 3 * live_ms)
 local live, all = {}, redis.call('HGETALL', slots)
 for i = 1, #all, 2 do
-  local seen = tonumber(string.match(all[i + 1], '|(%d+)$') or '0')
+  local _, seen = slots_field(all[i + 1])
+  seen = tonumber(seen or '0')
   if seen < now - live_ms then
     redis.call('HDEL', slots, all[i])
   else
