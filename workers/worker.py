@@ -82,6 +82,7 @@ class Worker:
         self.consumer.tenant_reserved_slots = min(self.settings.tenant_reserved_slots, max(0, policy.capacity - 1))
         self.consumer.affinity.configure(self.settings, model)
         self.pace = Pace(model, policy, self.name)
+        self.serving = model  # what its heartbeat says it runs: a new version only once its policy does
         return policy
 
     # -- the Source the batching policy pulls from
@@ -246,8 +247,8 @@ class Worker:
         self._next_beat, self.pace.told = time.monotonic() + self.settings.heartbeat_interval_s, self.pace.admitted
         self._sync_metrics()
         await self.workers.beat(WorkerInfo(
-            name=self.name, model=self.model.name, version=self.model.version,
-            mode=self.model.mode.value, pid=os.getpid(), host=socket.gethostname(),
+            name=self.name, model=self.model.name, version=self.serving.version,
+            mode=self.serving.mode.value, pid=os.getpid(), host=socket.gethostname(),
             in_flight=len(self.running), capacity=self.policy.capacity,
             started_at=self.started_at, heartbeat_at=0.0,
             state="draining" if self.stopping.is_set() else "running", metrics_url=self.metrics_url,
