@@ -31,6 +31,7 @@ from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+import sluice.broker.packing  # noqa: F401 - every asyncio connection packs commands with hiredis
 from sluice.broker.urls import parse_url
 
 # Commands waiting for a connection wait at most this long (then a ConnectionError, retried

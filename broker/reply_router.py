@@ -1,12 +1,12 @@
 """One reader of reply streams per api process: every open stream (SSE, OpenAI `stream: true`)
 is followed through a few shared connections instead of one blocking XREAD each.
 
-Followers are spread over `shards`; each shard runs one `XREAD BLOCK` over all of its
-followers' reply streams at once, on a connection of its own, and hands each entry to the
-followers of that stream. A new follower must be in its shard's next read: it unblocks the
-shard's read (`CLIENT UNBLOCK`) until the shard has taken it in, so its first token never
-waits out a block. So an api process holds `shards` reading connections however many
-streams are open, and one XREAD carries a flush's tokens for every stream of a shard.
+Followers fill `shards` one after the other (SHARD_FILL each, then the least followed); each
+shard runs one `XREAD BLOCK` over its followers' reply streams, on a connection of its own, and
+hands each entry to the followers of that stream. A worker writes a flush's tokens for every
+stream of a model in one call: one shard holding them all answers it with one read, not one
+per shard. A new follower must be in its shard's next read: it unblocks the shard's read
+(`CLIENT UNBLOCK`) until the shard has taken it in, so its first token never waits out a block.
 
 In a Redis Cluster one XREAD cannot span slots: shards are then per model (its keys share one
 slot) and lazily made, each reading from the primary that serves the model's slot; a reader
@@ -21,7 +21,6 @@ import contextlib
 import logging
 import random
 import time
-import zlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -38,6 +37,7 @@ log = logging.getLogger(__name__)
 
 Entry = tuple[str, dict[str, str]]
 _PICKUP_S = 0.05  # a follower not yet taken in unblocks its shard again after this long
+SHARD_FILL = 256  # followers a shard takes before the next shard is used
 
 
 def _order(entry_id: str) -> tuple[int, int]:
@@ -60,6 +60,7 @@ class _Shard:
         self.reader: Redis | None = None  # one connection, blocked in XREAD most of the time
         self.block_ms = block_ms
         self.followers: dict[str, set[_Follower]] = {}
+        self.size = 0  # followers, all streams together
         self.client_id: int | None = None
         self.changed = asyncio.Event()
         self.closing = False
@@ -68,12 +69,14 @@ class _Shard:
 
     def add(self, f: _Follower) -> None:
         self.followers.setdefault(f.key, set()).add(f)
+        self.size += 1
         self.changed.set()
 
     def remove(self, f: _Follower) -> None:
         fs = self.followers.get(f.key)
-        if fs is not None:
-            fs.discard(f)
+        if fs is not None and f in fs:
+            fs.remove(f)
+            self.size -= 1
             if not fs:
                 del self.followers[f.key]
 
@@ -89,7 +92,8 @@ class _Shard:
             # cursor: a read hands it only entries after the last one it got, and only from a read
             # that began at or before that position (one that joined while a read from a later
             # position was under way waits for the next read, which starts from its own).
-            streams = {key: min((f.after for f in fs), key=_order) for key, fs in self.followers.items()}
+            streams = {key: next(iter(fs)).after if len(fs) == 1 else min((f.after for f in fs), key=_order)
+                       for key, fs in self.followers.items()}
             for fs in self.followers.values():
                 for f in fs:
                     f.taken_in.set()
@@ -178,8 +182,12 @@ class ReplyRouter:
         return shard
 
     def _shard_for(self, keys: ModelKeys, rid: str) -> _Shard:
-        i = zlib.crc32(rid.encode()) % self.shard_count
-        return self._shard(keys.for_request(rid).tag if self.readers.cluster else "", i)
+        """The first shard (of the request's slot) with room (SHARD_FILL), else the least followed."""
+        tag = keys.for_request(rid).tag if self.readers.cluster else ""
+        shards = [self._shard(tag, 0)]
+        while shards[-1].size >= SHARD_FILL and len(shards) < self.shard_count:
+            shards.append(self._shard(tag, len(shards)))
+        return min(shards, key=lambda s: s.size)
 
     async def close(self) -> None:
         for shard in self._shards.values():

@@ -62,8 +62,7 @@ class Worker:
         self.running: dict[str, Running] = {}
         self.stopping = asyncio.Event()
         self.started_at = time.time()
-        self._switch = asyncio.Event()  # stops the current policy for a new version or shutdown
-        self._closing = asyncio.Event()  # ends the background duties
+        self._switch, self._closing = asyncio.Event(), asyncio.Event()  # a policy's end; the background duties' end
         self._batches = 0
         # the consumer's reclaims and dead letters already in the metrics; when the next heartbeat is due
         self._counted, self._next_beat = (0, 0), 0.0
@@ -222,7 +221,8 @@ class Worker:
     async def _every(self, interval_s: float, duty) -> None:
         while True:
             try:
-                await asyncio.wait_for(self._closing.wait(), interval_s)
+                async with asyncio.timeout(interval_s):  # (wait_for would make a task each time)
+                    await self._closing.wait()
                 return
             except TimeoutError:
                 pass

@@ -102,6 +102,39 @@ async def test_many_streams_are_followed_on_as_many_connections_as_shards(
     assert router.following == 0 and await connections(redis) == 2
 
 
+async def test_a_flush_to_every_stream_of_a_filling_shard_is_one_read(
+        redis: Redis, make_router: Callable[..., ReplyRouter]) -> None:
+    # A worker writes one flush's tokens for every stream of a model in one call. Followers
+    # fill one shard before the next: however many shards there may be, a few dozen streams
+    # are answered by one read per flush, not one per shard (each a read to parse and send
+    # again in the api, and a blocked read to serve in Redis).
+    router = make_router(shards=4, block_ms=30_000)
+    rids = [f"req-fill-{n}" for n in range(40)]
+    followers = [asyncio.create_task(texts(router, rid)) for rid in rids]
+    await eventually(lambda: router.following == len(rids), what="every stream followed")
+    assert sum(1 for s in router._shards.values() if s.size) == 1
+
+    async def blocked() -> bool:  # the shard's read of every stream, waiting (a flush answers it at once)
+        return any(c.get("name") == READER and "b" in c["flags"] and c["cmd"] == "xread"
+                   for c in await redis.client_list(**on_models_node(redis)))
+
+    for n in range(3):
+        await eventually(blocked, interval_s=0.05, what="the shard's read blocked")
+        await redis.config_resetstat(**on_models_node(redis))
+        flush = "for i, key in ipairs(KEYS) do redis.call('XADD', key, '*', 'kind', 'delta', 'data', ARGV[i]) end"
+        await redis.eval(flush, len(rids), *(KEYS.reply(rid) for rid in rids),
+                         *(DeltaEvent(i=n, text=f" t{n}", token_ids=[n]).model_dump_json() for _ in rids))
+        await eventually(blocked, interval_s=0.05, what="the shard reading again")
+        stats = await redis.info("commandstats", **on_models_node(redis))
+        # one read answered (Redis 7.0 counts a read that blocked twice: as it blocks, and as it
+        # is answered); spread over the four shards, the flush was four reads
+        assert stats["cmdstat_xread"]["calls"] <= 2, stats["cmdstat_xread"]
+    for rid in rids:
+        await finish(redis, rid, " t0 t1 t2")
+    got = await asyncio.wait_for(asyncio.gather(*followers), 30)
+    assert got == [[" t0", " t1", " t2", "final: t0 t1 t2"] for _ in rids]
+
+
 async def test_a_new_stream_does_not_wait_for_the_blocked_read_to_end(
         redis: Redis, make_router: Callable[..., ReplyRouter]) -> None:
     # One shard, blocked for a minute on a first stream: the second stream's token must still
