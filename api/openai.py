@@ -45,7 +45,8 @@ async def _enqueue_choices(s: ApiState, model: ModelConfig, body: SamplingBody,
                            rows: list[dict[str, Any]], caller: Caller) -> tuple[Slot, list[RequestMessage]]:
     """The call's choices admitted, and (for a stream) its slot among its key's open streams,
     taken first: a stream refused by the cap queues nothing."""
-    problems = await asyncio.to_thread(body.problems)  # compiles a structured-output constraint: off the loop
+    # A structured output's constraint is compiled to check it: off the loop (a thread hop for nothing otherwise)
+    problems = await asyncio.to_thread(body.problems) if body.constrained() else body.problems()
     if problems:
         raise ApiError(400, "; ".join(message for _, message in problems), param=problems[0][0])
     # The OpenAI bodies' str-or-list fields let a lone surrogate through pydantic.

@@ -77,6 +77,10 @@ class SamplingBody(SamplingExtras):
     def _stop(cls, value: str | list[str] | None) -> list[str]:
         return stop_list(value)
 
+    def constrained(self) -> bool:
+        """Whether a field of a structured output is set (checking one compiles it: off the loop)."""
+        return any(getattr(self, name) is not None for name in ("response_format", "structured_outputs", *_GUIDED))
+
     def problems(self) -> list[Problem]:
         """Fields a client set that this server does not serve, or cannot serve together."""
         out: list[Problem] = []
@@ -199,6 +203,9 @@ class ChatCompletionRequest(SamplingBody):
         if self.max_completion_tokens is not None:
             self.max_tokens = self.max_completion_tokens
         return self
+
+    def constrained(self) -> bool:
+        return super().constrained() or self.tools is not None or self.tool_choice is not None
 
     def problems(self) -> list[Problem]:
         out = super().problems()

@@ -87,6 +87,22 @@ async def test_what_cannot_be_served_is_a_400_naming_the_field(api: httpx.AsyncC
     assert await redis.xlen(KEYS.requests) == 0  # nothing queued
 
 
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+async def test_a_constraint_is_checked_off_the_loop_and_a_plain_call_without_a_thread(
+        api: httpx.AsyncClient, redis: Redis, monkeypatch: pytest.MonkeyPatch, path: str) -> None:
+    hops = []
+    to_thread = asyncio.to_thread
+    monkeypatch.setattr(asyncio, "to_thread", lambda f, *a, **kw: hops.append(f.__name__) or to_thread(f, *a, **kw))
+    bodies = [{}, {"guided_regex": "[0-9]+"}, {"response_format": {"type": "json_object"}}]
+    if path == "/v1/chat/completions":
+        bodies.append({"tools": TOOLS, "tool_choice": "required"})
+    for extra in bodies:
+        prompt = {"prompt": "p"} if path == "/v1/completions" else {"messages": CHAT}
+        await _entry(api, redis, path, {"max_tokens": 4, **prompt, **extra})
+        await redis.xtrim(KEYS.requests, maxlen=0)
+    assert hops.count("problems") == len(bodies) - 1, hops
+
+
 async def test_auto_tool_choice_names_the_setting_it_needs(api: httpx.AsyncClient) -> None:
     r = await api.post("/v1/chat/completions", json={"model": MODEL, "messages": CHAT, "tools": TOOLS})
     assert "tool_call_parser" in r.json()["error"]["message"]
