@@ -12,13 +12,18 @@ from redis.asyncio.connection import Connection
 from redis.connection import PythonRespSerializer
 from redis.exceptions import DataError
 
-import sluice.broker.packing  # noqa: F401 - installs the packer
+import sluice.broker.connection  # noqa: F401 - through which every client is made; installs the packer
+from sluice.broker.packing import _pack_command
 
 _PYTHON = Connection(decode_responses=True)
 PYTHON = PythonRespSerializer(_PYTHON._buffer_cutoff, _PYTHON.encoder.encode)
 
 ARG = st.one_of(st.text(), st.binary(), st.integers(), st.floats(allow_nan=False), st.integers(-2**80, 2**80),
                 st.binary(min_size=6000, max_size=9000).map(memoryview), st.binary().map(bytearray))
+
+
+def test_every_asyncio_connection_packs_with_hiredis() -> None:
+    assert Connection.pack_command is _pack_command
 
 
 @settings(max_examples=300, deadline=None)
