@@ -202,7 +202,7 @@ class ReplyRouter:
 
     @property
     def following(self) -> int:
-        return sum(len(fs) for s in self._shards.values() for fs in s.followers.values())
+        return sum(s.size for s in self._shards.values())
 
     async def follow(self, model: str, rid: str, *, after: str = "0", next_index: int | dict[int, int] = 0,
                      idle_timeout_s: float | None = None) -> AsyncIterator[ReplyEvent]:

@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import pytest
 import redis as redis_sync
 from redis.asyncio import Redis
 
@@ -22,10 +23,11 @@ from sluice.broker.fair_share import staged_streams
 from sluice.broker.keys import GROUP, ModelKeys
 from sluice.broker.limits import AdmissionLimits, ConsumerLimits
 from sluice.broker.readers import Readers
-from sluice.broker.replies import ReplyEvent
+from sluice.broker.replies import ReplyEvent, ReplyWriter
 from sluice.broker.reply_router import ReplyRouter
 from sluice.config.settings import Settings
 from sluice.protocol.messages import (
+    DeltaEvent,
     FinalResult,
     RequestMessage,
     RowOutput,
@@ -184,3 +186,22 @@ async def queued_ids(redis: Redis, stream: str = KEYS.requests) -> list[str]:
 async def queued_len(redis: Redis, stream: str = KEYS.requests) -> int:
     """Entries queued on a lane: on its stream and staged (fair share)."""
     return len(await queued_ids(redis, stream))
+
+
+async def failing_flush(writer: ReplyWriter, d: Delivery, event: DeltaEvent, *, lands: bool) -> None:
+    """Buffer `event` and flush it into a connection error: Redis went away before running the
+    pipeline, or (`lands`) ran it and the answer was lost."""
+    real = writer._write
+
+    async def failing(calls):
+        if lands:
+            await real(calls)
+        raise ConnectionError("the answer was lost" if lands else "Redis went away")
+
+    writer._write = failing
+    writer.delta(d, event)
+    try:
+        with pytest.raises(ConnectionError):
+            await writer.flush()
+    finally:
+        writer._write = real

@@ -12,6 +12,7 @@ import pytest
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
+from sluice.broker import reply_router
 from sluice.broker.connection import connect, is_cluster
 from sluice.broker.readers import Readers
 from sluice.broker.reply_router import ReplyRouter, resume_index
@@ -133,6 +134,24 @@ async def test_a_flush_to_every_stream_of_a_filling_shard_is_one_read(
         await finish(redis, rid, " t0 t1 t2")
     got = await asyncio.wait_for(asyncio.gather(*followers), 30)
     assert got == [[" t0", " t1", " t2", "final: t0 t1 t2"] for _ in rids]
+
+
+async def test_a_second_reader_in_a_full_shard_goes_to_the_next_and_still_gets_every_token_once(
+        redis: Redis, make_router: Callable[..., ReplyRouter], monkeypatch: pytest.MonkeyPatch) -> None:
+    # Shards fill in order: a second reader of a stream that joins mid-read once the first
+    # shard is full is read by another shard, from its own position, each token once.
+    monkeypatch.setattr(reply_router, "SHARD_FILL", 1)
+    router = make_router(shards=2, block_ms=30_000)
+    first = asyncio.create_task(texts(router, "req-split"))
+    await eventually(lambda: router.following == 1, what="the first reader followed")
+    await delta(redis, "req-split", 0, " a")
+    second = asyncio.create_task(texts(router, "req-split"))
+    await eventually(lambda: router.following == 2, what="the second reader followed")
+    assert [s.size for s in router._shards.values()] == [1, 1]
+    await delta(redis, "req-split", 1, " b")
+    await finish(redis, "req-split", " a b")
+    assert await asyncio.wait_for(first, 20) == [" a", " b", "final: a b"]
+    assert await asyncio.wait_for(second, 20) == [" a", " b", "final: a b"]
 
 
 async def test_a_new_stream_does_not_wait_for_the_blocked_read_to_end(
