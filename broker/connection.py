@@ -31,7 +31,7 @@ from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-import sluice.broker.packing  # noqa: F401 - every asyncio connection packs commands with hiredis
+import sluice.broker.wire  # noqa: F401 - how every asyncio connection writes (hiredis; a lost one)
 from sluice.broker.urls import parse_url
 
 # Commands waiting for a connection wait at most this long (then a ConnectionError, retried
@@ -76,19 +76,13 @@ class _BoundedCluster(RedisCluster):
     async def _place(self) -> AsyncIterator[None]:
         """One of the bound's places, held by a command or a pipeline. Re-entrant: a pipeline
         that resends a redirected command (MOVED, ASK during a failover) through
-        execute_command already holds its place, and would otherwise wait for itself. A
-        connection a failover closed under it (redis-py then writes to a writer it dropped) is
-        a ConnectionError, as any lost one is: the api answers 503, not 500."""
+        execute_command already holds its place, and would otherwise wait for itself."""
         if not self._ready:
             await self.ready()
         token = None if _HOLDING.get() else _HOLDING.set(True)
         try:
             async with self._bound if token else contextlib.nullcontext():
                 yield
-        except AttributeError as err:
-            if "writelines" not in str(err):
-                raise
-            raise RedisConnectionError(f"the connection to Redis was lost mid-command ({err})") from err
         finally:
             if token:
                 _HOLDING.reset(token)
