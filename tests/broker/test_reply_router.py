@@ -12,7 +12,7 @@ import pytest
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
-from sluice.broker import reply_router
+from sluice.broker import reply_shards
 from sluice.broker.connection import connect, is_cluster
 from sluice.broker.readers import Readers
 from sluice.broker.reply_router import ReplyRouter, resume_index
@@ -140,7 +140,7 @@ async def test_a_second_reader_in_a_full_shard_goes_to_the_next_and_still_gets_e
         redis: Redis, make_router: Callable[..., ReplyRouter], monkeypatch: pytest.MonkeyPatch) -> None:
     # Shards fill in order: a second reader of a stream that joins mid-read once the first
     # shard is full is read by another shard, from its own position, each token once.
-    monkeypatch.setattr(reply_router, "SHARD_FILL", 1)
+    monkeypatch.setattr(reply_shards, "SHARD_FILL", 1)
     router = make_router(shards=2, block_ms=30_000)
     first = asyncio.create_task(texts(router, "req-split"))
     await eventually(lambda: router.following == 1, what="the first reader followed")

@@ -85,8 +85,11 @@ class NullEngine(Engine):
             ids, texts = [token for token, _ in tokens], [text for _, text in tokens]
             yield TokenDelta("".join(texts), ids, "length", prompt_tokens, _logprobs(request, texts), prompt_lp)
             return
+        step = self._steps.next_step()
         for i in range(first, last):
-            await self._steps.next()
+            if (made := self._steps.made(step)) is not None:  # not made yet: wait for the step
+                await made
+            step += 1
             if request.request_id in self._aborted:
                 yield TokenDelta("", [], "abort", prompt_tokens if i == first else None)
                 return
@@ -115,29 +118,51 @@ class NullEngine(Engine):
 
 
 class _Steps:
-    """The engine's steps: a waiter gets its token at the next one, together with every other
-    request running (one timer a step, not one a token), so a worker sees the tokens of a step
-    as it would from a GPU engine: all in one turn of its event loop. A step is taken
-    `interval_s` after its first waiter came (none while nothing runs)."""
+    """The engine's steps, on the engine's own clock: one every `interval_s` (on a grid from its
+    first use), whatever the worker's event loop is doing, as a GPU engine steps in its own
+    process. Every request running gets a token per step; the waiters of a step get theirs
+    together (one timer a step, not one a token), so a worker sees a step's tokens as it would
+    from a GPU engine: all in one turn of its event loop. A request whose worker comes for a
+    token after its step was taken (its loop busy) gets it at once, as vLLM's output queue
+    holds what the engine made meanwhile: the engine's pace is not the worker's, and
+    `sluice bench tokens` measures whether the worker keeps up with it."""
 
     def __init__(self, interval_s: float) -> None:
         self.interval_s = interval_s
-        self._waiting: list[asyncio.Future[None]] = []
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._epoch = 0.0
+        self._taken = -1  # the last step whose timer has run
+        self._waiting: dict[int, list[asyncio.Future[None]]] = {}
 
-    def next(self) -> asyncio.Future[None]:
+    def _on_loop(self) -> asyncio.AbstractEventLoop:
         loop = asyncio.get_running_loop()
-        if loop is not self._loop:  # (an engine used again on another loop: its old step never comes)
-            self._loop, self._waiting = loop, []
-        fut = loop.create_future()  # one each: a waiter cancelled leaves the others waiting
-        self._waiting.append(fut)
-        if len(self._waiting) == 1:
-            loop.call_later(self.interval_s, self._step)
+        if loop is not self._loop:  # (an engine used again on another loop: its old steps never come)
+            self._loop, self._epoch, self._taken, self._waiting = loop, loop.time(), -1, {}
+        return loop
+
+    def next_step(self) -> int:
+        """The step that makes the first token of a request starting now."""
+        loop = self._on_loop()
+        return max(self._taken + 1, int((loop.time() - self._epoch) / self.interval_s) + 1)
+
+    def made(self, step: int) -> asyncio.Future[None] | None:
+        """None once `step` was taken; else a future done when it is (one each: a waiter
+        cancelled leaves the others waiting)."""
+        loop = self._on_loop()
+        at = self._epoch + step * self.interval_s
+        if step <= self._taken or loop.time() >= at:
+            return None
+        fut = loop.create_future()
+        waiting = self._waiting.get(step)
+        if waiting is None:
+            waiting = self._waiting[step] = []
+            loop.call_at(at, self._take, step)
+        waiting.append(fut)
         return fut
 
-    def _step(self) -> None:
-        waiting, self._waiting = self._waiting, []
-        for fut in waiting:
+    def _take(self, step: int) -> None:
+        self._taken = max(self._taken, step)
+        for fut in self._waiting.pop(step, ()):
             if not fut.done():
                 fut.set_result(None)
 
