@@ -133,11 +133,15 @@ class Shard:
                 await asyncio.sleep(0.2)
                 continue
             for key, entries in got or []:
+                read_from = streams[key]
                 for f in list(self.followers.get(key, ())):
-                    if order(f.after) < order(streams[key]):  # it joined during the read: not its rest
+                    if f.after == read_from:  # (most often: the whole read is its next entries)
+                        new = entries
+                    elif order(f.after) < order(read_from):  # it joined during the read: not its rest
                         continue
-                    after = order(f.after)
-                    new = [entry for entry in entries if order(entry[0]) > after]
+                    else:
+                        after = order(f.after)
+                        new = [entry for entry in entries if order(entry[0]) > after]
                     if new:  # a read's entries in one hand-over: the reader writes them at once
                         f.after = new[-1][0]
                         f.hand(new)
