@@ -6,8 +6,12 @@ ConnectionError (retried; a 503 in the api), never the event loop's RuntimeError
 from __future__ import annotations
 
 import asyncio
+import signal
+import time
+from pathlib import Path
 
 import pytest
+import redis.asyncio.connection
 import uvloop
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -18,9 +22,11 @@ from redis.backoff import NoBackoff
 from redis.connection import PythonRespSerializer
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import DataError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 import sluice.broker.connection  # noqa: F401 - through which every client is made; installs the packer
 from sluice.broker.wire import _pack_command, lost_mid_write
+from sluice.supervisor.processes import EmbeddedRedis
 
 _PYTHON = Connection(decode_responses=True)
 PYTHON = PythonRespSerializer(_PYTHON._buffer_cutoff, _PYTHON.encoder.encode)
@@ -106,3 +112,48 @@ def test_unretried_it_is_a_connection_error_not_a_runtime_error(redis_url: str) 
     else:
         assert isinstance(got, RedisConnectionError), repr(got)
         assert "lost mid-command" in str(got)
+
+
+def test_a_command_is_sent_without_a_task(redis_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """redis-py sends under asyncio.wait_for, a task per command on Python 3.11; ours does not."""
+
+    def refused(*_: object, **__: object) -> None:
+        raise AssertionError("asyncio.wait_for on the send path")
+
+    async def main() -> object:
+        client = sluice.broker.connection.connect(redis_url, name="sluice-test-wire")
+        try:
+            await client.set("sluice:test:wire", "x" * 100_000)
+            return await client.get("sluice:test:wire")
+        finally:
+            await client.aclose()
+
+    monkeypatch.setattr(redis.asyncio.connection.asyncio, "wait_for", refused)
+    assert uvloop.run(main()) == "x" * 100_000
+
+
+def test_a_write_a_frozen_redis_cannot_take_gives_up_after_the_socket_timeout(tmp_path: Path) -> None:
+    """The kernel takes what it can of a command; a Redis that stopped reading (frozen, not gone:
+    its kernel still acknowledges) leaves the rest waiting for room, which ends in a TimeoutError
+    after the socket timeout, the connection dropped (not a command stuck for good)."""
+    node = EmbeddedRedis(tmp_path, appendonly=False).start()
+    try:
+        async def main() -> tuple[object, float]:
+            client = Redis.from_url(node.url, socket_timeout=1.0, retry=Retry(NoBackoff(), 0))
+            await client.ping()
+            node.process.send_signal(signal.SIGSTOP)
+            began = time.monotonic()
+            try:
+                await client.set("sluice:test:big", b"x" * 64_000_000)
+            except Exception as err:  # noqa: BLE001 - the test looks at which
+                return err, time.monotonic() - began
+            finally:
+                node.process.send_signal(signal.SIGCONT)
+                await client.aclose()
+            return None, time.monotonic() - began
+
+        got, took = uvloop.run(main())
+        assert isinstance(got, RedisTimeoutError), repr(got)
+        assert took < 10
+    finally:
+        node.stop()
