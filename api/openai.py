@@ -146,7 +146,7 @@ async def _merged(s: ApiState, model: str, messages: list[RequestMessage]) -> As
     stream ends; what arrived together comes as one list (one write). One choice is followed
     directly; several through a reader task each."""
     if len(messages) == 1:
-        async with contextlib.aclosing(s.replies.follow_reads(model, messages[0].id)) as reads:
+        async with contextlib.aclosing(s.replies.follow_reads(model, messages[0].id, fresh=True)) as reads:
             async for read in reads:
                 yield [(0, ev) for ev in read]
         yield [(0, None)]
@@ -155,7 +155,7 @@ async def _merged(s: ApiState, model: str, messages: list[RequestMessage]) -> As
 
     async def follow(index: int, rid: str) -> None:
         try:
-            async for ev in s.replies.follow(model, rid):
+            async for ev in s.replies.follow(model, rid, fresh=True):
                 await queue.put((index, ev))
         finally:
             await queue.put((index, None))

@@ -95,21 +95,23 @@ class ReplyRouter:
         return sum(s.size for s in self._shards.values())
 
     async def follow(self, model: str, rid: str, *, after: str = "0", next_index: int | dict[int, int] = 0,
-                     idle_timeout_s: float | None = None) -> AsyncIterator[ReplyEvent]:
+                     idle_timeout_s: float | None = None, fresh: bool = False) -> AsyncIterator[ReplyEvent]:
         """The request's reply events one by one (see follow_reads)."""
         async with contextlib.aclosing(self.follow_reads(model, rid, after=after, next_index=next_index,
-                                                         idle_timeout_s=idle_timeout_s)) as reads:
+                                                         idle_timeout_s=idle_timeout_s, fresh=fresh)) as reads:
             async for events in reads:
                 for event in events:
                     yield event
 
     async def follow_reads(self, model: str, rid: str, *, after: str = "0", next_index: int | dict[int, int] = 0,
-                           idle_timeout_s: float | None = None) -> AsyncIterator[list[ReplyEvent]]:
+                           idle_timeout_s: float | None = None, fresh: bool = False) -> AsyncIterator[list[ReplyEvent]]:
         """The request's reply events after entry `after` until the final, each token once
         (ReplyDecoder, from `next_index`: row 0's, or per row as `resume_index` gives it), as
         they came: one list per read of the shard (a reader sends them in one write); the final
         from the status hash when the reply stream holds nothing more (it expired); nothing more
-        after `idle_timeout_s` without an entry."""
+        after `idle_timeout_s` without an entry. `fresh`: the caller admitted the request just
+        now, so its stream cannot have expired yet: no look at its status first (a Redis round
+        trip per streamed OpenAI call; the quiet recheck still looks later)."""
         keys = ModelKeys(model)
         decoder = ReplyDecoder()
         decoder.seen.update({0: next_index} if isinstance(next_index, int) else next_index)
@@ -118,7 +120,7 @@ class ReplyRouter:
         shard.add(follower)
         try:
             await self._taken_in(shard, follower)
-            lost = await self._lost_final(keys, rid, follower)  # final long ago: its stream is gone
+            lost = None if fresh else await self._lost_final(keys, rid, follower)  # final long ago: stream gone
             if lost is not None:
                 yield [lost]
                 return

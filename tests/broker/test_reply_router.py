@@ -12,7 +12,7 @@ import pytest
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
-from sluice.broker import reply_shards
+from sluice.broker import reply_router, reply_shards
 from sluice.broker.connection import connect, is_cluster
 from sluice.broker.readers import Readers
 from sluice.broker.reply_router import ReplyRouter, resume_index
@@ -363,3 +363,26 @@ async def _blocked_again(blocked_reader: Callable[[], Awaitable[int | None]], be
     except RedisError:  # still starting
         return False
     return now is not None and now != before
+
+
+async def test_a_fresh_follower_reads_no_status_before_its_tokens(
+        redis: Redis, make_router: Callable[..., ReplyRouter], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A request its caller admitted just now (a streamed OpenAI call) cannot have a lost final:
+    its follower goes straight to the stream, without the status read an old request's needs."""
+    router = make_router(shards=1, block_ms=30_000)
+    looked: list[str] = []
+    real = reply_router.final_status
+
+    async def counted(client: Redis, key: str) -> FinalResult | None:
+        looked.append(key)
+        return await real(client, key)
+
+    monkeypatch.setattr(reply_router, "final_status", counted)
+    fresh = asyncio.create_task(texts(router, "req-fresh", fresh=True))
+    old = asyncio.create_task(texts(router, "req-old"))
+    await eventually(lambda: router.following == 2, what="both followers taken in")
+    for rid in ("req-fresh", "req-old"):
+        await delta(redis, rid, 0, "a")
+        await finish(redis, rid, "a")
+    assert await fresh == ["a", "final:a"] and await old == ["a", "final:a"]
+    assert looked == [KEYS.status("req-old")]
