@@ -3,6 +3,7 @@ embedded default: AOF on, never evicting) and the readiness and stop helpers."""
 
 from __future__ import annotations
 
+import random
 import shutil
 import signal
 import socket
@@ -35,8 +36,14 @@ def redis_server_binary() -> str:
         ) from None
 
 
-def free_port(preferred: int | None = None) -> int:
-    for port in ([preferred] if preferred else []) + [0]:
+def free_port(preferred: int | None = None, *, below: int | None = None) -> int:
+    """A port free on 127.0.0.1 now: `preferred` if it is, else one the kernel picks. `below`:
+    one under that bound, drawn under the kernel's ephemeral range (32768 up), where the kernel
+    picks none (a cluster node's bus listens on its port + 10000, so its port must be 55535 or
+    less: one the kernel picked was above that one time in five)."""
+    tries = [preferred] if preferred else []
+    tries += [random.randrange(20000, min(below, 32768)) for _ in range(200)] if below else [0]
+    for port in tries:
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))
@@ -49,18 +56,20 @@ def free_port(preferred: int | None = None) -> int:
 class EmbeddedRedis:
     def __init__(self, data_dir: Path, port: int | None = None, *, appendonly: bool = True,
                  password: str | None = None, tls: tuple[Path, Path] | None = None, strict: bool = False,
-                 extra: tuple[str, ...] = (), own_session: bool = False):
+                 extra: tuple[str, ...] = (), own_session: bool = False, below: int | None = None):
         """`tls`: (certificate, key) files; the server then listens for TLS only. `strict`:
         every write is on disk before it is answered (appendfsync always), so a kill -9 loses
         nothing that was acknowledged; the default fsyncs once a second. `extra`: more
-        redis-server options (a cluster node's, a replica's)."""
+        redis-server options (a cluster node's, a replica's). `below`: a port of its choosing is
+        under this (a cluster node's: see free_port)."""
         self.extra = extra
         self.own_session = own_session  # its own session: a terminal's Ctrl-C does not reach it
         self.data_dir = Path(data_dir)
         # A port of our choosing may be taken in between (tests start many servers at once):
         # the first start chooses again; a restart keeps its port, its clients know it.
         self._pick_port = port is None
-        self.port = port or free_port()
+        self._below = below
+        self.port = port or free_port(below=below)
         self.appendonly = appendonly
         self.strict = strict
         self.password = password
@@ -84,7 +93,7 @@ class EmbeddedRedis:
                 if not self._pick_port:
                     raise
                 self.stop()
-                self.port = free_port()
+                self.port = free_port(below=self._below)
         return self._start(timeout_s)
 
     def _start(self, timeout_s: float) -> EmbeddedRedis:

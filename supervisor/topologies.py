@@ -22,6 +22,9 @@ def _cli(*args: str, timeout: float = 60.0) -> str:
     return out.stdout
 
 
+CLUSTER_PORT_BOUND = 55536  # a node's bus listens on its port + 10000: its port is 55535 or less
+
+
 class LocalCluster:
     """`primaries` primaries with `replicas` replicas each, every node with AOF on (everysec)."""
 
@@ -29,7 +32,7 @@ class LocalCluster:
         self.root = root
         self.nodes = [EmbeddedRedis(root / f"node{i}", extra=(
             "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf", "--cluster-node-timeout", "2000",
-            "--cluster-allow-reads-when-down", "no", "--repl-diskless-sync-delay", "0"))
+            "--cluster-allow-reads-when-down", "no", "--repl-diskless-sync-delay", "0"), below=CLUSTER_PORT_BOUND)
             for i in range(primaries * (1 + replicas))]
         self.replicas = replicas
 

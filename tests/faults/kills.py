@@ -25,31 +25,37 @@ def _stopped(pid: int) -> bool:
     return bool(states) and all(s in "tT" for s in states)
 
 
-def _tcp_ports(pid: int) -> set[int]:
-    """The local ports of the TCP connections `pid` holds (read while it lives)."""
+def _tcp_links(pid: int) -> set[tuple[int, int]]:
+    """The TCP connections `pid` holds, as (its local port, the peer's port) (read while it lives)."""
     inodes = set()
     for fd in Path(f"/proc/{pid}/fd").iterdir():
         with contextlib.suppress(OSError):
             link = os.readlink(fd)
             if link.startswith("socket:["):
                 inodes.add(link[len("socket:["):-1])
-    ports = set()
+    links = set()
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         with contextlib.suppress(OSError):
             for line in Path(table).read_text().splitlines()[1:]:
                 fields = line.split()
                 if fields[9] in inodes:
-                    ports.add(int(fields[1].rsplit(":", 1)[1], 16))
-    return ports
+                    links.add((int(fields[1].rsplit(":", 1)[1], 16), int(fields[2].rsplit(":", 1)[1], 16)))
+    return links
 
 
-def _still_connected(r: redis_sync.Redis, ports: set[int]) -> bool:
-    """Whether a Redis node still holds a connection from one of `ports`. A node drops a dead
+def _port(address: str) -> int:
+    return int(address.rsplit(":", 1)[1])
+
+
+def _still_connected(r: redis_sync.Redis, links: set[tuple[int, int]]) -> bool:
+    """Whether a Redis node still holds one of these connections: the same client port to the
+    same server port (a port alone is not enough: once the dead worker's port is free, another
+    process's new connection to another node of a cluster can get it). A node drops a dead
     client's connection once it has read it to its end: every command sent before has run."""
     nodes = r.get_nodes() if isinstance(r, redis_sync.RedisCluster) else [None]
     for node in nodes:
         clients = r.client_list(target_nodes=node) if node is not None else r.client_list()
-        if any(int(c["addr"].rsplit(":", 1)[1]) in ports for c in clients):
+        if any((_port(c["addr"]), _port(c["laddr"])) in links for c in clients):
             return True
     return False
 
@@ -100,10 +106,10 @@ def kill_mid_generation(c: Cluster, worker: str, rids: list[str], timeout_s: flo
         if candidates := _generating(r, worker, rids):
             break
         proc.send_signal(signal.SIGCONT)
-    ports = _tcp_ports(proc.pid)
+    links = _tcp_links(proc.pid)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    while _still_connected(r, ports):
+    while _still_connected(r, links):
         assert time.monotonic() < deadline + 30, f"Redis still holds a connection of the killed worker {worker}"
         time.sleep(0.02)
     # What the worker sent before it stopped has run now: a candidate it finished shows that
