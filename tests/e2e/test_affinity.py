@@ -45,10 +45,15 @@ async def test_each_prefix_group_is_served_by_its_owner(tmp_path: Path) -> None:
                 rid = await submit(client, MODEL, prompt=prompt, max_tokens=2)
                 assert (await wait_done(client, rid))["status"] == "done"
                 sent[rid] = await _group(prompt)
-        served = {}
-        for _, fields in r.xrange(keys.log):
-            record = json.loads(fields["data"])
-            served[record["request_id"]] = record["batch_id"].split("-", 1)[0]
+        # A worker appends a request's log record after its commit (batched, every 0.1 s): done
+        # is not yet logged, so the log is read until it holds them all.
+        served: dict[str, str] = {}
+        deadline = time.monotonic() + 30
+        while not set(sent) <= set(served) and time.monotonic() < deadline:
+            time.sleep(0.1)
+            for _, fields in r.xrange(keys.log):
+                record = json.loads(fields["data"])
+                served[record["request_id"]] = record["batch_id"].split("-", 1)[0]
         r.close()
     assert all(sent.values()) and len(set(sent.values())) == 4  # four prefix groups
     by_group: dict[str, set[str]] = {}
