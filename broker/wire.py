@@ -7,9 +7,10 @@ command. Imported by broker/connection.py, through which every Sluice client is 
   request, the reply reader's XREAD two per stream). The bytes are the same, and what redis-py
   refuses (None, a bool) is refused alike.
 - Sending without a task: redis-py sends under `asyncio.wait_for` (a task and an extra turn of
-  the event loop per command on Python 3.11: a fifth of a pooled command's CPU, 106 -> 88 us a
-  PING here). The command is written at once, as redis-py does; only a write the kernel could
-  not take whole (a Redis that stopped reading) waits for room, within `socket_timeout`.
+  the event loop per command on Python 3.11: 103-125 us of CPU a pooled PING here, 91-99 with
+  this send, by scripts/redis_send_cpu.py). The command is written at once, as redis-py does;
+  only a write the kernel could not take whole (a Redis that stopped reading) waits for room,
+  within `socket_timeout`.
 - A write on a connection that was closed under it (a failover or a restart dropped it while
   the command waited its turn) is a ConnectionError, which redis-py retries and the api answers
   with a 503. redis-py let through uvloop's RuntimeError ("the handler is closed") and the
@@ -40,7 +41,7 @@ def lost_mid_write(err: BaseException) -> bool:
     transport ("unable to perform operation on <TCPTransport closed=True>; the handler is
     closed"), or redis-py's writer dropped by a disconnect meanwhile (None.writelines)."""
     if isinstance(err, RuntimeError):
-        return "closed" in str(err)
+        return "the handler is closed" in str(err)
     return isinstance(err, AttributeError) and "writelines" in str(err)
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import pytest
@@ -18,27 +18,9 @@ from sluice.broker.readers import Readers
 from sluice.broker.reply_router import ReplyRouter, resume_index
 from sluice.protocol.messages import DeltaEvent, FinalResult, RowOutput, State
 from sluice.supervisor.processes import EmbeddedRedis as Node
+from tests.broker.conftest import READER
 from tests.broker.helpers import KEYS, MODEL
 from tests.fakes import eventually
-
-READER = "sluice-test-replies"
-
-
-@pytest.fixture
-async def make_router(redis: Redis, redis_url: str) -> AsyncIterator[Callable[..., ReplyRouter]]:
-    routers: list[ReplyRouter] = []
-    shared = connect(redis_url, name="sluice-test-shared", max_connections=8)  # as the api's own client
-
-    def make(**kw: object) -> ReplyRouter:
-        router = ReplyRouter(shared, Readers(redis_url, shared, name=READER), **kw)
-        router.start()
-        routers.append(router)
-        return router
-
-    yield make
-    for router in routers:
-        await router.close()
-    await shared.aclose()
 
 
 async def delta(redis: Redis, rid: str, i: int, text: str) -> None:
