@@ -16,5 +16,6 @@ def test_every_streamed_token_is_counted(tmp_path: Path) -> None:
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     f = json.loads(out.read_text())
     assert f["requests"] >= 3 and f["tokens"] == 40 * f["requests"]  # concurrent clients lose no count
+    assert 0 < f["tokens_in_window"] <= f["tokens"] and f["submit_to_first_token_ms_p50"] > 0
     assert f["worker_cpu_ms_per_1000_tokens"] > 0 and f["api_cpu_ms_per_1000_tokens"] > 0
     assert f["reply_script_calls_per_s"] > 0 and f["tokens_per_reply_call"] >= 1
