@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
+import time
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -80,6 +81,7 @@ class ReplyWriter:
                 by_entry: dict[tuple[tuple[str, str], int], tuple[Delivery, list[DeltaEvent]]] = {}
                 for d, ev in batch:
                     by_entry.setdefault((d.key, d.attempt), (d, []))[1].append(ev)
+                sent_at = time.monotonic()
                 try:
                     answers = await self._write([
                         ([self.keys.reply(d.message.id), self.keys.status(d.message.id)],
@@ -97,6 +99,8 @@ class ReplyWriter:
                     d.sent.ttl_set = True  # set by this attempt's first write: later ones skip it
                     if isinstance(answer, list):  # refused: the stream ends before them
                         pending += _refill(d, answer)
+                    elif answer:  # written: the answer says whether it has a cancel (heard_cancel)
+                        d.sent.heard_at, d.sent.cancel = sent_at, answer == 2
             self._buffer[:0] = pending
 
     async def commit(self, d: Delivery, final: FinalResult, commit: Commit) -> bool:
@@ -204,6 +208,18 @@ class Sent:
 
     rows: dict[int, dict[int, tuple]] = field(default_factory=dict)  # row -> index -> _kept(event)
     ttl_set: bool = False  # the reply stream's TTL (set by the attempt's first write)
+    # reply.lua's last answer for it: when its call was sent (time.monotonic) and its cancel mark
+    heard_at: float = float("-inf")
+    cancel: bool = False
+
+
+def heard_cancel(runs: Mapping[str, Delivery], fresh_after: float) -> tuple[set[str], list[str]]:
+    """The worker's cancel watch, from what reply.lua answered: the requests whose last answer
+    said they have a cancel, and those with no answer sent after `fresh_after` (time.monotonic),
+    whose cancel flags the watch reads. A request streaming tokens is answered at every flush,
+    so at GPU rates the watch reads nothing; one in its prefill, or between slow tokens, is read."""
+    heard = {rid for rid, d in runs.items() if d.sent.cancel}
+    return heard, [rid for rid, d in runs.items() if rid not in heard and d.sent.heard_at <= fresh_after]
 
 
 def _kept(ev: DeltaEvent) -> tuple:

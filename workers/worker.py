@@ -24,7 +24,7 @@ from sluice.broker.consumer import Delivery, StreamConsumer
 from sluice.broker.housekeeping import LogBuffer, shards_in_use
 from sluice.broker.limits import ConsumerLimits
 from sluice.broker.registry import ModelRegistry, WorkerInfo, WorkerRegistry
-from sluice.broker.replies import ReplyWriter, delivered
+from sluice.broker.replies import ReplyWriter, delivered, heard_cancel
 from sluice.config.model import ModelConfig
 from sluice.config.runtime import freeze_gc_heap
 from sluice.config.settings import Settings
@@ -61,9 +61,8 @@ class Worker:
         self.policy = self._policy(model)
         self.running: dict[str, Running] = {}
         self.stopping = asyncio.Event()
-        self.started_at = time.time()
+        self.started_at, self._batches = time.time(), 0
         self._switch, self._closing = asyncio.Event(), asyncio.Event()  # a policy's end; the background duties' end
-        self._batches = 0
         # the consumer's reclaims and dead letters already in the metrics; when the next heartbeat is due
         self._counted, self._next_beat = (0, 0), 0.0
         self._prefix_cache = metrics.PrefixCacheExport()
@@ -287,8 +286,9 @@ class Worker:
         runs = {rid: r for rid, r in self.running.items() if r.stop_reason is None and not r.fenced}
         if not runs:
             return
-        now = time.time()
-        for rid in await self.consumer.cancelled(list(runs)):
+        now, fresh_after = time.time(), time.monotonic() - self.settings.cancel_poll_s  # (see heard_cancel)
+        heard, unheard = heard_cancel({rid: r.delivery for rid, r in runs.items()}, fresh_after)
+        for rid in heard | await self.consumer.cancelled(unheard):
             runs[rid].stop_reason = State.CANCELLED
             await self._abort(runs[rid])
         for r in runs.values():

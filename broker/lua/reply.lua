@@ -9,12 +9,13 @@
 -- ARGV: per request, in the order of KEYS: fence (the writer's fencing token), reply_ttl (0:
 --       set already, unless a write creates the stream: then it lives as long as its status),
 --       n (how many deltas follow), then n deltas (JSON)
--- Returns, per request in the order of KEYS: 1 (written), 0 (fenced: nothing written) or
--- {row, next index, ...}: the rows whose deltas were refused from that index on (the others
--- were written).
+-- Returns, per request in the order of KEYS: 1 (written), 2 (written, and the request has a
+-- cancel: cancel.lua marks its status, so the worker's cancel watch needs no read of its own for
+-- a request whose tokens it writes), 0 (fenced: nothing written) or {row, next index, ...}: the
+-- rows whose deltas were refused from that index on (the others were written).
 
 local function write_request(reply, status, fence, reply_ttl, deltas)
-  local got = redis.call('HMGET', status, 'state', 'attempt', 'fence', 'next:0')
+  local got = redis.call('HMGET', status, 'state', 'attempt', 'fence', 'next:0', 'cancel')
   if fenced(got[3], fence) then
     return 0
   end
@@ -32,7 +33,7 @@ local function write_request(reply, status, fence, reply_ttl, deltas)
   if #gaps > 0 then
     return gaps
   end
-  return 1
+  return got[5] and 2 or 1
 end
 
 local answers, at = {}, 1

@@ -5,11 +5,12 @@ has returned, so a lone token goes at once and no token waits longer than one fl
 from __future__ import annotations
 
 import asyncio
+import time
 
 from redis.asyncio import Redis
 
 from sluice.broker.consumer import Delivery
-from sluice.broker.replies import ReplyEvent, ReplyWriter, delivered
+from sluice.broker.replies import ReplyEvent, ReplyWriter, delivered, heard_cancel
 from sluice.broker.reply_router import resume_index
 from sluice.config.settings import Settings
 from sluice.protocol.messages import DeltaEvent, RequestMessage
@@ -199,3 +200,29 @@ async def test_a_lone_token_is_written_at_once_and_what_comes_meanwhile_goes_in_
     assert len(calls.calls) == 2
     assert (await delivered(redis, MODEL, ms[0].id))[0].token_ids == [0, 1]
     assert (await delivered(redis, MODEL, ms[2].id))[0].token_ids == [0]
+
+
+async def test_a_flush_answers_which_requests_have_a_cancel(redis: Redis, settings: Settings) -> None:
+    """The cancel watch rides on the writes: reply.lua answers, per request written, whether it
+    has a cancel. A cancel sent after a request's last answer is not in it: that request counts
+    as unheard once its answer is older than the watch's horizon, and its flag is read; a fenced
+    request (nothing written) is never heard of."""
+    c, ms, (a, b, fenced) = await _running(redis, settings, 3)
+    adm = admission(redis, settings)
+    writer = ReplyWriter(redis, MODEL, reply_ttl_s=settings.status_ttl_s)
+    runs = {d.message.id: d for d in (a, b, fenced)}
+    assert heard_cancel(runs, float("-inf")) == (set(), list(runs))  # nothing written yet: every flag is read
+    for d in (a, b, fenced):
+        writer.delta(d, _token(d, 0))
+    await writer.flush()
+    before_cancel = time.monotonic()
+    await take_over(redis, settings, fenced)
+    assert await adm.cancel(MODEL, ms[1].id) == "cancelling"  # b: after its answer said no cancel
+    assert heard_cancel(runs, before_cancel - 60) == (set(), [])
+    assert heard_cancel(runs, before_cancel) == (set(), list(runs))  # all answers older: all read
+    assert await c.cancelled(heard_cancel(runs, before_cancel)[1]) == {ms[1].id}
+    for d in (a, b, fenced):
+        writer.delta(d, _token(d, 1))
+    await writer.flush()
+    assert heard_cancel(runs, before_cancel) == ({ms[1].id}, [ms[2].id])  # the fenced one: no answer
+    assert (await delivered(redis, MODEL, ms[1].id))[0].token_ids == [0, 1]  # written all the same

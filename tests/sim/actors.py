@@ -13,7 +13,7 @@ from redis.asyncio import Redis
 from sluice.broker.consumer import Delivery, StreamConsumer
 from sluice.broker.keys import GROUP
 from sluice.broker.limits import ConsumerLimits
-from sluice.broker.replies import ReplyWriter, delivered
+from sluice.broker.replies import ReplyWriter, delivered, heard_cancel
 from sluice.broker.reply_router import ReplyRouter, resume_index
 from sluice.protocol.messages import FinalResult
 from sluice.protocol.states import State
@@ -178,7 +178,9 @@ class Worker(Lossy):
                 if r.task is not None and not r.task.done() and r.running.stop_reason is None and not r.running.fenced}
         if not runs:
             return
-        for rid in await self.consumer.cancelled(list(runs)):
+        # (every answer counts as stale: the flags are read as the worker reads those it heard nothing of)
+        heard, unheard = heard_cancel({rid: r.d for rid, r in runs.items()}, float("inf"))
+        for rid in heard | await self.consumer.cancelled(unheard):
             runs[rid].running.stop_reason = State.CANCELLED
             await self.generation.abort(runs[rid].running)
         for r in runs.values():

@@ -204,6 +204,26 @@ async def test_cancel_stops_a_running_request(
     await stop(worker, task)
 
 
+async def test_a_streaming_request_hears_of_its_cancel_from_the_reply_writes(
+        redis: Redis, admission: Admission, start_worker: WorkerFactory) -> None:
+    """reply.lua's answer carries the cancel: with the flag reads answering nothing, a request
+    whose tokens are being written is still cancelled (the watch reads flags only for requests
+    it heard nothing of lately)."""
+    engine = CountingEngine(token_delay_s=0.02)
+    worker, task = start_worker(engine)
+    async def no_flags(rids: list[str]) -> set[str]:
+        return set()
+
+    worker.consumer.cancelled = no_flags  # type: ignore[method-assign]
+    (m,) = await submit(admission, 1, max_tokens=5000)
+    await eventually(lambda: redis.xlen(KEYS.reply(m.id)), what="the first token delta")
+    assert await admission.cancel(MODEL, m.id) == "cancelling"
+    await eventually(lambda: _is(redis, m.id, "cancelled"), what="state cancelled")
+    events = await read_events(redis, m.id, idle_timeout_s=5)
+    assert 0 < events[-1].final.output.num_output_tokens < 5000
+    await stop(worker, task)
+
+
 async def _is(redis: Redis, rid: str, wanted: str) -> bool:
     return await state(redis, rid) == wanted
 
