@@ -46,14 +46,14 @@ class RequestLookup:
                 elif not held:  # (a held final is asked again at once: its WAIT took a while)
                     await self.done.wait(done, remaining)
 
-    async def model_of(self, rid: str) -> str:
-        """The model of a request that Redis still holds; 410 for one whose result expired (its id
-        is older than the retention, which is as much as can be known once its keys are gone),
-        404 for an id that is young, of another form, or unknown."""
+    async def status_of(self, rid: str) -> RequestStatus:
+        """The status of a request that Redis still holds (its `model` says whose); 410 for one
+        whose result expired (its id is older than the retention, which is as much as can be
+        known once its keys are gone), 404 for an id that is young, of another form, or unknown."""
         deployed = await self.deployments.all()
-        model = await self.admission.find_model(rid, list(deployed))
-        if model is not None:
-            return model
+        status = await self.admission.find_status(rid, list(deployed))
+        if status is not None:
+            return status
         created = request_created_at(rid)
         retention = min((m.result_ttl_s or self.default_result_ttl_s for m in deployed.values()),
                         default=self.default_result_ttl_s)

@@ -117,14 +117,13 @@ def view(status: RequestStatus) -> RequestView:
                        timings={k: v for k, v in timings.items() if v is not None}, attempt=status.attempt)
 
 
-async def visible(s: ApiState, caller: Caller, rid: str) -> tuple[str, RequestStatus | None]:
-    """The request's model and status, if the caller may see it: another key's request is as
-    missing as an unknown id (404, not 403), so ids cannot be probed."""
-    model = await s.lookup.model_of(rid)
-    status = await s.admission.status(model, rid)
-    if not caller.admin and not caller.owns(status.owner if status else None):
+async def visible(s: ApiState, caller: Caller, rid: str) -> tuple[str, RequestStatus]:
+    """The request's model and status (one read), if the caller may see it: another key's request
+    is as missing as an unknown id (404, not 403), so ids cannot be probed."""
+    status = await s.lookup.status_of(rid)
+    if not caller.admin and not caller.owns(status.owner):
         raise ApiError(404, f"request {rid!r} not found", code="not_found")
-    return model, status
+    return status.model, status
 
 
 async def visible_model(s: ApiState, caller: Caller, rid: str) -> str:
@@ -188,7 +187,7 @@ async def events(
     nothing (DELETE does). A stream silent for `SLUICE_SSE_IDLE_TIMEOUT_S` closes with a
     comment; the client reconnects with its Last-Event-ID.
     """
-    model = await visible_model(s, caller, rid)
+    model, status = await visible(s, caller, rid)
     last_id = last_event_id or "0"
     try:
         next_index = await resume_index(s.redis, model, rid, last_id) if last_id != "0" else 0
@@ -199,8 +198,9 @@ async def events(
 
     async def stream() -> AsyncIterator[dict | bytes]:
         # A read's events in one chunk: one write per read (api/sse.py).
+        # (not final when read just now: its stream cannot have expired, no status read first)
         async for read in s.replies.follow_reads(model, rid, after=last_id, next_index=next_index,
-                                                 idle_timeout_s=idle_s):
+                                                 idle_timeout_s=idle_s, fresh=not status.final):
             out = []
             for ev in read:
                 if ev.delta is not None:

@@ -215,10 +215,11 @@ class Admission:
         entries = await self.redis.xrevrange(ModelKeys(model).log, count=limit)
         return [json.loads(fields["data"]) for _, fields in reversed(entries)]
 
-    async def find_model(self, rid: str, models: list[str]) -> str | None:
-        """Which model a request id belongs to (ids do not name their model)."""
+    async def find_status(self, rid: str, models: list[str]) -> RequestStatus | None:
+        """The request's status, from whichever of `models` holds it (ids do not name their
+        model; its `model` says which): one round trip for them all. None when none does."""
         async with self.redis.pipeline(transaction=False) as pipe:
             for m in models:
-                pipe.exists(ModelKeys(m).status(rid))
+                pipe.hgetall(ModelKeys(m).status(rid))
             found = await pipe.execute()
-        return next((m for m, hit in zip(models, found) if hit), None)
+        return next((s for m, raw in zip(models, found) if (s := RequestStatus.from_hash(rid, m, raw))), None)

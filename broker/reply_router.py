@@ -110,8 +110,9 @@ class ReplyRouter:
         they came: one list per read of the shard (a reader sends them in one write); the final
         from the status hash when the reply stream holds nothing more (it expired); nothing more
         after `idle_timeout_s` without an entry. `fresh`: the caller admitted the request just
-        now, so its stream cannot have expired yet: no look at its status first (a Redis round
-        trip per streamed OpenAI call; the quiet recheck still looks later)."""
+        now, or has just read its status and it was not final, so its stream cannot have
+        expired yet: no look at its status first (a Redis round trip per stream; the quiet
+        recheck still looks later)."""
         keys = ModelKeys(model)
         decoder = ReplyDecoder()
         decoder.seen.update({0: next_index} if isinstance(next_index, int) else next_index)

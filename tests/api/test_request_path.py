@@ -4,6 +4,7 @@ server-sent events, cancel, and another key's request answered as missing (404).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 from collections.abc import Awaitable, Callable
@@ -15,6 +16,7 @@ from redis.asyncio import Redis
 
 from sluice.bench.sse import sse_events
 from sluice.protocol.messages import RequestMessage
+from sluice.protocol.states import State
 from sluice.workers.worker import Worker
 from tests.api.conftest import StartApi, http_client
 from tests.broker.helpers import KEYS, MODEL
@@ -87,6 +89,36 @@ async def test_events_resume_after_last_event_id(api: httpx.AsyncClient, null_wo
     assert [e.id for e in rest] == [e.id for e in first[1:]]
 
 
+async def test_events_whose_status_read_saw_the_request_unfinished_end_with_its_final(
+        api: httpx.AsyncClient, app: FastAPI, null_worker: Worker, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The events route reads the status once, and follows a request that was not final then with
+    no status read of its follower's own (its stream cannot have expired): one that finished just
+    after that read (staged: the read is served the status as it was while queued) still streams
+    every token, then its final, from its reply stream."""
+    rid = await submit(api, max_tokens=3)
+    admission, router = app.state.sluice.admission, app.state.sluice.replies
+    done = (await api.get(f"/v1/requests/{rid}", params={"wait": WAIT_S})).json()
+    final = await admission.status(MODEL, rid)
+    stale, read = [dataclasses.replace(final, state=State.QUEUED, result=None)], admission.find_status
+
+    async def find_status(request_id: str, models: list[str]) -> object:
+        return stale.pop() if stale else await read(request_id, models)
+
+    looked: list[str] = []
+    lost_final = router._lost_final
+
+    async def counted(keys: object, request_id: str, follower: object) -> object:
+        looked.append(request_id)
+        return await lost_final(keys, request_id, follower)
+
+    monkeypatch.setattr(admission, "find_status", find_status)
+    monkeypatch.setattr(router, "_lost_final", counted)
+    events = [e async for e in sse_events(await api.get(f"/v1/requests/{rid}/events"))]
+    assert not stale and looked == []  # one status read, the staged one; none by the follower
+    assert "".join(e.json()["text"] for e in events[:-1]) == " t0 t1 t2"
+    assert events[-1].event == "done" and events[-1].json() == done
+
+
 async def test_cancel_stops_a_running_request(api: httpx.AsyncClient, null_worker: Worker) -> None:
     rid = await submit(api, max_tokens=8000)  # about 80 s if left alone
 
@@ -121,12 +153,12 @@ async def test_a_cancel_that_read_the_request_running_before_its_cancelled_final
     assert (await api.delete(f"/v1/requests/{rid}")).status_code == 202
     final = (await api.get(f"/v1/requests/{rid}", params={"wait": WAIT_S})).json()
     assert final["status"] == "cancelled", final
-    stale, read = [was_running], admission.status
+    stale, read = [was_running], admission.find_status
 
-    async def status(model: str, request_id: str) -> object:
-        return stale.pop() if stale else await read(model, request_id)
+    async def find_status(request_id: str, models: list[str]) -> object:
+        return stale.pop() if stale else await read(request_id, models)
 
-    monkeypatch.setattr(admission, "status", status)
+    monkeypatch.setattr(admission, "find_status", find_status)
     again = await api.delete(f"/v1/requests/{rid}")
     assert not stale, "the staged read was not made"
     assert again.status_code == 409 and again.json()["error"]["code"] == "already_final", again.text

@@ -50,8 +50,9 @@ async def test_submit_enqueues_and_creates_a_queued_status(redis: Redis, setting
     assert status is not None and status.state is State.QUEUED
     assert status.entry == entry
     assert 0 < await redis.ttl(KEYS.status(m.id)) <= settings.status_ttl_s
-    assert await adm.find_model(m.id, ["other", MODEL]) == MODEL
-    assert await adm.find_model("req-unknown", ["other", MODEL]) is None
+    found = await adm.find_status(m.id, ["other", MODEL])
+    assert found is not None and (found.model, found.entry) == (MODEL, entry)
+    assert await adm.find_status("req-unknown", ["other", MODEL]) is None
 
 
 async def test_bulk_requests_go_to_the_bulk_stream(redis: Redis, settings: Settings) -> None:

@@ -76,7 +76,7 @@ async def test_every_shard_is_read_committed_and_announced(redis: Redis, setting
         await done.close()
     for m in msgs:
         assert (await adm.status(MODEL, m.id)).state.value == "done"
-        assert await adm.find_model(m.id, [MODEL]) == MODEL
+        assert (await adm.find_status(m.id, [MODEL])).model == MODEL
     assert all(f.entries == 0 for f in (await queue_figures(redis, MODEL, K)).values())
     assert await c.cancelled([m.id for m in msgs]) == set()
     await adm.cancel(MODEL, msgs[0].id)  # final already: nothing changes
