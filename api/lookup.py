@@ -22,10 +22,13 @@ class RequestLookup:
         self.deployments = deployments
         self.default_result_ttl_s = default_result_ttl_s
 
-    async def wait_final(self, model: str, rid: str, wait_s: float, *, fresh: bool = False) -> RequestStatus:
+    async def wait_final(self, model: str, rid: str, wait_s: float, *, fresh: bool = False,
+                         known: RequestStatus | None = None) -> RequestStatus:
         """The status once the request is final, or as it is after `wait_s`. `fresh`: the caller
         has just admitted it, so it is not final unless announced: while the listener hears its
-        channel, the first status read waits for the announcement (or the re-check interval)."""
+        channel, the first status read waits for the announcement (or the re-check interval).
+        `known`: the status the caller has just read, taken for the first read when nothing is
+        waited for (`wait_s` 0: a plain poll reads the hash once)."""
         deadline = time.monotonic() + wait_s
         with self.done.watch(model, rid, recent=fresh) as done:
             if fresh and self.done.live(model, rid):
@@ -33,7 +36,8 @@ class RequestLookup:
             while True:
                 if done.done() and done.result() and not self.admission.limits.wait_replicas:
                     return announced(rid, model, done.result())  # the final as written, no read
-                status, held = await self.admission.status(model, rid), False
+                held = False
+                status = known if known is not None and wait_s <= 0 else await self.admission.status(model, rid)
                 if status and status.final and self.admission.limits.wait_replicas:  # shown once a failover keeps it
                     status, held = await self.admission.status_copied(model, rid)
                 if not status:

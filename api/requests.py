@@ -137,8 +137,8 @@ async def get_request(
     s: ApiState = Depends(state),
     caller: Caller = Depends(require_key),
 ) -> RequestView:
-    model = await visible_model(s, caller, rid)
-    return view(await s.lookup.wait_final(model, rid, min(wait, s.settings.max_wait_s)))
+    model, status = await visible(s, caller, rid)
+    return view(await s.lookup.wait_final(model, rid, min(wait, s.settings.max_wait_s), known=status))
 
 
 @router.delete("/{rid}", response_model=RequestView, response_model_exclude_none=True, responses={
@@ -150,7 +150,7 @@ async def cancel(rid: str, s: ApiState = Depends(state),
                  caller: Caller = Depends(require_key)) -> RequestView | JSONResponse:
     """Cancel a request. A queued one ends `cancelled` at once: 200 with that final."""
     model, before = await visible(s, caller, rid)
-    if before is not None and before.final:
+    if before.final:
         return _already_final(before)
     result = await s.admission.cancel(model, rid)
     if result == "cancelling":
@@ -158,7 +158,7 @@ async def cancel(rid: str, s: ApiState = Depends(state),
     after = await s.admission.status(model, rid) if result else None
     if after is None:
         raise ApiError(404, f"request {rid!r} not found", code="not_found")
-    if result == "cancelled" and before is not None and before.state is State.QUEUED:
+    if result == "cancelled" and before.state is State.QUEUED:
         return view(after)  # (the script answers 'cancelled' for one final already, too)
     return _already_final(after)  # it became final between the read and the script
 

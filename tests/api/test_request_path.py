@@ -48,6 +48,25 @@ async def test_a_submitted_request_completes_and_a_long_poll_returns_it_final(
     assert (await api.get(f"/v1/requests/{rid}")).json() == done  # a plain poll reads the same final
 
 
+async def test_a_plain_poll_reads_the_status_once(
+        api: httpx.AsyncClient, app: FastAPI, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The route's own read (which finds the request's model and owner) is the answer: a poll
+    without `wait` reads nothing more; a long-poll reads again while it waits."""
+    rid = await submit(api)
+    admission = app.state.sluice.admission
+    reads, read = [], admission.status
+
+    async def counted(model: str, request_id: str) -> object:
+        reads.append(request_id)
+        return await read(model, request_id)
+
+    monkeypatch.setattr(admission, "status", counted)
+    polled = await api.get(f"/v1/requests/{rid}")
+    assert polled.status_code == 200 and polled.json()["status"] == "queued" and reads == []
+    waited = await api.get(f"/v1/requests/{rid}", params={"wait": 0.1})
+    assert waited.json()["status"] == "queued" and reads and set(reads) == {rid}
+
+
 async def test_a_poll_of_an_unserved_request_answers_as_it_is(api: httpx.AsyncClient) -> None:
     rid = await submit(api)
     now = (await api.get(f"/v1/requests/{rid}")).json()
