@@ -128,7 +128,7 @@ async def unreadable(consumer: StreamConsumer, stream: str, entry_id: str, field
         await c.dead_letter(stream, entry_id, rid, fields.get("data", ""), error, 1)
     else:  # nobody to tell: keep it for the operator, off the stream
         await c.redis.xadd(c.keys.dead_letters, {"id": "", "data": json.dumps(fields), "error": error},
-                           maxlen=c.dlq_max_len, approximate=True)
+                           maxlen=c.limits.dlq_max_len, approximate=True)
         await c.redis.xack(stream, GROUP, entry_id)
         await c.redis.xdel(stream, entry_id)
 

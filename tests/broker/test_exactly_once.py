@@ -82,6 +82,24 @@ async def test_an_unreadable_entry_fails_its_request_naming_why(redis: Redis, se
     assert (await redis.xpending(KEYS.requests, GROUP))["pending"] == 1  # only the readable one
 
 
+async def test_an_unreadable_entry_without_an_id_is_quarantined_once_and_acknowledged(
+        redis: Redis, settings: Settings) -> None:
+    """Nobody to tell: the raw entry goes to the dead-letter stream for the operator, once, and
+    leaves the lane (acknowledged and deleted), so later fetches neither fail nor see it again."""
+    adm = admission(redis, settings)
+    (m,) = await submit_n(adm, 1)
+    await redis.xadd(KEYS.requests, {"data": "{not json"})
+    c = await ready_consumer(redis, settings)
+    got = await c.fetch(5, 100)
+    assert [d.message.id for d in got] == [m.id]
+    assert await c.fetch(5, 100) == []  # a second fetch: nothing raised, nothing read again
+    (letter,) = await DeadLetters(redis, KEYS.model).list()
+    assert letter.request_id == "" and "could not be read" in letter.error
+    assert json.loads(letter.data) == {"data": "{not json"}
+    assert (await redis.xpending(KEYS.requests, GROUP))["pending"] == 1  # only the readable one
+    assert await redis.xlen(KEYS.requests) == 1
+
+
 async def test_an_entry_from_a_newer_api_with_unknown_fields_runs(redis: Redis, settings: Settings) -> None:
     """A rolling upgrade: the api writes a sampling field this worker does not know yet."""
     m = message()
