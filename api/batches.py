@@ -13,8 +13,8 @@ from sluice.api.auth import Caller, require_key
 from sluice.api.errors import ApiError
 from sluice.api.metrics import TENANT_REFUSED
 from sluice.api.state import ApiState, state
-from sluice.broker.files import FileError
-from sluice.broker.jobs import ENDPOINTS
+from sluice.broker.jobs.files import FileError
+from sluice.broker.jobs.store import ENDPOINTS
 from sluice.protocol.openai_responses import bounded_metadata
 from sluice.protocol.tasks import JOB_QUEUE, JOB_TASK
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 
-from sluice.broker.admission import Admission
+from sluice.broker.intake.admission import Admission
 
 
 class BackgroundCancels:

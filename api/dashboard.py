@@ -2,7 +2,7 @@
 (admin only when keys are set: it shows every caller's failures, host names and pids).
 
 Everything comes from Redis, so every api replica shows the same: per model its queues (waiting
-and running apart, broker/queues.py), live workers, throughput and latency minute by minute
+and running apart, broker/intake/queues.py), live workers, throughput and latency minute by minute
 (api/activity.py), recent failures (a client's own cancel is none) and dead letters; the
 bulk jobs being run; the tenants (their configuration, entries queued per model, open streams
 and stored files); and the webhook deliveries. Each read is bounded, whatever the traffic (the inference
@@ -25,13 +25,13 @@ from fastapi.responses import HTMLResponse
 from sluice.api.activity import ActivityReader
 from sluice.api.auth import require_admin
 from sluice.api.state import ApiState, state
-from sluice.broker.dead_letters import DeadLetters
+from sluice.broker.delivery.dead_letters import DeadLetters
+from sluice.broker.intake.queues import queue_figures
+from sluice.broker.intake.tenant_queued import queued_by_tenant
 from sluice.broker.keys import tenant_streams
-from sluice.broker.queues import queue_figures
 from sluice.broker.registry import WorkerInfo
-from sluice.broker.tenant_queued import queued_by_tenant
-from sluice.broker.webhook_deliveries import OUTCOME_MINUTES, Deliveries
-from sluice.broker.webhooks import DEAD, ENDPOINTS
+from sluice.broker.webhooks.deliveries import OUTCOME_MINUTES, Deliveries
+from sluice.broker.webhooks.outbox import DEAD, ENDPOINTS
 from sluice.config.model import ModelConfig
 
 router = APIRouter(tags=["dashboard"])

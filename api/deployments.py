@@ -123,6 +123,6 @@ class ModelsFileSync:
 
     def stop(self) -> None:
         # A flag as well as the cancel that follows: redis-py can swallow a cancel that lands
-        # while it connects (see broker/notifications.py), and the loop would go on.
+        # while it connects (see broker/replies/notifications.py), and the loop would go on.
         self._stopping = True
         self.deployments.missing.set()

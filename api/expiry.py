@@ -1,5 +1,5 @@
 """The api's housekeeping sweep: requests past their deadline that no worker started end
-`expired` (broker/housekeeping.py, lua/expire.lua), whether or not the model has a live worker.
+`expired` (broker/delivery/housekeeping.py, lua/expire.lua), whether or not the model has a live worker.
 Any api process may sweep; a short lock per model lets one of them do each round."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import time
 from redis.asyncio import Redis
 
 from sluice.api.deployments import Deployments
-from sluice.broker.housekeeping import expire_overdue, shards_in_use
+from sluice.broker.delivery.housekeeping import expire_overdue, shards_in_use
 from sluice.broker.keys import ModelKeys
-from sluice.broker.scripts import Scripts
+from sluice.broker.plumbing.scripts import Scripts
 from sluice.config.settings import Settings
 
 log = logging.getLogger(__name__)

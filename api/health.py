@@ -8,8 +8,8 @@ from fastapi.responses import JSONResponse, Response
 from sluice.api.auth import require_admin
 from sluice.api.metrics import OLDEST_AGE, QUEUE_DEPTH, QUEUE_RUNNING, TENANT_QUEUED, exposition
 from sluice.api.state import ApiState, state
-from sluice.broker.queues import queue_figures
-from sluice.broker.tenant_queued import queued_by_tenant
+from sluice.broker.intake.queues import queue_figures
+from sluice.broker.intake.tenant_queued import queued_by_tenant
 
 router = APIRouter(tags=["health"])
 

@@ -17,7 +17,7 @@ from sluice.api.metrics import ADMITTED, REJECTED, TENANT_ADMITTED, TENANT_REFUS
 from sluice.api.rows import RowsRefused, checked_rows, prompt_text, where
 from sluice.api.slo import SloBounds
 from sluice.api.tenant_limits import TenantLimits
-from sluice.broker.admission import Admission, NotDurable, QueueFull, SloRefused, TenantQueueFull
+from sluice.broker.intake.admission import Admission, NotDurable, QueueFull, SloRefused, TenantQueueFull
 from sluice.broker.limits import TenantShare
 from sluice.config.model import ModelConfig
 from sluice.config.settings import Settings

@@ -7,8 +7,8 @@ import time
 
 from sluice.api.deployments import Deployments
 from sluice.api.errors import ApiError
-from sluice.broker.admission import Admission
-from sluice.broker.notifications import DoneListener
+from sluice.broker.intake.admission import Admission
+from sluice.broker.replies.notifications import DoneListener
 from sluice.broker.status import RequestStatus
 from sluice.protocol.ids import request_created_at
 from sluice.protocol.messages import FinalResult

@@ -13,7 +13,7 @@ from sluice.api.auth import CLOSE_UNREAD, Caller, require_admin, require_key
 from sluice.api.errors import ApiError
 from sluice.api.intake import Sampling
 from sluice.api.state import ApiState, state
-from sluice.broker.queues import queue_figures
+from sluice.broker.intake.queues import queue_figures
 from sluice.config.batching import ContinuousBatchingConfig, DynamicBatchingConfig
 from sluice.config.model import ConfigError, ModelConfig, parse_model
 from sluice.config.schema import to_arrow

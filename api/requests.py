@@ -16,7 +16,7 @@ from sluice.api.schemas import RequestView, SubmitRequest, Submitted
 from sluice.api.sse import chunk, sse
 from sluice.api.state import ApiState, state
 from sluice.api.streams import SlotStream
-from sluice.broker.reply_router import resume_index
+from sluice.broker.replies.router import resume_index
 from sluice.broker.status import RequestStatus
 from sluice.protocol.messages import FinalResult
 from sluice.protocol.states import State

@@ -25,7 +25,7 @@ from sluice.api.requests import visible_model
 from sluice.api.schemas import require_unicode
 from sluice.api.state import ApiState, state
 from sluice.api.streams import Slot, SlotStream
-from sluice.broker.reply_router import LostFinal
+from sluice.broker.replies.router import LostFinal
 from sluice.protocol.openai_responses import EventSequence, ResponseRequest, request_id, response_object
 
 router = APIRouter(prefix="/v1/responses", tags=["openai"])

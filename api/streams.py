@@ -1,5 +1,5 @@
 """The cap on each api key's open SSE streams (README, "Security"), and on each tenant's
-(its `max_streams`, across api processes: broker/tenant_streams.py)."""
+(its `max_streams`, across api processes: broker/intake/tenant_streams.py)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from sluice.api.auth import Caller
 from sluice.api.errors import ApiError
 from sluice.api.metrics import TENANT_REFUSED
 from sluice.api.sse import EventStream
-from sluice.broker.tenant_streams import TenantStreams
+from sluice.broker.intake.tenant_streams import TenantStreams
 from sluice.config.tenants import Tenants
 
 

@@ -1,4 +1,4 @@
-"""A tenant's requests and tokens per minute at admission (broker/quotas.py), and OpenAI's
+"""A tenant's requests and tokens per minute at admission (broker/intake/quotas.py), and OpenAI's
 `x-ratelimit-*` headers on every answer of a submitting route.
 
 A call is charged once its rows are checked and its messages built, just before its admission:
@@ -19,7 +19,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from sluice.api.errors import ApiError
 from sluice.api.metrics import TENANT_REFUSED
-from sluice.broker.quotas import Bucket, Charge, Quotas, prompt_estimate
+from sluice.broker.intake.quotas import Bucket, Charge, Quotas, prompt_estimate
 from sluice.config.model import ModelConfig
 from sluice.config.tenants import Tenants
 from sluice.protocol.messages import RequestMessage

@@ -14,8 +14,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from sluice.api.auth import Caller, require_admin
 from sluice.api.errors import ApiError
 from sluice.api.state import ApiState, state
-from sluice.broker.webhook_deliveries import Deliveries
-from sluice.broker.webhook_endpoints import Endpoint, EndpointStore
+from sluice.broker.webhooks.deliveries import Deliveries
+from sluice.broker.webhooks.endpoints import Endpoint, EndpointStore
 from sluice.protocol.webhooks import EVENT_TYPES, UnsafeUrl, check_literal, check_url, probe_payload, resolve
 
 router = APIRouter(prefix="/v1/webhooks", tags=["webhooks"], dependencies=[Depends(require_admin)])

@@ -11,7 +11,7 @@ from rich.table import Table
 
 from sluice.bench.chaos_tenants import per_tenant, tenant_row
 from sluice.broker.keys import ModelKeys, idempotency
-from sluice.broker.urls import sync_connect
+from sluice.broker.plumbing.urls import sync_connect
 
 FINAL_STATES = ("done", "failed", "expired", "cancelled")
 

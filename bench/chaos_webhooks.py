@@ -22,8 +22,8 @@ from standardwebhooks.webhooks import Webhook, WebhookVerificationError
 from sluice.bench.chaos_audit import FINAL_STATES, Tracked
 from sluice.bench.chaos_tenants import Tenancy
 from sluice.broker.keys import ModelKeys
-from sluice.broker.urls import sync_connect
-from sluice.broker.webhooks import DUE, GROUP, outbox
+from sluice.broker.plumbing.urls import sync_connect
+from sluice.broker.webhooks.outbox import DUE, GROUP, outbox
 from sluice.protocol.openai_responses import request_id, response_id
 from sluice.protocol.webhooks import event_type
 

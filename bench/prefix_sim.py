@@ -40,7 +40,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from sluice.bench.prefix_workload import Entry, SimConfig, workload
-from sluice.broker.affinity import bounded_owners, cache_room, full_blocks, rendezvous_ranks
+from sluice.broker.delivery.affinity import bounded_owners, cache_room, full_blocks, rendezvous_ranks
 from sluice.protocol.prefix import block_hashes
 from sluice.workers.engines.prefix_cache import SimulatedPrefixCache
 

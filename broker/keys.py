@@ -13,6 +13,13 @@ MODELS = f"{PREFIX}:models"
 WORKERS = f"{PREFIX}:workers"
 VTC_TTL_S = 86_400  # tenants' virtual token counters: kept a day past the lane's last admission or dispatch
 ACTIVE_S = 10  # a tenant admitted within this is active: the tenant reserve is kept for it (dispatch.lua)
+# Prefix affinity (broker/delivery/affinity.py and its scripts)
+AFFINITY_GROUPS_MAX = 4096  # distinct groups counted per interval (more are placed by rank alone)
+COUNT_DECAY = 0.5 ** (1 / 8)  # the groups' request counts, at each recompute: halved every 8 intervals
+# The webhook outbox streams are capped (MAXLEN ~): a sender group drains them within
+# milliseconds, so the cap bites only when no sender has run for this many events (then the
+# oldest are dropped).
+OUTBOX_MAX_LEN = 100_000
 
 
 def idempotency(key: str) -> str:
@@ -63,12 +70,12 @@ def tenant_index(tenant: str) -> str:
 
 def tenant_streams(tenant: str) -> str:
     """The SSE streams a tenant holds open on every api process: a ZSET of stream → lease expiry
-    (ms), each refreshed while its stream is open (broker/tenant_streams.py)."""
+    (ms), each refreshed while its stream is open (broker/intake/tenant_streams.py)."""
     return f"{PREFIX}:{{t:{tenant}}}:streams"
 
 
 def tenant_files(tenant: str) -> str:
-    """The files a tenant stores: a hash of file id → `<bytes> <expires_at>` (broker/tenant_files.py)."""
+    """The files a tenant stores: a hash of file id → `<bytes> <expires_at>` (broker/jobs/tenant_files.py)."""
     return f"{PREFIX}:{{t:{tenant}}}:files"
 
 

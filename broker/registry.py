@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass
 from redis.asyncio import Redis
 
 from sluice.broker.keys import MODELS, WORKERS
-from sluice.broker.scripts import Scripts
+from sluice.broker.plumbing import Scripts
 from sluice.config.model import ModelConfig, parse_model
 
 # A stored deployment is "<version>\n<fingerprint>\n<config json>" (lua/deploy.lua).

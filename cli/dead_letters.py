@@ -40,8 +40,8 @@ def _redis_url(redis_url: str | None, settings: Settings) -> str:
 def _dead_letters(model: str, redis_url: str | None, action):
     import redis as redis_errors
 
-    from sluice.broker.connection import connect
-    from sluice.broker.dead_letters import DeadLetters
+    from sluice.broker.delivery.dead_letters import DeadLetters
+    from sluice.broker.plumbing.connection import connect
     from sluice.broker.registry import ModelRegistry
 
     settings = _settings()

@@ -31,7 +31,7 @@ log = logging.getLogger("sluice.up")
 def _reachable(url: str) -> bool:
     import redis
 
-    from sluice.broker.urls import sync_connect
+    from sluice.broker.plumbing.urls import sync_connect
 
     try:
         return bool(sync_connect(url, socket_connect_timeout=3, socket_timeout=3).ping())
@@ -100,7 +100,7 @@ def _live_workers(redis_url: str, ttl_s: float) -> dict[str, dict]:
     import redis
 
     from sluice.broker.keys import WORKERS
-    from sluice.broker.urls import sync_connect
+    from sluice.broker.plumbing.urls import sync_connect
 
     try:
         with sync_connect(redis_url, socket_timeout=3) as r:

@@ -18,7 +18,7 @@ EndpointId = typer.Argument(..., metavar="ENDPOINT_ID", help="The endpoint's id 
 
 
 def _run(redis_url: str | None, action):
-    from sluice.broker.connection import connect
+    from sluice.broker.plumbing.connection import connect
 
     url = _redis_url(redis_url, _settings())
 
@@ -48,7 +48,7 @@ def add(url: str = typer.Argument(..., metavar="URL", help="Where to POST events
         redis_url: str | None = RedisUrl) -> None:
     """Register an endpoint; its signing secret is shown once."""
     from sluice.api.auth import digest
-    from sluice.broker.webhook_endpoints import EndpointStore
+    from sluice.broker.webhooks.endpoints import EndpointStore
     from sluice.protocol.webhooks import EVENT_TYPES, UnsafeUrl, check_literal, check_url, resolve
 
     unknown = sorted(set(event) - set(EVENT_TYPES) - {"*"})
@@ -74,7 +74,7 @@ def add(url: str = typer.Argument(..., metavar="URL", help="Where to POST events
 @webhooks_app.command("list")
 def list_endpoints(redis_url: str | None = RedisUrl) -> None:
     """The endpoints (never their secrets)."""
-    from sluice.broker.webhook_endpoints import EndpointStore
+    from sluice.broker.webhooks.endpoints import EndpointStore
 
     async def action(redis):
         return [e.public() for e in await EndpointStore(redis).list()]
@@ -83,7 +83,7 @@ def list_endpoints(redis_url: str | None = RedisUrl) -> None:
 
 
 def _one(endpoint_id: str, redis_url: str | None, change) -> None:
-    from sluice.broker.webhook_endpoints import EndpointStore
+    from sluice.broker.webhooks.endpoints import EndpointStore
 
     async def action(redis):
         return await change(EndpointStore(redis), redis)
@@ -129,7 +129,7 @@ def disable(endpoint_id: str = EndpointId,
 @webhooks_app.command("test")
 def test(endpoint_id: str = EndpointId, redis_url: str | None = RedisUrl) -> None:
     """Send a `webhook.test` event to one endpoint (through the running sender)."""
-    from sluice.broker.webhook_deliveries import Deliveries
+    from sluice.broker.webhooks.deliveries import Deliveries
     from sluice.protocol.webhooks import probe_payload
 
     async def change(store, redis):
@@ -148,7 +148,7 @@ def dead(replay: bool = typer.Option(False, "--replay", help="Deliver them again
          limit: int = typer.Option(100, min=1, metavar="N", help="Show at most this many."),
          redis_url: str | None = RedisUrl) -> None:
     """Deliveries that failed for their whole retry period; --replay sends them again."""
-    from sluice.broker.webhook_deliveries import Deliveries
+    from sluice.broker.webhooks.deliveries import Deliveries
 
     async def action(redis):
         d = Deliveries(redis)
@@ -166,7 +166,7 @@ def send(metrics_port: int | None = typer.Option(None, metavar="PORT", help="Ser
     import uvloop
 
     from sluice.cli.shared import setup_logging
-    from sluice.workers.webhook_process import serve
+    from sluice.workers.webhooks.process import serve
 
     setup_logging()
     settings = _settings(redis_url=redis_url)

@@ -1,4 +1,4 @@
-"""CPU per Redis command through Sluice's pooled client, with broker/wire.py's send and with
+"""CPU per Redis command through Sluice's pooled client, with broker/plumbing/wire.py's send and with
 redis-py's own (which sends under asyncio.wait_for: a task per command on Python 3.11),
 alternating, on uvloop as the api and the workers run. Starts a private redis-server.
 
@@ -15,9 +15,9 @@ from pathlib import Path
 import uvloop
 from redis.asyncio.connection import AbstractConnection
 
-REDIS_PYS_SEND = AbstractConnection.send_packed_command  # before broker/wire.py replaces it
+REDIS_PYS_SEND = AbstractConnection.send_packed_command  # before broker/plumbing/wire.py replaces it
 
-from sluice.broker.connection import connect  # noqa: E402 - imports broker/wire.py
+from sluice.broker.plumbing.connection import connect  # noqa: E402 - imports broker/plumbing/wire.py
 from sluice.supervisor.processes import EmbeddedRedis  # noqa: E402
 
 SLUICES_SEND = AbstractConnection.send_packed_command

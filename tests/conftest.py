@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from redis.asyncio import Redis
 
-from sluice.broker.connection import connect
+from sluice.broker.plumbing.connection import connect
 from sluice.config.settings import Settings
 from sluice.supervisor.processes import EmbeddedRedis
 from sluice.supervisor.topologies import LocalCluster

@@ -17,7 +17,7 @@ from prometheus_client.metrics import MetricWrapperBase
 
 import sluice.api.metrics  # noqa: F401  (registers the api's metrics)
 import sluice.workers.metrics  # noqa: F401  (registers the workers' metrics)
-from sluice.workers import webhook_metrics
+from sluice.workers.webhooks import metrics as webhook_metrics
 from tests.cli_commands import cli_options
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -88,7 +88,7 @@ def test_prometheus_scrapes_every_metrics_port_of_the_compose_file() -> None:
 
 def test_the_dashboard_shows_the_webhook_senders_metrics() -> None:
     """Deliveries by endpoint and outcome, the retry backlog, the oldest pending delivery: every
-    metric of workers/webhook_metrics.py, on panels of their own."""
+    metric of workers/webhooks/metrics.py, on panels of their own."""
     sender = {f"{c._name}_total" if c._type == "counter" else c._name  # noqa: SLF001
               for c in vars(webhook_metrics).values() if isinstance(c, MetricWrapperBase)}
     assert sender == {"sluice_webhook_deliveries_total", "sluice_webhook_backlog",

@@ -19,8 +19,8 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
 
-from sluice.broker.consumer import Delivery
-from sluice.broker.replies import Delivered, ReplyWriter
+from sluice.broker.delivery.consumer import Delivery
+from sluice.broker.replies.writer import Delivered, ReplyWriter
 from sluice.protocol.messages import DeltaEvent, FinalResult, RowOutput, Timings, TokenLogprob, Usage
 from sluice.protocol.states import State
 from sluice.workers.engines.base import Engine, GenerationRequest, TokenDelta

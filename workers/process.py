@@ -9,7 +9,7 @@ import socket
 
 from redis.asyncio import Redis
 
-from sluice.broker.connection import connect, until_redis_answers
+from sluice.broker.plumbing.connection import connect, until_redis_answers
 from sluice.broker.registry import ModelRegistry
 from sluice.config.model import ConfigError, load_models
 from sluice.config.settings import Settings

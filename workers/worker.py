@@ -19,12 +19,12 @@ from redis.asyncio import Redis
 
 from sluice.batching.base import BatchingPolicy
 from sluice.batching.registry import make_policy
-from sluice.broker.connection import until_redis_answers
-from sluice.broker.consumer import Delivery, StreamConsumer
-from sluice.broker.housekeeping import LogBuffer, shards_in_use
+from sluice.broker.delivery.consumer import Delivery, StreamConsumer
+from sluice.broker.delivery.housekeeping import LogBuffer, shards_in_use
 from sluice.broker.limits import ConsumerLimits
+from sluice.broker.plumbing.connection import until_redis_answers
 from sluice.broker.registry import ModelRegistry, WorkerInfo, WorkerRegistry
-from sluice.broker.replies import ReplyWriter, delivered, heard_cancel
+from sluice.broker.replies.writer import ReplyWriter, delivered, heard_cancel
 from sluice.config.model import ModelConfig
 from sluice.config.runtime import freeze_gc_heap
 from sluice.config.settings import Settings

@@ -201,7 +201,7 @@ local function append_event(status, rid, state, now)
              'owner', got[1] or '', 'model', got[2] or '', 'at', now)
 end
 
--- Tenants' token buckets (broker/quotas.py, quota.lua): a bucket is a string holding its
+-- Tenants' token buckets (broker/intake/quotas.py, quota.lua): a bucket is a string holding its
 -- theoretical arrival time in ms (GCRA), `interval` ms per unit; moving it by `units` (negative:
 -- a refund) never takes it below now, and it expires when full. Redis' own clock, never a caller's.
 local function now_ms()

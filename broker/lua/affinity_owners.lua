@@ -1,5 +1,5 @@
 -- Prefix affinity: the owners of the groups requested lately, as recomputed by
--- broker/affinity.py (rendezvous with bounded loads; the groups not requested lately keep their
+-- broker/delivery/affinity.py (rendezvous with bounded loads; the groups not requested lately keep their
 -- live owners, up to GROUPS_MAX groups), replacing the table at once. A group the
 -- table does not name is placed by its rank-1 live worker (dispatch.lua).
 -- KEYS: the interactive lane stream (its tag names the affinity keys)

@@ -20,7 +20,7 @@
 -- owners with no free slot. A tenant with none passes its turn to the
 -- next by counter; when no tenant has one nothing is moved, and the answer says when the first
 -- looked-at entry falls due. The worker's free slots and the time go into `<tag>:aff:slots`
--- (who is live, and how free); the owners are `<tag>:aff:owners` (broker/affinity.py), else a
+-- (who is live, and how free); the owners are `<tag>:aff:owners` (broker/delivery/affinity.py), else a
 -- group's rank-1 live worker by rendezvous hashing (the highest sha1 of `group|worker`).
 -- KEYS: the lane stream
 -- ARGV: consumer, count, reserve, capacity, now, wait_ms ('' : affinity off), live_ms, window,

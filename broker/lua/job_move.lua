@@ -5,7 +5,7 @@
 -- from protocol/states.py) starts the batch's retention, and the short one of what only a
 -- runner needed (its rows' ids and output records: the output file has them), kept as long as
 -- any request's result. A batch created with the `hook` mark (its owner had a webhook endpoint)
--- appends its final's event to its own outbox, in its slot (broker/webhooks.py batch_outbox).
+-- appends its final's event to its own outbox, in its slot (broker/webhooks/outbox.py batch_outbox).
 -- KEYS: batch, lock, out, rids
 -- ARGV: to, expected statuses (space-separated), token ('' for none), now, retention (s),
 --       result retention (s), then field, value pairs

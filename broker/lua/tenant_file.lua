@@ -1,5 +1,5 @@
 -- Record one more stored file of a tenant, unless it would take the tenant past its max_files
--- or max_file_bytes (broker/tenant_files.py). The tenant's hash holds each file it stores as
+-- or max_file_bytes (broker/jobs/tenant_files.py). The tenant's hash holds each file it stores as
 -- `<bytes> <expires_at>`; a file past its expiry is dropped from it here, a deleted one by the
 -- api as it deletes it (and one whose metadata is gone, by the api when a refusal is near).
 -- KEYS: the tenant's files hash

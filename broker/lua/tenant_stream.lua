@@ -1,4 +1,4 @@
--- A tenant's open SSE streams (broker/tenant_streams.py): its set scores each open stream with
+-- A tenant's open SSE streams (broker/intake/tenant_streams.py): its set scores each open stream with
 -- its lease's expiry (ms, Redis' clock). An api takes a lease as a stream opens, refreshes the
 -- leases of its open streams while they are open and removes each as it closes, so the streams
 -- of an api that died leave the count once their leases expire. The set expires with its last.

@@ -16,7 +16,7 @@ from fastapi import FastAPI
 from redis.asyncio import Redis
 
 from sluice.api.app import create_app
-from sluice.broker.connection import connect
+from sluice.broker.plumbing.connection import connect
 from sluice.config.model import load_models
 from sluice.config.settings import Settings
 from sluice.workers.engines.null import NullEngine

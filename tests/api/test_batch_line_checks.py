@@ -18,8 +18,8 @@ import pytest
 from fastapi import FastAPI
 from redis.asyncio import Redis
 
-from sluice.broker.files import FileStore
-from sluice.broker.jobs import JobStore
+from sluice.broker.jobs.files import FileStore
+from sluice.broker.jobs.store import JobStore
 from sluice.broker.keys import ModelKeys
 from sluice.workers.jobs.runner import JobRunner
 from tests.api.conftest import StartApi, http_client

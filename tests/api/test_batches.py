@@ -15,7 +15,7 @@ import pytest
 from fastapi import FastAPI
 from redis.asyncio import Redis
 
-from sluice.broker.files import FileStore
+from sluice.broker.jobs.files import FileStore
 from sluice.config.settings import Settings
 from tests.api.keyed_app import ALICE, client, keyed_app
 

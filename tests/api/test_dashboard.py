@@ -17,8 +17,8 @@ from redis.asyncio import Redis
 
 from sluice.api.activity import ActivityReader, percentile, recent_failures, window_stats
 from sluice.broker.activity import LogWindow
-from sluice.broker.webhook_deliveries import Deliveries
-from sluice.broker.webhook_endpoints import EndpointStore
+from sluice.broker.webhooks.deliveries import Deliveries
+from sluice.broker.webhooks.endpoints import EndpointStore
 from sluice.config.settings import Settings
 from sluice.workers.worker import Worker
 from tests.api.keyed_app import ADMIN, ALICE, client, keyed_app

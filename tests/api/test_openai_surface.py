@@ -14,7 +14,7 @@ import pytest
 from redis.asyncio import Redis
 
 from sluice.bench.sse import sse_events
-from sluice.broker.replies import _coalesce, delivered
+from sluice.broker.replies.writer import _coalesce, delivered
 from sluice.protocol.messages import DeltaEvent, FinalResult, RequestMessage, RowOutput, TokenLogprob
 from sluice.protocol.openai_objects import Shape, chat_object
 from sluice.protocol.openai_tools import AUTO

@@ -15,7 +15,7 @@ import pytest
 from fastapi import FastAPI
 from redis.asyncio import Redis
 
-from sluice.broker.connection import connect
+from sluice.broker.plumbing.connection import connect
 from sluice.config.model import load_models
 from sluice.config.settings import Settings
 from sluice.protocol.messages import DeltaEvent, FinalResult, RequestMessage

@@ -155,7 +155,7 @@ async def test_the_final_settles_the_tokens_charged_against_those_used(
     null engine, so the final gives back nearly all of the charge, once."""
     from prometheus_client import REGISTRY
 
-    from sluice.broker.connection import connect
+    from sluice.broker.plumbing.connection import connect
     from sluice.config.model import load_models
     from sluice.workers.engines.null import NullEngine
     from sluice.workers.worker import Worker
@@ -263,7 +263,7 @@ async def test_a_tenants_streams_are_capped_across_api_processes(
 
 async def test_an_unrefreshed_stream_lease_expires(redis: Redis) -> None:
     """A killed api's streams: their leases are not refreshed, and leave the count when they expire."""
-    from sluice.broker.tenant_streams import TenantStreams
+    from sluice.broker.intake.tenant_streams import TenantStreams
 
     dead = TenantStreams(redis, lease_s=0.2)
     assert await dead.acquire("acme", 1)

@@ -9,7 +9,7 @@ from pathlib import Path
 from redis.asyncio import Redis
 
 from sluice.api.auth import digest
-from sluice.broker.webhooks import OWNERS
+from sluice.broker.webhooks.outbox import OWNERS
 from sluice.config.settings import Settings
 from tests.api.keyed_app import ADMIN, ALICE, client, keyed_app
 from tests.broker.helpers import KEYS, MODEL

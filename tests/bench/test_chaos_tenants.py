@@ -19,12 +19,12 @@ from sluice.bench.chaos_audit import Tracked, audit, broken
 from sluice.bench.chaos_tenants import Tenancy
 from sluice.bench.chaos_webhooks import HookReceiver, audit_webhooks, undelivered
 from sluice.broker.keys import ModelKeys
-from sluice.broker.urls import sync_connect
-from sluice.broker.webhook_endpoints import Endpoint
-from sluice.broker.webhooks import GROUP, outbox
+from sluice.broker.plumbing.urls import sync_connect
+from sluice.broker.webhooks.endpoints import Endpoint
+from sluice.broker.webhooks.outbox import GROUP, outbox
 from sluice.config.settings import Settings
 from sluice.protocol.webhooks import payload
-from sluice.workers.webhook_post import signed_headers
+from sluice.workers.webhooks.post import signed_headers
 
 pytestmark = pytest.mark.timeout(60)
 MODEL = "m"

@@ -14,10 +14,10 @@ from redis.asyncio import Redis
 from sluice.bench.chaos_audit import Tracked
 from sluice.bench.chaos_webhooks import HookReceiver, audit_webhooks
 from sluice.broker.keys import ModelKeys
-from sluice.broker.webhook_endpoints import Endpoint
+from sluice.broker.webhooks.endpoints import Endpoint
 from sluice.protocol.openai_responses import response_id
 from sluice.protocol.webhooks import payload
-from sluice.workers.webhook_post import signed_headers
+from sluice.workers.webhooks.post import signed_headers
 
 MODEL = "m"
 

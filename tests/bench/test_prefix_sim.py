@@ -12,7 +12,7 @@ import pytest
 from sluice.bench.prefix_real import CPU_BLOCK_SIZE, KV_GIB, models_yaml
 from sluice.bench.prefix_sim import POLICIES, Simulation, best_worker_hit_rate, simulate
 from sluice.bench.prefix_workload import SimConfig, chat_workload, system_prompt, workload
-from sluice.broker.affinity import bounded_owners, rendezvous_ranks
+from sluice.broker.delivery.affinity import bounded_owners, rendezvous_ranks
 from sluice.config.model import load_models
 
 SMALL = SimConfig(workers=6, prefixes=16, requests=1500, cache_blocks=4 * 36, seed=3)

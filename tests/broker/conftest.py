@@ -6,9 +6,9 @@ from collections.abc import AsyncIterator, Callable
 
 import pytest
 
-from sluice.broker.connection import connect
-from sluice.broker.readers import Readers
-from sluice.broker.reply_router import ReplyRouter
+from sluice.broker.plumbing.connection import connect
+from sluice.broker.plumbing.readers import Readers
+from sluice.broker.replies.router import ReplyRouter
 
 READER = "sluice-test-replies"  # the client name of the reply routers' readers
 

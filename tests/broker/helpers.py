@@ -16,15 +16,15 @@ import pytest
 import redis as redis_sync
 from redis.asyncio import Redis
 
-from sluice.broker.admission import Admission
-from sluice.broker.connection import is_cluster
-from sluice.broker.consumer import Delivery, StreamConsumer
-from sluice.broker.fair_share import staged_streams
+from sluice.broker.delivery.consumer import Delivery, StreamConsumer
+from sluice.broker.delivery.fair_share import staged_streams
+from sluice.broker.intake.admission import Admission
 from sluice.broker.keys import GROUP, ModelKeys
 from sluice.broker.limits import AdmissionLimits, ConsumerLimits
-from sluice.broker.readers import Readers
-from sluice.broker.replies import ReplyEvent, ReplyWriter
-from sluice.broker.reply_router import ReplyRouter
+from sluice.broker.plumbing.connection import is_cluster
+from sluice.broker.plumbing.readers import Readers
+from sluice.broker.replies.router import ReplyRouter
+from sluice.broker.replies.writer import ReplyEvent, ReplyWriter
 from sluice.config.settings import Settings
 from sluice.protocol.messages import (
     DeltaEvent,

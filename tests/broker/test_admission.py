@@ -7,7 +7,7 @@ import random
 import pytest
 from redis.asyncio import Redis
 
-from sluice.broker.admission import QueueFull
+from sluice.broker.intake.admission import QueueFull
 from sluice.broker.keys import MODELS
 from sluice.broker.registry import ModelRegistry
 from sluice.config.batching import ContinuousBatchingConfig, DynamicBatchingConfig

@@ -1,4 +1,4 @@
-"""Prefix affinity's pull side (dispatch.lua, admit.lua, broker/affinity.py) on a real Redis:
+"""Prefix affinity's pull side (dispatch.lua, admit.lua, broker/delivery/affinity.py) on a real Redis:
 workers take their own groups first, nothing waits past the bound while a worker has room, a
 dead worker's groups move (and only they), the doorbell wakes a blocked worker, and with
 affinity off nothing of it exists. Waits are the script's own (`due`), never asserted times."""
@@ -14,10 +14,10 @@ from collections import Counter
 
 from redis.asyncio import Redis
 
-from sluice.broker.affinity import BOUNDED_LOAD, GROUP_BLOCKS, bounded_owners, rendezvous_ranks
-from sluice.broker.consumer import StreamConsumer
-from sluice.broker.dead_letters import DeadLetters
-from sluice.broker.fair_share import dispatch
+from sluice.broker.delivery.affinity import BOUNDED_LOAD, GROUP_BLOCKS, bounded_owners, rendezvous_ranks
+from sluice.broker.delivery.consumer import StreamConsumer
+from sluice.broker.delivery.dead_letters import DeadLetters
+from sluice.broker.delivery.fair_share import dispatch
 from sluice.broker.keys import WORKERS
 from sluice.config.settings import Settings
 from sluice.protocol.messages import FinalResult, RequestMessage, RowOutput, SamplingSpec, State, Usage

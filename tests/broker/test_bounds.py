@@ -11,9 +11,9 @@ import time
 import pytest
 from redis.asyncio import Redis
 
-from sluice.broker.connection import connect
-from sluice.broker.files import FileError, FileStore
-from sluice.broker.jobs import JobStore
+from sluice.broker.jobs.files import FileError, FileStore
+from sluice.broker.jobs.store import JobStore
+from sluice.broker.plumbing.connection import connect
 from sluice.config.settings import Settings
 from tests.broker.helpers import KEYS, assert_request_keys_expire, ready_consumer
 from tests.conftest import TOPOLOGY

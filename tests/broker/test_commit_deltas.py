@@ -8,7 +8,7 @@ import asyncio
 from redis.asyncio import Redis
 
 from sluice.broker.keys import GROUP
-from sluice.broker.replies import ReplyWriter, delivered
+from sluice.broker.replies.writer import ReplyWriter, delivered
 from sluice.config.settings import Settings
 from sluice.protocol.messages import DeltaEvent
 from tests.broker.helpers import KEYS, MODEL, done_result, running_request, take_over

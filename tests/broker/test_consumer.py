@@ -7,7 +7,7 @@ import time
 
 from redis.asyncio import Redis
 
-from sluice.broker.housekeeping import LogBuffer
+from sluice.broker.delivery.housekeeping import LogBuffer
 from sluice.broker.keys import GROUP
 from sluice.config.settings import Settings
 from sluice.protocol.messages import FinalResult

@@ -9,7 +9,7 @@ import time
 
 from redis.asyncio import Redis
 
-from sluice.broker.dead_letters import DeadLetters
+from sluice.broker.delivery.dead_letters import DeadLetters
 from sluice.config.settings import Settings
 from sluice.protocol.messages import RequestMessage
 from tests.broker.helpers import KEYS, MODEL, admission, fetch_one, message, ready_consumer

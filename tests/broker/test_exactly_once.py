@@ -10,9 +10,9 @@ import math
 import pytest
 from redis.asyncio import Redis
 
-from sluice.broker.dead_letters import DeadLetters
+from sluice.broker.delivery.dead_letters import DeadLetters
 from sluice.broker.keys import GROUP
-from sluice.broker.replies import ReplyWriter
+from sluice.broker.replies.writer import ReplyWriter
 from sluice.config.settings import Settings
 from sluice.protocol.messages import DeltaEvent, FinalResult
 from sluice.protocol.states import State

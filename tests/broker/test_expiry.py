@@ -1,4 +1,4 @@
-"""The housekeeping sweep (broker/housekeeping.py, lua/expire.lua): a request past its deadline
+"""The housekeeping sweep (broker/delivery/housekeeping.py, lua/expire.lua): a request past its deadline
 that no worker started ends `expired`, with one final, whatever a worker does at the same time."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import time
 import pytest
 from redis.asyncio import Redis
 
-from sluice.broker.housekeeping import expire_overdue
-from sluice.broker.scripts import Scripts
+from sluice.broker.delivery.housekeeping import expire_overdue
+from sluice.broker.plumbing.scripts import Scripts
 from sluice.config.settings import Settings
 from tests.broker.helpers import KEYS, admission, done_result, queued_len, ready_consumer, replies, submit_n
 

@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 import redis as redis_sync
 
-from sluice.broker.connection import connect, until_redis_answers
-from sluice.broker.replies import ReplyWriter, delivered
+from sluice.broker.plumbing.connection import connect, until_redis_answers
+from sluice.broker.replies.writer import ReplyWriter, delivered
 from sluice.config.settings import Settings
 from sluice.protocol.messages import DeltaEvent
 from tests.broker.helpers import KEYS, MODEL, replica_of, running_request, staged_cluster

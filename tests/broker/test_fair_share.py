@@ -13,12 +13,12 @@ import pytest
 from redis.asyncio import Redis
 
 from sluice.broker import keys
-from sluice.broker.admission import Admission, QueueFull, TenantQueueFull
-from sluice.broker.consumer import Delivery, StreamConsumer
-from sluice.broker.fair_share import OUTPUT_WEIGHT, RESERVE_BLOCK_MS, blocking_ms, expected_cost, prompt_tokens
-from sluice.broker.housekeeping import expire_overdue
+from sluice.broker.delivery.consumer import Delivery, StreamConsumer
+from sluice.broker.delivery.fair_share import OUTPUT_WEIGHT, RESERVE_BLOCK_MS, blocking_ms, expected_cost, prompt_tokens
+from sluice.broker.delivery.housekeeping import expire_overdue
+from sluice.broker.intake.admission import Admission, QueueFull, TenantQueueFull
 from sluice.broker.limits import TenantShare
-from sluice.broker.scripts import Scripts
+from sluice.broker.plumbing.scripts import Scripts
 from sluice.config.settings import Settings
 from sluice.protocol.messages import FinalResult, RequestMessage, RowOutput, SamplingSpec, State, Usage
 from tests.broker.helpers import KEYS, MODEL, admission, queued_len, ready_consumer

@@ -12,7 +12,7 @@ import json
 import pytest
 from redis.asyncio import Redis
 
-from sluice.broker.replies import ReplyWriter, delivered
+from sluice.broker.replies.writer import ReplyWriter, delivered
 from sluice.config.settings import Settings
 from sluice.protocol.messages import DeltaEvent
 from tests.broker.helpers import KEYS, MODEL, admission, done_result, fetch_one, ready_consumer, submit_n

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from redis.asyncio import Redis
 
-from sluice.broker.files import FileError, FileStore, LineScan, _key, read_lines, scan_lines
+from sluice.broker.jobs.files import FileError, FileStore, LineScan, _key, read_lines, scan_lines
 
 
 @pytest.fixture

@@ -8,7 +8,7 @@ import os
 import pytest
 from redis.asyncio import Redis
 
-from sluice.broker.jobs import JobStore, LockLost, _key
+from sluice.broker.jobs.store import JobStore, LockLost, _key
 
 TOKEN, OTHER = "runner-1", "runner-2"
 

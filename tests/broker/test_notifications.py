@@ -12,8 +12,8 @@ import time
 from redis.asyncio import Redis
 
 from sluice.api.lookup import RequestLookup
-from sluice.broker import notifications
-from sluice.broker.notifications import DoneListener
+from sluice.broker.replies import notifications
+from sluice.broker.replies.notifications import DoneListener
 from sluice.config.settings import Settings
 from sluice.protocol.messages import FinalResult
 from tests.broker.helpers import KEYS, MODEL, admission, consumer, done_result, message

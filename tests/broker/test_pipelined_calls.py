@@ -10,8 +10,8 @@ from redis.asyncio import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 
-from sluice.broker.connection import is_cluster
-from sluice.broker.scripts import PipelinedCalls, Scripts
+from sluice.broker.plumbing.connection import is_cluster
+from sluice.broker.plumbing.scripts import PipelinedCalls, Scripts
 
 ECHO = "if ARGV[1] == 'fail' then return redis.error_reply('refused ' .. KEYS[1]) end return KEYS[1] .. ':' .. ARGV[1]"
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from sluice.broker.scripts import prelude
+from sluice.broker.plumbing.scripts import prelude
 from sluice.protocol.messages import DeltaEvent
 from sluice.protocol.states import FINAL_BATCH_STATES, FINAL_STATES, BatchState, State
 

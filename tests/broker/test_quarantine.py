@@ -1,4 +1,4 @@
-"""The quarantine's groups (broker/quarantine.py): bisection over the suspects a worker holds."""
+"""The quarantine's groups (broker/delivery/quarantine.py): bisection over the suspects a worker holds."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import pytest
 from redis.asyncio import Redis
 
-from sluice.broker.quarantine import Quarantine, group_cap
+from sluice.broker.delivery.quarantine import Quarantine, group_cap
 from sluice.config.settings import Settings
 from tests.broker.helpers import admission, ready_consumer, submit_n
 from tests.broker.test_exactly_once import expire_lease

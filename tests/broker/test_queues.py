@@ -1,4 +1,4 @@
-"""A model's queue figures (broker/queues.py): waiting and running apart, and the oldest waiting
+"""A model's queue figures (broker/intake/queues.py): waiting and running apart, and the oldest waiting
 request's age, not the oldest running one's."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import time
 
 from redis.asyncio import Redis
 
-from sluice.broker.queues import LaneFigures, queue_figures
+from sluice.broker.intake.queues import LaneFigures, queue_figures
 from sluice.config.settings import Settings
 from tests.broker.helpers import KEYS, MODEL, admission, done_result, fetch_one, message, ready_consumer, submit_n
 

@@ -20,11 +20,11 @@ from pathlib import Path
 
 import pytest
 
-from sluice.broker.connection import connect, until_redis_answers
 from sluice.broker.keys import ModelKeys
 from sluice.broker.limits import AdmissionLimits
-from sluice.broker.readers import Readers
-from sluice.broker.reply_router import ReplyRouter
+from sluice.broker.plumbing.connection import connect, until_redis_answers
+from sluice.broker.plumbing.readers import Readers
+from sluice.broker.replies.router import ReplyRouter
 from sluice.protocol.messages import DeltaEvent, FinalResult, State
 from tests.broker.helpers import MODEL, replica_of, staged_cluster
 
@@ -111,7 +111,7 @@ def test_a_readers_own_connections_keep_the_deployments_tls() -> None:
     from redis.asyncio import Redis
     from redis.asyncio.connection import SSLConnection
 
-    from sluice.broker.connection import tls_settings
+    from sluice.broker.plumbing.connection import tls_settings
 
     tls_client = Redis(host="127.0.0.1", port=1, ssl=True, ssl_ca_certs="/etc/ssl/ca.pem", ssl_check_hostname=False)
     pool = tls_client.connection_pool
@@ -130,8 +130,8 @@ async def test_a_poll_is_shown_a_final_only_once_a_replica_has_it(tmp_path: Path
     the request runs again, maybe to another text: two visible results. Where admissions wait
     for replicas, a final is shown once a replica holds it (read, then WAIT, on one connection)."""
     from sluice.api.lookup import RequestLookup
-    from sluice.broker.admission import Admission
-    from sluice.broker.notifications import DoneListener
+    from sluice.broker.intake.admission import Admission
+    from sluice.broker.replies.notifications import DoneListener
     from sluice.config.settings import Settings
     from tests.broker.helpers import done_result, running_request
 

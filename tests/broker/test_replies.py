@@ -9,8 +9,8 @@ import pytest
 from redis.asyncio import Redis
 
 from sluice.broker.keys import GROUP
-from sluice.broker.replies import ReplyWriter, _coalesce, delivered
-from sluice.broker.reply_router import resume_index
+from sluice.broker.replies.router import resume_index
+from sluice.broker.replies.writer import ReplyWriter, _coalesce, delivered
 from sluice.config.settings import Settings
 from sluice.protocol.messages import DeltaEvent
 from tests.broker.helpers import (

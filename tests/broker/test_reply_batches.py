@@ -9,9 +9,9 @@ import time
 
 from redis.asyncio import Redis
 
-from sluice.broker.consumer import Delivery
-from sluice.broker.replies import ReplyEvent, ReplyWriter, delivered, heard_cancel
-from sluice.broker.reply_router import resume_index
+from sluice.broker.delivery.consumer import Delivery
+from sluice.broker.replies.router import resume_index
+from sluice.broker.replies.writer import ReplyEvent, ReplyWriter, delivered, heard_cancel
 from sluice.config.settings import Settings
 from sluice.protocol.messages import DeltaEvent, RequestMessage
 from tests.broker.helpers import (

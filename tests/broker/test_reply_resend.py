@@ -10,7 +10,7 @@ import asyncio
 from redis.asyncio import Redis
 
 from sluice.broker.keys import GROUP
-from sluice.broker.replies import ReplyWriter, delivered
+from sluice.broker.replies.writer import ReplyWriter, delivered
 from sluice.config.settings import Settings
 from sluice.protocol.messages import DeltaEvent, TokenLogprob
 from tests.broker.helpers import KEYS, MODEL, done_result, failing_flush, running_request, take_over
@@ -120,7 +120,7 @@ async def test_a_flush_that_landed_unanswered_and_is_joined_with_later_deltas_le
 async def test_the_deltas_kept_for_a_resend_are_bounded(redis: Redis, settings: Settings) -> None:
     """A long generation keeps at most _KEPT deltas per row (the latest): a failover loses the
     last moments, and a resend from further back is let through as a hole the attempt cannot fill."""
-    from sluice.broker.replies import _KEPT
+    from sluice.broker.replies.writer import _KEPT
 
     _, m, _, d = await running_request(redis, settings)
     writer = ReplyWriter(redis, MODEL, reply_ttl_s=settings.reply_ttl_s)
@@ -139,7 +139,7 @@ async def test_the_deltas_kept_for_a_resend_are_out_of_the_garbage_collectors_re
     on the worker's loop under load). A resend still rebuilds each delta whole."""
     import gc
 
-    from sluice.broker.replies import _event
+    from sluice.broker.replies.writer import _event
 
     _, m, _, d = await running_request(redis, settings)
     writer = ReplyWriter(redis, MODEL, reply_ttl_s=settings.reply_ttl_s)

@@ -12,10 +12,11 @@ import pytest
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
-from sluice.broker import reply_router, reply_shards
-from sluice.broker.connection import connect, is_cluster
-from sluice.broker.readers import Readers
-from sluice.broker.reply_router import ReplyRouter, resume_index
+from sluice.broker.plumbing.connection import connect, is_cluster
+from sluice.broker.plumbing.readers import Readers
+from sluice.broker.replies import router as reply_router
+from sluice.broker.replies import shards as reply_shards
+from sluice.broker.replies.router import ReplyRouter, resume_index
 from sluice.protocol.messages import DeltaEvent, FinalResult, RowOutput, State
 from sluice.supervisor.processes import EmbeddedRedis as Node
 from tests.broker.conftest import READER

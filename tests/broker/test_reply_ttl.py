@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from redis.asyncio import Redis
 
-from sluice.broker.replies import ReplyWriter
+from sluice.broker.replies.writer import ReplyWriter
 from sluice.config.settings import Settings
 from sluice.protocol.messages import DeltaEvent
 from tests.broker.helpers import KEYS, MODEL, done_result, running_request

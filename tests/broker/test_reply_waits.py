@@ -1,4 +1,4 @@
-"""A reply follower's waits (broker/reply_shards.py Follower): one timer per quiet spell, not per
+"""A reply follower's waits (broker/replies/shards.py Follower): one timer per quiet spell, not per
 token, must still end a silent stream after its idle timeout, never a busy one, and find by its
 rechecks a final whose stream expired while it waited."""
 
@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 from redis.asyncio import Redis
 
-from sluice.broker.reply_router import LostFinal, ReplyRouter
+from sluice.broker.replies.router import LostFinal, ReplyRouter
 from sluice.protocol.messages import DeltaEvent, FinalResult, RowOutput, State
 from tests.broker.helpers import KEYS, MODEL
 

@@ -8,10 +8,10 @@ import time
 import pytest
 from redis.asyncio import Redis
 
-from sluice.broker.admission import Admission, QueueFull
-from sluice.broker.dead_letters import DeadLetters
+from sluice.broker.delivery.dead_letters import DeadLetters
+from sluice.broker.intake.admission import Admission, QueueFull
 from sluice.broker.limits import AdmissionLimits
-from sluice.broker.replies import ReplyWriter
+from sluice.broker.replies.writer import ReplyWriter
 from sluice.config.settings import Settings
 from sluice.protocol.messages import DeltaEvent, FinalResult, RequestMessage, RowOutput, SamplingSpec, Usage
 from sluice.protocol.states import State

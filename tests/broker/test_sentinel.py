@@ -16,11 +16,11 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ReadOnlyError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from sluice.broker.admission import NotDurable
-from sluice.broker.connection import connect
-from sluice.broker.readers import Readers
-from sluice.broker.reply_router import ReplyRouter
-from sluice.broker.urls import celery_broker, parse_url
+from sluice.broker.intake.admission import NotDurable
+from sluice.broker.plumbing.connection import connect
+from sluice.broker.plumbing.readers import Readers
+from sluice.broker.plumbing.urls import celery_broker, parse_url
+from sluice.broker.replies.router import ReplyRouter
 from sluice.config.settings import Settings
 from sluice.protocol.messages import FinalResult, State
 from sluice.supervisor.topologies import LocalSentinel

@@ -10,13 +10,13 @@ import time
 
 from redis.asyncio import Redis
 
-from sluice.broker.admission import QueueFull
-from sluice.broker.consumer import StreamConsumer
-from sluice.broker.dead_letters import DeadLetters
-from sluice.broker.housekeeping import shards_in_use
+from sluice.broker.delivery.consumer import StreamConsumer
+from sluice.broker.delivery.dead_letters import DeadLetters
+from sluice.broker.delivery.housekeeping import shards_in_use
+from sluice.broker.intake.admission import QueueFull
+from sluice.broker.intake.queues import queue_figures
 from sluice.broker.limits import ConsumerLimits
-from sluice.broker.notifications import DoneListener
-from sluice.broker.queues import queue_figures
+from sluice.broker.replies.notifications import DoneListener
 from sluice.config.settings import Settings
 from sluice.protocol.ids import new_request_id, request_created_at, request_shard
 from tests.broker.helpers import KEYS, MODEL, admission, done_result, message, queued_len

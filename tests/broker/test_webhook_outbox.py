@@ -1,4 +1,4 @@
-"""The webhook outbox (broker/webhooks.py, lua/_lib.lua's append_event): every final of a request
+"""The webhook outbox (broker/webhooks/outbox.py, lua/_lib.lua's append_event): every final of a request
 whose owner has an endpoint appends exactly one event to its slot's outbox, in the script that
 writes the final; a request of an owner without one appends nothing and costs no command more."""
 
@@ -11,11 +11,11 @@ from collections import Counter
 import pytest
 from redis.asyncio import Redis
 
-from sluice.broker import webhooks
-from sluice.broker.connection import is_cluster
-from sluice.broker.jobs import JobStore
-from sluice.broker.webhook_endpoints import EndpointStore
-from sluice.broker.webhooks import OWNERS, batch_outbox, outbox
+from sluice.broker.jobs.store import JobStore
+from sluice.broker.plumbing.connection import is_cluster
+from sluice.broker.webhooks import outbox as webhooks
+from sluice.broker.webhooks.endpoints import EndpointStore
+from sluice.broker.webhooks.outbox import OWNERS, batch_outbox, outbox
 from sluice.config.settings import Settings
 from tests.broker.helpers import KEYS, admission, done_result, fetch_one, message, ready_consumer
 from tests.broker.test_expiry import sweep

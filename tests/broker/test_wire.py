@@ -1,4 +1,4 @@
-"""How every asyncio connection writes (broker/wire.py): it packs its commands with hiredis, the
+"""How every asyncio connection writes (broker/plumbing/wire.py): it packs its commands with hiredis, the
 bytes redis-py's own Python packer's for every kind of argument Sluice sends, and what that
 refuses (None, a bool) refused the same way; a write on a connection closed under it is a
 ConnectionError (retried; a 503 in the api), never the event loop's RuntimeError (a 500)."""
@@ -24,8 +24,8 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import DataError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-import sluice.broker.connection  # noqa: F401 - through which every client is made; installs the packer
-from sluice.broker.wire import _pack_command, lost_mid_write
+import sluice.broker.plumbing.connection  # noqa: F401 - through which every client is made; installs the packer
+from sluice.broker.plumbing.wire import _pack_command, lost_mid_write
 from sluice.supervisor.processes import EmbeddedRedis
 
 _PYTHON = Connection(decode_responses=True)
@@ -74,7 +74,7 @@ def test_only_a_write_on_a_closed_connection_is_taken_for_a_lost_one() -> None:
 
 
 def _connections(client: object) -> list:
-    if sluice.broker.connection.is_cluster(client):
+    if sluice.broker.plumbing.connection.is_cluster(client):
         return [c for node in client.get_nodes() for c in node._connections]
     return list(client.connection_pool._available_connections)
 
@@ -84,7 +84,7 @@ def _after_a_reset(redis_url: str, retries: int) -> object:
     reset while the command waited its turn), on the event loop the api and the workers run."""
 
     async def main() -> object:
-        client = sluice.broker.connection.connect(redis_url, name="sluice-test-wire")
+        client = sluice.broker.plumbing.connection.connect(redis_url, name="sluice-test-wire")
         try:
             await client.set("sluice:test:wire", "1")
             for connection in _connections(client):
@@ -122,7 +122,7 @@ def test_a_command_is_sent_without_a_task(redis_url: str, monkeypatch: pytest.Mo
         raise AssertionError("asyncio.wait_for on the send path")
 
     async def main() -> object:
-        client = sluice.broker.connection.connect(redis_url, name="sluice-test-wire")
+        client = sluice.broker.plumbing.connection.connect(redis_url, name="sluice-test-wire")
         try:
             await client.set("sluice:test:wire", "x" * 100_000)
             return await client.get("sluice:test:wire")

@@ -11,12 +11,12 @@ import yaml
 from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
-from sluice.broker.admission import Admission
-from sluice.broker.consumer import StreamConsumer
+from sluice.broker.delivery.consumer import StreamConsumer
+from sluice.broker.intake.admission import Admission
+from sluice.broker.intake.queues import queue_figures
 from sluice.broker.keys import ModelKeys
 from sluice.broker.keys import staged as staged_stream
 from sluice.broker.limits import ConsumerLimits
-from sluice.broker.queues import queue_figures
 from sluice.config.model import load_models
 from sluice.config.settings import Settings
 from sluice.config.tenants import DEFAULT_TENANT

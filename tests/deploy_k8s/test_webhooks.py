@@ -45,7 +45,7 @@ def test_the_sender_serves_its_metrics_and_is_probed_on_them() -> None:
     assert annotations["prometheus.io/port"] == str(SENDER_METRICS_PORT)
     for probe in ("startupProbe", "livenessProbe"):
         assert c[probe]["httpGet"] == {"path": "/metrics", "port": "metrics"}, probe
-    # It serves /metrics once Redis answers, which it waits up to 60 s for (workers/webhook_process.py).
+    # It serves /metrics once Redis answers, which it waits up to 60 s for (workers/webhooks/process.py).
     startup = c["startupProbe"]
     assert startup["periodSeconds"] * startup["failureThreshold"] > 60
     # Every replica is a consumer of its own: one Deployment scaled, no GPU, no files volume.

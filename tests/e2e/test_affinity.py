@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import redis as redis_sync
 
-from sluice.broker.affinity import group_of, rendezvous_ranks
+from sluice.broker.delivery.affinity import group_of, rendezvous_ranks
 from sluice.broker.keys import ModelKeys
 from sluice.config.model import ModelConfig
 from sluice.config.settings import Settings

@@ -12,7 +12,7 @@ import redis as redis_sync
 import redis.asyncio as aioredis
 
 from sluice.bench.sse import sse_events
-from sluice.broker.consumer import Delivery, StreamConsumer
+from sluice.broker.delivery.consumer import Delivery, StreamConsumer
 from sluice.broker.keys import GROUP, ModelKeys
 from sluice.broker.limits import ConsumerLimits
 from sluice.protocol.messages import RequestMessage

@@ -21,7 +21,7 @@ import redis as redis_sync
 
 from sluice.broker import keys
 from sluice.broker.keys import ModelKeys
-from sluice.broker.urls import sync_connect
+from sluice.broker.plumbing.urls import sync_connect
 from sluice.protocol.states import FINAL_STATES
 from sluice.supervisor.processes import EmbeddedRedis, free_port
 from sluice.supervisor.stack import LocalStack

@@ -208,7 +208,7 @@ def test_a_partitioned_worker_host_is_taken_over_and_fenced_out(tmp_path: Path) 
 
         # Taken over by w2 while w1 stays cut off: together, as the batch w1 was running (a first
         # redelivery runs beside anything; only a batch that crashes again is split in halves,
-        # broker/quarantine.py).
+        # broker/delivery/quarantine.py).
         taken: dict[str, float] = {}
         done_at = None
         deadline = cut_at + LEASE_S + len(owned) * MAX_TOKENS * TOKEN_DELAY_S + 30

@@ -18,8 +18,8 @@ from pathlib import Path
 from redis.asyncio import Redis
 
 from sluice.broker.registry import ModelRegistry
-from sluice.broker.webhook_endpoints import EndpointStore
-from sluice.broker.webhooks import DUE
+from sluice.broker.webhooks.endpoints import EndpointStore
+from sluice.broker.webhooks.outbox import DUE
 from sluice.config.model import ModelConfig
 from sluice.config.settings import Settings
 from tests.broker.helpers import KEYS, MODEL, admission, done_result, message, ready_consumer
@@ -32,7 +32,7 @@ def start_sender(redis_url: str, log: Path) -> subprocess.Popen:
     env = {**os.environ, "SLUICE_REDIS_URL": redis_url, "SLUICE_WEBHOOKS_ALLOW_PRIVATE": "1",
            "SLUICE_WEBHOOKS_RETRY_BASE_S": "0.2", "SLUICE_WEBHOOKS_TIMEOUT_S": "1", "SLUICE_WEBHOOKS_LEASE_S": "1"}
     with log.open("a") as out:
-        return subprocess.Popen([sys.executable, "-m", "sluice.workers.webhook_process"], env=env,
+        return subprocess.Popen([sys.executable, "-m", "sluice.workers.webhooks.process"], env=env,
                                 stdout=out, stderr=subprocess.STDOUT)
 
 

@@ -10,11 +10,11 @@ from dataclasses import dataclass, field
 
 from redis.asyncio import Redis
 
-from sluice.broker.consumer import Delivery, StreamConsumer
+from sluice.broker.delivery.consumer import Delivery, StreamConsumer
 from sluice.broker.keys import GROUP
 from sluice.broker.limits import ConsumerLimits
-from sluice.broker.replies import ReplyWriter, delivered, heard_cancel
-from sluice.broker.reply_router import ReplyRouter, resume_index
+from sluice.broker.replies.router import ReplyRouter, resume_index
+from sluice.broker.replies.writer import ReplyWriter, delivered, heard_cancel
 from sluice.protocol.messages import FinalResult
 from sluice.protocol.states import State
 from sluice.workers.generation import Generation, Running, final_result

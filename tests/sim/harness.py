@@ -10,7 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from sluice.broker.connection import connect
+from sluice.broker.plumbing.connection import connect
 from sluice.supervisor.processes import EmbeddedRedis
 from tests.sim.run import ALL_FAULTS, Outcome, play, replay_text, shrink
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from sluice.broker.connection import connect
+from sluice.broker.plumbing.connection import connect
 from sluice.supervisor.processes import EmbeddedRedis
 from tests.sim.harness import run_seeds
 from tests.sim.run import play, replay_text
@@ -36,7 +36,7 @@ async def test_no_interleaving_breaks_exactly_once() -> None:
 # Replays of bugs the simulation found (fixed): each must play to its end, drained, with no
 # invariant broken.
 FIXED = {
-    "a first retry reclaimed beside a suspect is handed out (broker/quarantine.py)": [
+    "a first retry reclaimed beside a suspect is handed out (broker/delivery/quarantine.py)": [
         ("admit", 2, 1, False, False, 0), ("fetch", 0, 2), ("start", 0, 0), ("start", 0, 0), ("freeze", 0),
         ("fetch", 1, 1), ("start", 1, 0), ("freeze", 1), ("fetch", 2, 4)],
     "a write re-creating a lost reply stream gives it a TTL (broker/lua/reply.lua)": [

@@ -14,12 +14,12 @@ from typing import Any, Protocol
 
 from redis.asyncio import Redis
 
-from sluice.broker.admission import Admission, QueueFull
-from sluice.broker.dead_letters import DeadLetters
+from sluice.broker.delivery.dead_letters import DeadLetters
+from sluice.broker.intake.admission import Admission, QueueFull
 from sluice.broker.keys import GROUP, ModelKeys
 from sluice.broker.limits import AdmissionLimits
-from sluice.broker.readers import Readers
-from sluice.broker.reply_router import ReplyRouter
+from sluice.broker.plumbing.readers import Readers
+from sluice.broker.replies.router import ReplyRouter
 from sluice.protocol.messages import RequestMessage, SamplingSpec, StructuredSpec
 from tests.sim.actors import (
     AGED_MS,

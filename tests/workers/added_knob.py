@@ -39,7 +39,7 @@ async def main(redis_url: str, folder: Path, jobs_broker_url: str | None = None)
     import httpx
 
     from sluice.api.app import create_app
-    from sluice.broker.connection import connect
+    from sluice.broker.plumbing.connection import connect
     from sluice.config.model import load_models
     from sluice.config.settings import Settings
     from sluice.protocol.ids import new_request_id

@@ -9,7 +9,7 @@ import time
 from redis.asyncio import Redis
 
 from sluice.broker.keys import ModelKeys
-from sluice.broker.notifications import DoneListener
+from sluice.broker.replies.notifications import DoneListener
 
 CHANNEL = ModelKeys("m").done
 

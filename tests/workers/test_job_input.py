@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 from redis.asyncio import Redis
 
-from sluice.broker.files import FileStore
-from sluice.broker.jobs import JobStore
+from sluice.broker.jobs.files import FileStore
+from sluice.broker.jobs.store import JobStore
 from sluice.broker.registry import ModelRegistry
 from sluice.config.model import ModelConfig
 from sluice.config.settings import Settings

@@ -15,9 +15,9 @@ import pytest
 from celery.signals import worker_ready
 from redis.asyncio import Redis
 
-from sluice.broker.consumer import StreamConsumer
-from sluice.broker.files import FileStore
-from sluice.broker.jobs import JobStore
+from sluice.broker.delivery.consumer import StreamConsumer
+from sluice.broker.jobs.files import FileStore
+from sluice.broker.jobs.store import JobStore
 from sluice.broker.keys import ModelKeys
 from sluice.broker.limits import ConsumerLimits
 from sluice.broker.registry import ModelRegistry

@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 import pytest
 from redis.asyncio import Redis
 
-from sluice.broker.admission import Admission
+from sluice.broker.intake.admission import Admission
 from sluice.broker.keys import GROUP
 from sluice.broker.limits import AdmissionLimits
 from sluice.config.model import ModelConfig

@@ -9,7 +9,7 @@ import asyncio
 
 from redis.asyncio import Redis
 
-from sluice.broker.admission import Admission
+from sluice.broker.intake.admission import Admission
 from sluice.broker.limits import AdmissionLimits
 from sluice.broker.registry import WorkerRegistry
 from sluice.config.model import parse_model

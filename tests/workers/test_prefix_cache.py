@@ -11,7 +11,7 @@ import pytest
 from prometheus_client import REGISTRY
 from redis.asyncio import Redis
 
-from sluice.broker.admission import Admission
+from sluice.broker.intake.admission import Admission
 from sluice.broker.registry import WorkerRegistry
 from sluice.protocol.messages import RequestMessage, SamplingSpec
 from sluice.protocol.prefix import block_hashes

@@ -18,7 +18,7 @@ import pytest
 from redis.asyncio import Redis
 
 from sluice.broker.keys import ModelKeys
-from sluice.broker.replies import ReplyDecoder, ReplyWriter, delivered
+from sluice.broker.replies.writer import ReplyDecoder, ReplyWriter, delivered
 from sluice.config.model import ModelConfig
 from sluice.config.settings import Settings
 from sluice.protocol.messages import DeltaEvent, FinalResult, SamplingSpec, StructuredSpec

@@ -1,4 +1,4 @@
-"""The webhook sender (workers/webhook_sender.py) against a real receiver on loopback: every final
+"""The webhook sender (workers/webhooks/sender.py) against a real receiver on loopback: every final
 of a subscribed owner's requests arrives, signed (verified with `standardwebhooks`; a wrong secret
 fails); a failed attempt is retried under the same webhook-id; past the retry period a delivery
 is dead, and a replay delivers it; redirects are not followed; private addresses are refused
@@ -16,18 +16,18 @@ import pytest
 from redis.asyncio import Redis
 from standardwebhooks.webhooks import WebhookVerificationError
 
-from sluice.broker import webhooks
-from sluice.broker.jobs import JobStore
+from sluice.broker.jobs.store import JobStore
 from sluice.broker.registry import ModelRegistry
-from sluice.broker.webhook_breaker import BREAKER_TTL_S, breaker
-from sluice.broker.webhook_deliveries import Deliveries
-from sluice.broker.webhook_endpoints import EndpointStore
-from sluice.broker.webhooks import DUE
+from sluice.broker.webhooks import outbox as webhooks
+from sluice.broker.webhooks.breaker import BREAKER_TTL_S, breaker
+from sluice.broker.webhooks.deliveries import Deliveries
+from sluice.broker.webhooks.endpoints import EndpointStore
+from sluice.broker.webhooks.outbox import DUE
 from sluice.config.model import ModelConfig
 from sluice.config.settings import Settings
 from sluice.protocol.openai_responses import response_id
 from sluice.protocol.webhooks import probe_payload
-from sluice.workers.webhook_sender import WebhookSender
+from sluice.workers.webhooks.sender import WebhookSender
 from tests.broker.helpers import KEYS, MODEL, admission, done_result, message, ready_consumer
 from tests.workers.webhook_receiver import Receiver
 

@@ -10,12 +10,12 @@ from collections.abc import AsyncIterator
 import pytest
 from redis.asyncio import Redis
 
-from sluice.broker.admission import Admission
-from sluice.broker.consumer import StreamConsumer
+from sluice.broker.delivery.consumer import StreamConsumer
+from sluice.broker.intake.admission import Admission
 from sluice.broker.keys import GROUP
 from sluice.broker.limits import AdmissionLimits, ConsumerLimits
 from sluice.broker.registry import ModelRegistry
-from sluice.broker.replies import ReplyWriter
+from sluice.broker.replies.writer import ReplyWriter
 from sluice.config.batching import ContinuousBatchingConfig, DynamicBatchingConfig
 from sluice.config.model import ModelConfig
 from sluice.config.settings import Settings

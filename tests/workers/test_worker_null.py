@@ -11,8 +11,8 @@ from typing import Literal
 import pytest
 from redis.asyncio import Redis
 
-from sluice.broker.admission import Admission
-from sluice.broker.consumer import StreamConsumer
+from sluice.broker.delivery.consumer import StreamConsumer
+from sluice.broker.intake.admission import Admission
 from sluice.broker.keys import GROUP, WORKERS, ModelKeys
 from sluice.broker.limits import AdmissionLimits, ConsumerLimits
 from sluice.broker.registry import WorkerRegistry

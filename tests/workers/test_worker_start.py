@@ -8,7 +8,7 @@ import asyncio
 
 from redis.asyncio import Redis
 
-from sluice.broker.admission import Admission
+from sluice.broker.intake.admission import Admission
 from sluice.config.batching import ContinuousBatchingConfig
 from sluice.config.model import ModelConfig
 from sluice.config.settings import Settings

@@ -17,9 +17,9 @@ from collections.abc import Callable
 from celery import Celery
 from celery.signals import worker_ready
 
-from sluice.broker.connection import connect
-from sluice.broker.jobs import JobStore
-from sluice.broker.urls import celery_broker
+from sluice.broker.jobs.store import JobStore
+from sluice.broker.plumbing.connection import connect
+from sluice.broker.plumbing.urls import celery_broker
 from sluice.config.settings import Settings
 from sluice.protocol.tasks import JOB_QUEUE, JOB_TASK
 from sluice.workers.jobs.runner import JobRunner

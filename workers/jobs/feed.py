@@ -1,7 +1,7 @@
 """Feed a job's lines onto the bulk lane with a bounded number outstanding, and record each
 line's result as its request turns final.
 
-Finals are learnt from the finals listener (broker/notifications.py), as the api's long polls
+Finals are learnt from the finals listener (broker/replies/notifications.py), as the api's long polls
 learn them; the statuses of all outstanding lines are re-read once per re-check interval as
 well, so a lost announcement delays a line, never strands it.
 """
@@ -15,9 +15,9 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from sluice.broker.admission import Admission, QueueFull
-from sluice.broker.jobs import JobStore
-from sluice.broker.notifications import DoneListener, Inbox
+from sluice.broker.intake.admission import Admission, QueueFull
+from sluice.broker.jobs.store import JobStore
+from sluice.broker.replies.notifications import DoneListener, Inbox
 from sluice.broker.status import RequestStatus
 from sluice.config.settings import Settings
 from sluice.config.tenants import DEFAULT_TENANT

@@ -1,7 +1,7 @@
 """A bulk job's lock, held by one runner at a time and kept fresh from a task of its own.
 
 The lock is the job's fence: every write a runner makes is checked against it in Redis
-(broker/jobs.py); this keeper only lets the runner stop early once it is lost.
+(broker/jobs/store.py); this keeper only lets the runner stop early once it is lost.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import time
 
 from redis.exceptions import RedisError
 
-from sluice.broker.jobs import JobStore, LockLost
+from sluice.broker.jobs.store import JobStore, LockLost
 from sluice.protocol.states import FINAL_BATCH_STATES
 
 log = logging.getLogger(__name__)

@@ -4,7 +4,7 @@ with a bounded number outstanding, gather the results, and write the output and 
 Everything a job needs to resume is in Redis (which line became which request, the output
 records so far), so a restarted job re-runs nothing that finished and re-submits nothing
 that is still queued. One run at a time holds the job's lock (workers/jobs/lock.py); a run that
-loses it stops, and every write it makes is fenced by the lock in Redis (broker/jobs.py).
+loses it stops, and every write it makes is fenced by the lock in Redis (broker/jobs/store.py).
 Parsing lines and building output lines is pure code (workers/jobs/lines.py); feeding and
 collecting is workers/jobs/feed.py.
 """
@@ -21,12 +21,12 @@ from typing import Any, BinaryIO
 
 from redis.asyncio import Redis
 
-from sluice.broker.admission import Admission
-from sluice.broker.files import FileStore, read_lines
-from sluice.broker.jobs import JobStore, LockLost
+from sluice.broker.intake.admission import Admission
+from sluice.broker.jobs.files import FileStore, read_lines
+from sluice.broker.jobs.store import JobStore, LockLost
 from sluice.broker.limits import AdmissionLimits
-from sluice.broker.notifications import DoneListener
 from sluice.broker.registry import ModelRegistry
+from sluice.broker.replies.notifications import DoneListener
 from sluice.config.settings import Settings
 from sluice.protocol.states import ACTIVE_BATCH_STATES, FINAL_BATCH_STATES, BatchState
 from sluice.protocol.tokens import PromptLimits

@@ -1,0 +1,64 @@
+"""The files each tenant stores, against its `max_files` and `max_file_bytes` (tenant_file.lua).
+
+One hash per tenant (keys.tenant_files): file id → `<bytes> <expires_at>`. A file is recorded
+once its content is on disk, atomically against the limits; it leaves the hash when it is
+deleted, when it expires, or (an api killed between the record and the metadata) when a
+refusal is near and its metadata is found gone: the count is of live files, never a counter
+that could drift.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from redis.asyncio import Redis
+
+from sluice.broker.keys import tenant_files
+from sluice.broker.plumbing import register_script
+
+
+class TenantFiles:
+    def __init__(self, redis: Redis, meta_key: Callable[[str], str]) -> None:
+        """`meta_key`: the key of a file's metadata (FileStore's), to find files gone."""
+        self.redis = redis
+        self.meta_key = meta_key
+        self._record = register_script(redis, "tenant_file")
+
+    async def record(self, tenant: str, file_id: str, size: int, expires_at: int, *,
+                     max_files: int | None, max_bytes: int | None) -> str:
+        """Record the file; '' when it fits the tenant's limits, else the name of the one it
+        would exceed (nothing recorded)."""
+        for attempt in (1, 2):
+            refused, _, _ = await self._record(keys=[tenant_files(tenant)],
+                                               args=[file_id, size, expires_at, max_files or 0, max_bytes or 0])
+            refused = refused.decode() if isinstance(refused, bytes) else str(refused)
+            if not refused or attempt == 2 or not await self._drop_gone(tenant):
+                return refused
+        return refused
+
+    async def _drop_gone(self, tenant: str) -> int:
+        """Drop the files whose metadata is gone; how many."""
+        ids = await self.redis.hkeys(tenant_files(tenant))
+        if not ids:
+            return 0
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for file_id in ids:
+                pipe.exists(self.meta_key(file_id))
+            alive = await pipe.execute()
+        gone = [i for i, a in zip(ids, alive) if not a]
+        if gone:
+            await self.redis.hdel(tenant_files(tenant), *gone)
+        return len(gone)
+
+    async def forget(self, tenant: str, file_id: str) -> None:
+        await self.redis.hdel(tenant_files(tenant), file_id)
+
+    async def usage(self, tenant: str) -> tuple[int, int]:
+        """(files, bytes) the tenant stores, expired ones aside (the dashboard's)."""
+        now, files, size = time.time(), 0, 0
+        for value in (await self.redis.hgetall(tenant_files(tenant))).values():
+            b, e = value.split()
+            if int(e) > now:
+                files, size = files + 1, size + int(b)
+        return files, size
