@@ -12,6 +12,7 @@ up: install
 # Then the broker, api, worker and fault tests again against a local Redis Cluster (3 + 3 nodes).
 test: install
 	@bash scripts/test-deps.sh
+	$(VENV)/bin/python scripts/typecheck.py
 	$(VENV)/bin/python -m pytest --durations=20
 	SLUICE_TEST_REDIS=cluster $(VENV)/bin/python -m pytest --durations=10 -n 2 tests/broker tests/api tests/workers \
 		tests/faults/test_faults.py tests/faults/test_delivery_modes.py

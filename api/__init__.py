@@ -1,1 +1,2 @@
-"""The FastAPI app: Sluice's HTTP api (its own routes and OpenAI's), which meets the workers only through Redis."""
+"""The FastAPI app: Sluice's HTTP api (its own routes and OpenAI's), which meets the workers only
+through Redis."""

@@ -61,8 +61,9 @@ def window_stats(w: LogWindow, first_at: float | None) -> dict[str, Any]:
     out: dict[str, Any] = {"start": _r(w.start), "end": _r(w.end), "data": True, "partial": partial,
                            "sampled": w.sampled}
     if first_at is not None and first_at >= w.end and not w.records:
-        return {**out, "data": False, "requests": None, "failed": None, "cancelled": None, "requests_per_s": None,
-                "tokens_per_s": None, **{f"{k}_{p}_s": None for k in ("e2e", "ttft", "queue") for p in ("p50", "p95")}}
+        percentiles = {f"{k}_{p}_s": None for k in ("e2e", "ttft", "queue") for p in ("p50", "p95")}
+        return {**out, "data": False, "requests": None, "failed": None, "cancelled": None,
+                "requests_per_s": None, "tokens_per_s": None, **percentiles}
     # The part of the window the log covers: all of it, or since its first record (the log was
     # trimmed, or began, inside the window; rates are over that part, a few seconds at least).
     seconds = w.end - w.start
@@ -82,15 +83,18 @@ def window_stats(w: LogWindow, first_at: float | None) -> dict[str, Any]:
     failed = len(requests) - len(done) - cancelled
     lat: dict[str, list[float]] = {"e2e": [], "ttft": [], "queue": []}
     for r in done:
-        timings = r.get("timings") if isinstance(r.get("timings"), dict) else {}
+        given = r.get("timings")
+        timings = given if isinstance(given, dict) else {}
         for name, mark in (("e2e", "finished"), ("ttft", "first_token"), ("queue", "started")):
             value = _since(timings, mark)
             if value is not None:
                 lat[name].append(value)
     return {**out, "requests": round(len(requests) * scale), "failed": round(failed * scale),
             "cancelled": round(cancelled * scale),
-            "requests_per_s": _r(len(requests) * scale / seconds), "tokens_per_s": _r(tokens * scale / seconds, 1),
-            **{f"{k}_{p}_s": _r(percentile(v, q)) for k, v in lat.items() for p, q in (("p50", 0.5), ("p95", 0.95))}}
+            "requests_per_s": _r(len(requests) * scale / seconds),
+            "tokens_per_s": _r(tokens * scale / seconds, 1),
+            **{f"{k}_{p}_s": _r(percentile(v, q)) for k, v in lat.items()
+               for p, q in (("p50", 0.5), ("p95", 0.95))}}
 
 
 def recent_failures(windows: list[LogWindow], limit: int = MAX_FAILURES) -> list[dict[str, Any]]:
@@ -131,7 +135,8 @@ class ActivityReader:
             return hit[1]
         now = time.time() if now is None else now
         current = math.floor(now / MINUTE_S) * MINUTE_S
-        starts = [current - i * MINUTE_S for i in range(self.minutes - 1, 0, -1)]  # the minutes over, oldest first
+        # The minutes over, oldest first.
+        starts = [current - i * MINUTE_S for i in range(self.minutes - 1, 0, -1)]
         for key in [k for k in self._over if k[0] == model and k[1] < starts[0]]:
             del self._over[key]
         missing = [t for t in starts if (model, t) not in self._over]
@@ -146,7 +151,8 @@ class ActivityReader:
         failures = _newest_first([recent_failures([last]), *(f for _, f in reversed(minutes))])
         errors = await errors_of(self.redis, model, [f["request_id"] for f in failures])
         answer = {"log_since": _r(sample.first_at), "last_minute": window_stats(last, sample.first_at),
-                  "minutes": [*(stats for stats, _ in minutes), window_stats(last.since(current), sample.first_at)],
+                  "minutes": [*(stats for stats, _ in minutes),
+                              window_stats(last.since(current), sample.first_at)],
                   "recent_failures": [{**f, "error": errors.get(f["request_id"])} for f in failures]}
         self._fresh[model] = (time.monotonic() + self.ttl_s, answer)
         return answer

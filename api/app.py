@@ -56,7 +56,8 @@ def create_app(settings: Settings | None = None, *, freeze_gc: bool = False) -> 
     app = FastAPI(title="Sluice", version="0.1.0", lifespan=lifespan, redirect_slashes=False)
     app.state.tenants = tenants  # the tenants registry: get(name) → weight, queue_share, limits
     app.add_middleware(RateLimitHeaders)  # a tenant's x-ratelimit-* headers on a submitting route's answers
-    app.add_middleware(KeyBeforeBody)  # inside BodySizeLimit: a body over the limit is refused by its length first
+    # Inside BodySizeLimit: a body over the limit is refused by its length first.
+    app.add_middleware(KeyBeforeBody)
     # /tokenize's body holds one prompt of at most max_prompt_chars: a larger one is refused from its headers
     tokenize_cap = min(settings.max_body_bytes, tokenize.max_body_bytes(settings.max_prompt_chars))
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes,

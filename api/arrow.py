@@ -20,8 +20,9 @@ from typing import Any
 import pyarrow as pa
 
 from sluice.api.errors import ApiError
-from sluice.api.schemas import MAX_TOKENS, require_unicode
+from sluice.api.schemas import require_unicode
 from sluice.config.settings import Settings
+from sluice.protocol.messages import MAX_TOKENS
 
 ARROW_STREAM = "application/vnd.apache.arrow.stream"
 _SCHEMA, _RECORD_BATCH = 1, 3  # MessageHeader union tags (Arrow's Message.fbs)
@@ -140,7 +141,8 @@ def _check_schema(given: pa.Schema, wanted: pa.Schema) -> None:
     for f in given:
         target = wanted.field(f.name).type
         if not _accepts(f.type, target):
-            integers = pa.types.is_integer(target) and (pa.types.is_floating(f.type) or pa.types.is_decimal(f.type))
+            fractional = pa.types.is_floating(f.type) or pa.types.is_decimal(f.type)
+            integers = pa.types.is_integer(target) and fractional
             raise ApiError(422 if integers else 400, f"body: column {f.name!r} is {f.type}; the input schema "
                            f"wants {target}" + (" (integers are integers)" if integers else ""), param=f.name)
 
@@ -161,8 +163,8 @@ def _read_arrow(body: bytes, wanted: pa.Schema, limits: RowLimits) -> pa.Table:
         rows += max([0, batch.scalar(0, "<q"), *(n for n, _ in nodes)])
         decoded += _decoded_size(batch, message.body)
         if rows > limits.max_rows:
-            raise ApiError(413, f"rows: at most {limits.max_rows} rows per request (SLUICE_MAX_ROWS_PER_REQUEST)",
-                           param="rows", code="request_too_large")
+            raise ApiError(413, f"rows: at most {limits.max_rows} rows per request "
+                                "(SLUICE_MAX_ROWS_PER_REQUEST)", param="rows", code="request_too_large")
         if decoded > limits.max_decoded_bytes:
             raise ApiError(413, f"body: decodes to more than {limits.max_decoded_bytes} bytes "
                                 "(SLUICE_MAX_DECODED_BYTES)", code="request_too_large")
@@ -211,7 +213,8 @@ def _json_value(value: object, field: pa.Field, where: str) -> object:
         if isinstance(value, float) and not value.is_integer():  # like pydantic: 2.0 is 2, 1.5 is not
             raise ApiError(422, f"{where}: must be an integer, got {value!r}", param=field.name)
         signed = pa.types.is_signed_integer(t)
-        low, high = (-(2 ** (t.bit_width - 1)), 2 ** (t.bit_width - 1) - 1) if signed else (0, 2**t.bit_width - 1)
+        bits = t.bit_width
+        low, high = (-(2 ** (bits - 1)), 2 ** (bits - 1) - 1) if signed else (0, 2**bits - 1)
         if not low <= value <= high:
             raise ApiError(422, f"{where}: {value!r} is out of range for {t}", param=field.name)
         return int(value)
@@ -242,8 +245,8 @@ def _check_columns(present: list[str], schema: pa.Schema, where: str) -> None:
     unknown = [n for n in present if n not in schema.names]
     if unknown:
         named = ", ".join(repr(n)[:80] for n in unknown[:5])
-        raise ApiError(400, f"{where}: unknown field(s) {named}; the input schema has {', '.join(schema.names)}",
-                       param=unknown[0][:80])
+        raise ApiError(400, f"{where}: unknown field(s) {named}; the input schema has "
+                            f"{', '.join(schema.names)}", param=unknown[0][:80])
 
 
 def _check_values(rows: list[dict[str, Any]], schema: pa.Schema) -> list[dict[str, Any]]:

@@ -90,7 +90,7 @@ def parse_key(entry: str) -> tuple[str, Scope]:
     head, sep, rest = entry.partition(":")
     scope: Scope = "user"
     if sep and head in SCOPES:
-        scope, entry = head, rest  # type: ignore[assignment]
+        scope, entry = head, rest
     if entry.startswith("sha256:"):
         hexdigest = entry.removeprefix("sha256:").lower()
         if not _HEX_DIGEST.fullmatch(hexdigest):
@@ -221,7 +221,8 @@ class KeyBeforeBody:
         if scope["type"] == "http" and self._needs_key(scope):
             headers = dict(scope["headers"])
             try:
-                caller_for(scope["app"].state.sluice.key_digests, headers.get(b"authorization", b"").decode("latin-1"))
+                authorization = headers.get(b"authorization", b"").decode("latin-1")
+                caller_for(scope["app"].state.sluice.key_digests, authorization)
             except ApiError as refused:
                 scope[CLOSE_UNREAD] = True  # the api's protocol closes instead of draining the body
                 body = error_body(refused.message, refused.code, refused.param)

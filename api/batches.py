@@ -95,11 +95,13 @@ async def file_content(file_id: str, s: ApiState = Depends(state),
         size, chunks = await s.files.stream(file_id)
     except FileError as err:
         raise _file_error(err) from None
-    return StreamingResponse(chunks, media_type="application/octet-stream", headers={"Content-Length": str(size)})
+    return StreamingResponse(chunks, media_type="application/octet-stream",
+                             headers={"Content-Length": str(size)})
 
 
 @router.delete("/files/{file_id}")
-async def delete_file(file_id: str, s: ApiState = Depends(state), caller: Caller = Depends(require_key)) -> dict:
+async def delete_file(file_id: str, s: ApiState = Depends(state),
+                      caller: Caller = Depends(require_key)) -> dict:
     await _own_file(s, caller, file_id)
     try:
         await s.files.delete(file_id)
@@ -154,8 +156,8 @@ async def _within_limits(s: ApiState, file_id: str) -> None:
                             f"{line_bytes} bytes, the limit for one request (SLUICE_MAX_BATCH_LINE_BYTES)",
                        param="input_file_id")
     if scan.lines > lines:
-        raise ApiError(400, f"input_file_id: file {file_id} has more than {lines} requests, the limit for one "
-                            "batch (SLUICE_MAX_BATCH_LINES)", param="input_file_id")
+        raise ApiError(400, f"input_file_id: file {file_id} has more than {lines} requests, the limit for "
+                            "one batch (SLUICE_MAX_BATCH_LINES)", param="input_file_id")
 
 
 @router.get("/batches")

@@ -1,22 +1,27 @@
-"""Cancels started where nothing can await them: an OpenAI stream whose client went away is
-torn down by the server, and its `finally` may not await Redis. The app state owns the tasks,
-so that they are kept referenced until done (asyncio holds tasks only weakly) and the lifespan
-lets them reach Redis before its client closes."""
+"""The api's cancels: those a route awaits (`now`), and those started where nothing can await
+them (`soon`): an OpenAI stream whose client went away is torn down by the server, and its
+`finally` may not await Redis. The app state owns the tasks, so that they are kept referenced
+until done (asyncio holds tasks only weakly) and the lifespan lets them reach Redis before its
+client closes."""
 
 from __future__ import annotations
 
 import asyncio
 
-from sluice.broker.intake.admission import Admission
+from sluice.broker.intake.cancels import Cancels
 
 
 class BackgroundCancels:
-    def __init__(self, admission: Admission) -> None:
-        self.admission = admission
+    def __init__(self, cancels: Cancels) -> None:
+        self.cancels = cancels
         self._tasks: set[asyncio.Task[object]] = set()
 
+    async def now(self, model: str, rid: str) -> str | None:
+        """The resulting state ('cancelled', 'cancelling', or the final one); None if unknown."""
+        return await self.cancels.cancel(model, rid)
+
     def soon(self, model: str, rid: str) -> None:
-        task = asyncio.create_task(self.admission.cancel(model, rid), name=f"cancel-{rid}")
+        task = asyncio.create_task(self.cancels.cancel(model, rid), name=f"cancel-{rid}")
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 

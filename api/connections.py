@@ -32,7 +32,7 @@ import logging
 import resource
 from typing import Any
 
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 
 from sluice.api.auth import CLOSE_UNREAD
 from sluice.config.settings import Settings
@@ -40,7 +40,8 @@ from sluice.config.settings import Settings
 log = logging.getLogger(__name__)
 
 _BUSY = (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: text/plain; charset=utf-8\r\n"
-         b"content-length: 36\r\nretry-after: 1\r\nconnection: close\r\n\r\ntoo many open connections; retry later")
+         b"content-length: 36\r\nretry-after: 1\r\nconnection: close\r\n\r\n"
+         b"too many open connections; retry later")
 _TIMEOUT = (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: text/plain; charset=utf-8\r\n"
             b"content-length: 30\r\nconnection: close\r\n\r\nthe request was not sent in time")
 _FD_RESERVE = 128  # descriptors the process needs besides its clients' (Redis, files, logs)
@@ -102,7 +103,7 @@ class GuardedHttp(HttpToolsProtocol):
         super().on_message_complete()
 
     def on_response_complete(self) -> None:
-        cycle = self.cycle
+        cycle: RequestResponseCycle | None = self.cycle  # None between requests (uvicorn's type says never)
         if (not self.pipeline and cycle is not None and cycle.more_body and cycle.scope.get(CLOSE_UNREAD)
                 and not self.transport.is_closing()):
             self._disarm()
@@ -154,12 +155,14 @@ class GuardedHttp(HttpToolsProtocol):
             self._body_deadline = self.loop.time() + self.body_timeout_s
             self._arm(self.body_timeout_s, what)
             return
-        cycle = self.cycle
-        answered = cycle is not None and cycle.response_started and not (what == "headers" and cycle.response_complete)
+        cycle: RequestResponseCycle | None = self.cycle  # None between requests (uvicorn's type says never)
+        answered = (cycle is not None and cycle.response_started
+                    and not (what == "headers" and cycle.response_complete))
         if not answered:
             self.transport.write(_TIMEOUT)
+        waited_s = self.header_timeout_s if what == "headers" else self.body_timeout_s
         self.logger.info("closing a connection from %s: its request's %s did not arrive within %g s",
-                         self.client, what, self.header_timeout_s if what == "headers" else self.body_timeout_s)
+                         self.client, what, waited_s)
         self.transport.close()
 
 
@@ -178,14 +181,16 @@ class FromEnvironment(GuardedHttp):
     the limits from SLUICE_*, read once per process."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        self.header_timeout_s, self.body_timeout_s, self.body_min_rate, self.max_connections = _environment_limits()
+        limits = _environment_limits()
+        self.header_timeout_s, self.body_timeout_s, self.body_min_rate, self.max_connections = limits
         super().__init__(*args, **kwargs)
 
 
 @functools.cache
 def _environment_limits() -> tuple[float, float, int, int]:
     s = Settings()
-    return s.api_header_timeout_s, s.api_body_timeout_s, s.api_body_min_rate, raise_fd_limit(s.api_max_connections)
+    return (s.api_header_timeout_s, s.api_body_timeout_s, s.api_body_min_rate,
+            raise_fd_limit(s.api_max_connections))
 
 
 def raise_fd_limit(max_connections: int) -> int:
@@ -199,7 +204,8 @@ def raise_fd_limit(max_connections: int) -> int:
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
     if soft != resource.RLIM_INFINITY and soft < wanted:
         allowed = max(soft - _FD_RESERVE, 1)
-        log.warning("open-file limit %d: the api holds at most %d connections, not SLUICE_API_MAX_CONNECTIONS=%d "
-                    "(raise the limit, e.g. ulimit -n)", soft, allowed, max_connections)
+        log.warning("open-file limit %d: the api holds at most %d connections, not "
+                    "SLUICE_API_MAX_CONNECTIONS=%d (raise the limit, e.g. ulimit -n)", soft, allowed,
+                    max_connections)
         return allowed
     return max_connections

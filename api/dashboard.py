@@ -47,7 +47,8 @@ def _csp(page: str) -> str:
     """Only the page's own inline script and style run; it talks to its own origin only."""
     def hashes(tag: str) -> str:
         found = re.findall(rf"<{tag}>(.*?)</{tag}>", page, re.S)
-        return " ".join(f"'sha256-{base64.b64encode(hashlib.sha256(s.encode()).digest()).decode()}'" for s in found)
+        digests = (base64.b64encode(hashlib.sha256(s.encode()).digest()).decode() for s in found)
+        return " ".join(f"'sha256-{digest}'" for digest in digests)
     return (f"default-src 'none'; script-src {hashes('script')}; style-src {hashes('style')}; "
             "connect-src 'self'; img-src data:; base-uri 'none'; form-action 'none'; frame-ancestors 'none'")
 
@@ -87,7 +88,8 @@ def _reader(request: Request, s: ApiState) -> ActivityReader:
     return reader
 
 
-async def _model(request: Request, s: ApiState, m: ModelConfig, live: list[WorkerInfo], now: float) -> dict[str, Any]:
+async def _model(request: Request, s: ApiState, m: ModelConfig, live: list[WorkerInfo],
+                 now: float) -> dict[str, Any]:
     letters = DeadLetters(s.redis, m.name, shards=m.shards)
     queue, (dead, newest), found = await asyncio.gather(
         queue_figures(s.redis, m.name, m.shards), letters.recent(DEAD_LETTERS_SHOWN),
@@ -102,8 +104,9 @@ async def _model(request: Request, s: ApiState, m: ModelConfig, live: list[Worke
         "activity": {k: v for k, v in found.items() if k != "recent_failures"},
         "recent_failures": found["recent_failures"],
         "dead_letters": {"count": dead, "recent": [
-            {"request_id": d.request_id, "error": d.error[:500], "attempts": d.attempts, "failed_at": d.failed_at,
-             "lane": "bulk" if d.stream == letters.keys.bulk else "interactive"} for d in newest]},
+            {"request_id": d.request_id, "error": d.error[:500], "attempts": d.attempts,
+             "failed_at": d.failed_at, "lane": "bulk" if d.stream == letters.keys.bulk else "interactive"}
+            for d in newest]},
     }
 
 

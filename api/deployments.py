@@ -71,7 +71,8 @@ class ModelsFileSync:
     holds and the file no longer lists (a model removed from the file stops taking requests once
     the api restarts with it); an api without a models file undeploys nothing."""
 
-    def __init__(self, deployments: Deployments, models: list[ModelConfig], *, interval_s: float = 5.0) -> None:
+    def __init__(self, deployments: Deployments, models: list[ModelConfig], *,
+                 interval_s: float = 5.0) -> None:
         self.deployments = deployments
         self.models = models
         self.interval_s = interval_s

@@ -73,7 +73,8 @@ class UnexpectedErrors:
             await self.app(scope, receive, tracked)
         except Exception:
             rid = _request_id(scope)
-            log.exception("unexpected error, request id %s: %s %r", rid, scope.get("method"), scope.get("path"))
+            log.exception("unexpected error, request id %s: %s %r", rid, scope.get("method"),
+                          scope.get("path"))
             if tracked.started:  # a streamed answer is under way: only the server can end the connection
                 raise
             body = error_body(f"internal error; quote request id {rid} when reporting it", "internal_error")
@@ -95,8 +96,8 @@ def install(app: FastAPI) -> None:
         # Redis down, or every connection of this process's bounded pool busy past its wait:
         # a retry later can succeed, so a 503 that says so (never a 500).
         log.warning("Redis unavailable: %s: %s", type(exc).__name__, exc)
-        return ErrorResponse(error_body(f"Redis is unavailable or saturated ({type(exc).__name__}: {exc}); retry",
-                                        "unavailable"), 503, headers={"Retry-After": "1"})
+        message = f"Redis is unavailable or saturated ({type(exc).__name__}: {exc}); retry"
+        return ErrorResponse(error_body(message, "unavailable"), 503, headers={"Retry-After": "1"})
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> ErrorResponse:

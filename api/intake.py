@@ -8,13 +8,14 @@ import random
 import secrets
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, TypedDict
 
 from pydantic import ConfigDict
 
 from sluice.api.errors import ApiError
 from sluice.api.metrics import ADMITTED, REJECTED, TENANT_ADMITTED, TENANT_REFUSED
 from sluice.api.rows import RowsRefused, checked_rows, prompt_text, where
+from sluice.api.schemas import CallOptions
 from sluice.api.slo import SloBounds
 from sluice.api.tenant_limits import TenantLimits
 from sluice.broker.intake.admission import Admission, NotDurable, QueueFull, SloRefused, TenantQueueFull
@@ -23,7 +24,7 @@ from sluice.config.model import ModelConfig
 from sluice.config.settings import Settings
 from sluice.config.tenants import DEFAULT_TENANT
 from sluice.protocol.ids import new_request_id, request_shard
-from sluice.protocol.messages import RequestMessage, SamplingExtras, SamplingSpec, StructuredSpec
+from sluice.protocol.messages import Lane, RequestMessage, Sampled, SamplingSpec, StructuredSpec
 from sluice.protocol.rows import INT32_MAX, sampling_problem
 from sluice.protocol.tokens import Measured, PromptLimits
 
@@ -31,17 +32,12 @@ Rows = Sequence[Mapping[str, Any]]
 CHUNK = 64  # rows checked, or messages built, between two turns of the event loop
 
 
-class Sampling(SamplingExtras):
+class Sampling(CallOptions, Sampled):
     """What a caller chose about sampling and time; the rest comes from the deployment. The
-    sampling extras are SamplingExtras' fields, declared there once."""
+    sampling fields are declared once (protocol/messages.py), as the native routes take them."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    temperature: float = 1.0
-    top_p: float = 1.0
-    stop: tuple[str, ...] = ()
-    seed: int | None = None  # None: a fresh one, so that every request has a seed to retry with
-    timeout_s: float | None = None
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     structured: StructuredSpec | None = None
@@ -52,8 +48,20 @@ class Sampling(SamplingExtras):
     def spec(self, max_tokens: int, seed: int) -> SamplingSpec:
         """The entry's sampling: these choices (those SamplingSpec has), the row's token budget
         and the seed."""
-        chosen = {name: getattr(self, name) for name in type(self).model_fields if name in SamplingSpec.model_fields}
+        chosen = {name: getattr(self, name) for name in type(self).model_fields
+                  if name in SamplingSpec.model_fields}
         return SamplingSpec.model_validate({**chosen, "max_tokens": max_tokens, "seed": seed})
+
+
+class _Bound(TypedDict):
+    """The bound an admission is held to (Admission.submit's and submit_many's keywords)."""
+
+    max_queued: int
+    shards: int
+    keyed: bool
+    result_ttl_s: int | None
+    share: TenantShare
+    slo_max: int | None
 
 
 def pick_shard(model: ModelConfig, priority: int = 0) -> int:
@@ -82,13 +90,14 @@ class Intake:
         `owner`: the digest of the api key that made it (recorded in its status hash), `tenant`
         that key's tenant (429 over its limits). `keyed`: an Idempotency-Key names it (its
         admission leaves a mark that outlives its result)."""
-        (message,) = await self.enqueue_many(model, [rows], sampling, rids=[rid] if rid else None, owner=owner,
-                                             keyed=keyed, tenant=tenant)
+        (message,) = await self.enqueue_many(model, [rows], sampling, rids=[rid] if rid else None,
+                                             owner=owner, keyed=keyed, tenant=tenant)
         return message
 
-    async def enqueue_many(self, model: ModelConfig, requests: Sequence[Rows], sampling: Sampling = Sampling(), *,
-                           rids: list[str] | None = None, owner: str | None = None,
-                           keyed: bool = False, tenant: str = DEFAULT_TENANT) -> list[RequestMessage]:
+    async def enqueue_many(self, model: ModelConfig, requests: Sequence[Rows],
+                           sampling: Sampling = Sampling(), *, rids: list[str] | None = None,
+                           owner: str | None = None, keyed: bool = False,
+                           tenant: str = DEFAULT_TENANT) -> list[RequestMessage]:
         """Admit several requests (each a list of rows; the choices of one completion call)
         all at once or none of them: one admission against the queue bound, so a call is never
         left half-admitted and never counted one by one. Request i gets seed + i.
@@ -99,8 +108,9 @@ class Intake:
         messages built a chunk at a time, giving the event loop back between chunks."""
         self.check_call_size(len(requests), "prompt")
         await self._check_sampling(model, sampling)
-        lane = "bulk" if sampling.priority > 0 else "interactive"
-        shard = request_shard(rids[0]) if rids else pick_shard(model, sampling.priority)  # one call: one shard
+        lane: Lane = "bulk" if sampling.priority > 0 else "interactive"
+        # One call: one shard.
+        shard = request_shard(rids[0]) if rids else pick_shard(model, sampling.priority)
         max_queued = model.max_queued or self.settings.max_queued
         config = self.tenant_limits.tenants.get(tenant) if self.tenant_limits else None  # its fair share
         share = TenantShare(config.weight, config.queue_share) if config else TenantShare()
@@ -131,12 +141,10 @@ class Intake:
                 prefix=list(firsts[i].prefix),
                 prefix_tokens=firsts[i].tokens,
             ))
-        bound = {"max_queued": max_queued, "shards": model.shards, "keyed": keyed,
-                 "result_ttl_s": model.result_ttl_s or self.settings.result_ttl_s,
-                 "share": share}
         slo = await self.slo.bound(model) if self.slo and messages[0].lane == "interactive" else None
-        if slo is not None:
-            bound["slo_max"] = slo.max_in_lane
+        bound = _Bound(max_queued=max_queued, shards=model.shards, keyed=keyed,
+                       result_ttl_s=model.result_ttl_s or self.settings.result_ttl_s, share=share,
+                       slo_max=slo.max_in_lane if slo is not None else None)
         charged = await self.tenant_limits.charge(model, messages) if self.tenant_limits else False
         try:
             if len(messages) == 1:
@@ -147,16 +155,17 @@ class Intake:
             assert slo is not None and model.slo is not None
             await self._give_back(charged, model, messages)
             REJECTED.labels(model.name, "slo").inc(len(messages))
-            raise ApiError(503, f"model {model.name!r} cannot start this request within its time-to-first-token "
-                                f"target ({model.slo.ttft_ms:g} ms, slo.ttft_ms): {refused.depth} requests are ahead "
-                                f"of it and its workers finish about {slo.rate:.1f}/s; retry later",
-                           code="overloaded", headers={"Retry-After": str(slo.retry_after_s(refused.depth,
-                                                                                         len(messages)))}) from None
+            retry_after_s = slo.retry_after_s(refused.depth, len(messages))
+            raise ApiError(503, f"model {model.name!r} cannot start this request within its "
+                                f"time-to-first-token target ({model.slo.ttft_ms:g} ms, slo.ttft_ms): "
+                                f"{refused.depth} requests are ahead of it and its workers finish about "
+                                f"{slo.rate:.1f}/s; retry later",
+                           code="overloaded", headers={"Retry-After": str(retry_after_s)}) from None
         except TenantQueueFull as full:  # over its share of the queue while others wait: the tenant's limit
             await self._give_back(charged, model, messages)
             TENANT_REFUSED.labels(tenant, "queue_share").inc(len(messages))
-            raise ApiError(429, f"tenant {tenant!r} holds its share of model {model.name!r}'s queue ({full.held} "
-                                f"requests) while other tenants have work queued; retry later",
+            raise ApiError(429, f"tenant {tenant!r} holds its share of model {model.name!r}'s queue "
+                                f"({full.held} requests) while other tenants have work queued; retry later",
                            code="rate_limit_exceeded", headers={"Retry-After": "1"}) from None
         except QueueFull:
             await self._give_back(charged, model, messages)
@@ -193,9 +202,9 @@ class Intake:
         vocabulary when the api can read its tokenizer (read off the event loop). min_tokens is
         checked against each row's max_tokens once the rows are (`_checked_call`)."""
         loaded = await self.prompt_limits.load(model)
-        vocab = loaded[0].get_vocab_size() if loaded else None  # type: ignore[attr-defined]
-        problem = sampling_problem(model, {"top_k": sampling.top_k, "stop_token_ids": sampling.stop_token_ids},
-                                   INT32_MAX, vocab)
+        vocab = loaded[0].get_vocab_size() if loaded else None
+        asked = {"top_k": sampling.top_k, "stop_token_ids": sampling.stop_token_ids}
+        problem = sampling_problem(model, asked, INT32_MAX, vocab)
         if problem:
             raise ApiError(problem.status, problem.message, param=problem.param)
 

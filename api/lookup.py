@@ -7,7 +7,7 @@ import time
 
 from sluice.api.deployments import Deployments
 from sluice.api.errors import ApiError
-from sluice.broker.intake.admission import Admission
+from sluice.broker.intake.status_reads import StatusReads
 from sluice.broker.replies.notifications import DoneListener
 from sluice.broker.status import RequestStatus
 from sluice.protocol.ids import request_created_at
@@ -15,9 +15,9 @@ from sluice.protocol.messages import FinalResult
 
 
 class RequestLookup:
-    def __init__(self, admission: Admission, done: DoneListener, deployments: Deployments,
+    def __init__(self, statuses: StatusReads, done: DoneListener, deployments: Deployments,
                  default_result_ttl_s: int) -> None:
-        self.admission = admission
+        self.statuses = statuses
         self.done = done
         self.deployments = deployments
         self.default_result_ttl_s = default_result_ttl_s
@@ -34,12 +34,14 @@ class RequestLookup:
             if fresh and self.done.live(model, rid):
                 await self.done.wait(done, wait_s)
             while True:
-                if done.done() and done.result() and not self.admission.limits.wait_replicas:
+                if done.done() and done.result() and not self.statuses.limits.wait_replicas:
                     return announced(rid, model, done.result())  # the final as written, no read
                 held = False
-                status = known if known is not None and wait_s <= 0 else await self.admission.status(model, rid)
-                if status and status.final and self.admission.limits.wait_replicas:  # shown once a failover keeps it
-                    status, held = await self.admission.status_copied(model, rid)
+                status = (known if known is not None and wait_s <= 0
+                          else await self.statuses.status(model, rid))
+                # a final is shown once a failover keeps it
+                if status and status.final and self.statuses.limits.wait_replicas:
+                    status, held = await self.statuses.status_copied(model, rid)
                 if not status:
                     raise ApiError(404, f"request {rid!r} not found", code="not_found")
                 remaining = deadline - time.monotonic()
@@ -55,7 +57,7 @@ class RequestLookup:
         whose result expired (its id is older than the retention, which is as much as can be
         known once its keys are gone), 404 for an id that is young, of another form, or unknown."""
         deployed = await self.deployments.all()
-        status = await self.admission.find_status(rid, list(deployed))
+        status = await self.statuses.find_status(rid, list(deployed))
         if status is not None:
             return status
         created = request_created_at(rid)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import JSONResponse, Response
@@ -12,11 +12,13 @@ from sluice.api.arrow import ARROW_STREAM, RowLimits, encode_rows, encode_table,
 from sluice.api.auth import CLOSE_UNREAD, Caller, require_admin, require_key
 from sluice.api.errors import ApiError
 from sluice.api.intake import Sampling
+from sluice.api.schemas import CallOptions
 from sluice.api.state import ApiState, state
 from sluice.broker.intake.queues import queue_figures
 from sluice.config.batching import ContinuousBatchingConfig, DynamicBatchingConfig
 from sluice.config.model import ConfigError, ModelConfig, parse_model
 from sluice.config.schema import to_arrow
+from sluice.protocol.messages import declared
 from sluice.protocol.states import State
 
 router = APIRouter(prefix="/v1/models", tags=["models"])
@@ -101,7 +103,8 @@ _RECORDS = {"schema": {"type": "array", "minItems": 1, "items": {
 _INFER_OPENAPI = {
     "requestBody": {"required": True, "content": {"application/json": _RECORDS, ARROW_STREAM: _BINARY}},
     "responses": {"200": {"description": "one output row per input row, in order",
-                          "content": {"application/json": {"schema": {"type": "array", "items": {"type": "object"}}},
+                          "content": {"application/json": {"schema": {"type": "array",
+                                                                      "items": {"type": "object"}}},
                                       ARROW_STREAM: _BINARY}}},
 }
 
@@ -110,29 +113,27 @@ _INFER_OPENAPI = {
 async def infer(
     model: str,
     request: Request,
-    temperature: float = Query(1.0, ge=0.0, le=2.0),
-    top_p: float = Query(1.0, gt=0.0, le=1.0),
-    seed: int | None = Query(None, ge=0, le=2**63 - 1),
-    timeout_s: float | None = Query(None, gt=0, le=86400),
+    options: Annotated[CallOptions, Query()],  # temperature, top_p, seed, timeout_s
     s: ApiState = Depends(state),
     caller: Caller = Depends(require_key),
 ) -> Response:
     """Rows in (JSON records or Arrow), one output row per input row, in order, out."""
     m = await s.deployments.get(model)
-    if s.intake.tenant_limits:  # the model is in the path: a tenant out of requests is refused before the body
+    # The model is in the path: a tenant out of requests is refused before the body.
+    if s.intake.tenant_limits:
         try:
             await s.intake.tenant_limits.refuse_early(m, caller.tenant)
         except ApiError:
-            request.scope[CLOSE_UNREAD] = True  # its body is left unread: the connection closes after the answer
+            # Its body is left unread: the connection closes after the answer.
+            request.scope[CLOSE_UNREAD] = True
             raise
     content_type = request.headers.get("content-type")
     body = await request.body()  # bounded by the BodySizeLimit middleware
     rows = parse_rows(body, content_type, to_arrow(m.input_schema), RowLimits.of(s.settings))
-    message = await s.intake.enqueue(m, rows, Sampling(temperature=temperature, top_p=top_p, seed=seed,
-                                                       timeout_s=timeout_s), owner=caller.digest,
-                                   tenant=caller.tenant)
-    status = await s.lookup.wait_final(m.name, message.id,
-                                       min(message.deadline - message.enqueued_at, s.settings.max_wait_s), fresh=True)
+    message = await s.intake.enqueue(m, rows, Sampling(**declared(options, CallOptions)), owner=caller.digest,
+                                     tenant=caller.tenant)
+    wait_s = min(message.deadline - message.enqueued_at, s.settings.max_wait_s)
+    status = await s.lookup.wait_final(m.name, message.id, wait_s, fresh=True)
     result = status.result
     if status.state is not State.DONE or result is None:
         code = {State.EXPIRED: 504, State.CANCELLED: 409}.get(status.state, 502)
@@ -141,7 +142,7 @@ async def infer(
             code, error = 504, f"no result yet: poll GET /v1/requests/{message.id}"
         raise ApiError(code, f"request {message.id}: {status.state.value}: {error or 'no result'}",
                        code="inference_failed")
-    records = [o.record() for o in (result.rows or [result.output])]
+    records = [o.record() for o in (result.rows or ([result.output] if result.output else []))]
     schema = to_arrow(m.output_schema)
     headers = {"X-Request-Id": message.id}
     if wants_arrow(content_type) or ARROW_STREAM in request.headers.get("accept", ""):
@@ -159,7 +160,7 @@ async def logs(
     """The newest `limit` inference-log records, oldest first (Arrow with Accept: arrow stream).
     Admin only: the log holds every caller's prompts and outputs."""
     m = await s.deployments.get(model)
-    records = await s.admission.inference_log(m.name, limit)
+    records = await s.inference_log.newest(m.name, limit)
     if ARROW_STREAM in request.headers.get("accept", ""):
         return Response(encode_table(records), media_type=ARROW_STREAM)
     return JSONResponse(records)

@@ -11,7 +11,7 @@ import contextlib
 import json
 import secrets
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any, Protocol
 
 from fastapi import APIRouter, Depends
@@ -21,7 +21,7 @@ from sse_starlette.sse import EventSourceResponse
 from sluice.api.auth import Caller, require_key
 from sluice.api.errors import ApiError
 from sluice.api.intake import Sampling
-from sluice.api.schemas import MAX_TOKENS, require_unicode
+from sluice.api.schemas import require_unicode
 from sluice.api.sse import chunk, sse
 from sluice.api.state import ApiState, state
 from sluice.api.streams import Slot, SlotStream
@@ -37,6 +37,7 @@ from sluice.protocol.openai_objects import (
     completion_logprobs,
     completion_object,
 )
+from sluice.protocol.rows import max_tokens_problem
 from sluice.protocol.states import State
 
 router = APIRouter(prefix="/v1", tags=["openai"])
@@ -45,7 +46,8 @@ async def _enqueue_choices(s: ApiState, model: ModelConfig, body: SamplingBody,
                            rows: list[dict[str, Any]], caller: Caller) -> tuple[Slot, list[RequestMessage]]:
     """The call's choices admitted, and (for a stream) its slot among its key's open streams,
     taken first: a stream refused by the cap queues nothing."""
-    # A structured output's constraint is compiled to check it: off the loop (a thread hop for nothing otherwise)
+    # A structured output's constraint is compiled to check it: off the loop (a thread hop for
+    # nothing otherwise)
     problems = await asyncio.to_thread(body.problems) if body.constrained() else body.problems()
     if problems:
         raise ApiError(400, "; ".join(message for _, message in problems), param=problems[0][0])
@@ -53,15 +55,16 @@ async def _enqueue_choices(s: ApiState, model: ModelConfig, body: SamplingBody,
     for key in ("prompt", "messages"):
         require_unicode([row.get(key) for row in rows], key)
     require_unicode(body.stop, "stop")
-    if any((row.get("max_tokens") or 0) > MAX_TOKENS for row in rows):
-        raise ApiError(422, f"max_tokens: at most {MAX_TOKENS}", param="max_tokens")
+    too_many = max_tokens_problem(max(row.get("max_tokens") or 0 for row in rows))  # before any slot is taken
+    if too_many:
+        raise ApiError(too_many.status, too_many.message, param=too_many.param)
     seed = body.seed if body.seed is not None else secrets.randbits(31)
     # All choices admitted at once, or none (one admission against the queue bound).
     sampling = Sampling(seed=seed, **body.sampling_fields())
     slot = await s.streams.reserve(caller if body.stream else None)
     try:
-        return slot, await s.intake.enqueue_many(model, [[row] for row in rows], sampling, owner=caller.digest,
-                                                 tenant=caller.tenant)
+        return slot, await s.intake.enqueue_many(model, [[row] for row in rows], sampling,
+                                                 owner=caller.digest, tenant=caller.tenant)
     except BaseException:
         slot.release()
         raise
@@ -74,8 +77,8 @@ async def _finals(s: ApiState, model: str, messages: list[RequestMessage]) -> li
     for m, status in zip(messages, statuses):
         final = status.result
         if final is None:
-            raise ApiError(504, f"no result within {s.settings.max_wait_s:.0f}s; poll GET /v1/requests/{m.id}",
-                           code="timeout")
+            raise ApiError(504, f"no result within {s.settings.max_wait_s:.0f}s; poll GET "
+                                f"/v1/requests/{m.id}", code="timeout")
         if final.status is not State.DONE:
             raise ApiError(502 if final.status is State.FAILED else 504,
                            f"request {m.id} {final.status.value}: {final.error}", code="inference_failed")
@@ -141,7 +144,8 @@ def _stream(s: ApiState, slot: Slot, model: str, messages: list[RequestMessage],
     return SlotStream(slot, events(), ping=15, shutdown_grace_period=s.settings.shutdown_timeout_s)
 
 
-async def _merged(s: ApiState, model: str, messages: list[RequestMessage]) -> AsyncIterator[list[tuple[int, Any]]]:
+async def _merged(s: ApiState, model: str,
+                  messages: list[RequestMessage]) -> AsyncGenerator[list[tuple[int, Any]], None]:
     """The choices' reply events as they arrive, (choice, event) with (choice, None) once a choice's
     stream ends; what arrived together comes as one list (one write). One choice is followed
     directly; several through a reader task each."""
@@ -186,7 +190,8 @@ class CompletionChunks:
         if self.shape.logprobs is not None and tokens is not None:
             logprobs = completion_logprobs(tokens, self.offset[index])
         self.offset[index] += len(text)
-        return {**self.head, "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason}]}
+        choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason}
+        return {**self.head, "choices": [choice]}
 
     def _echo(self, index: int, prompt_logprobs: list[TokenLogprob] | None) -> list[dict]:
         if self.echoed[index]:
@@ -198,7 +203,8 @@ class CompletionChunks:
         return []
 
     def delta(self, index: int, delta: DeltaEvent) -> list[dict]:
-        return [*self._echo(index, delta.prompt_logprobs), self._chunk(index, delta.text, delta.logprobs or [], None)]
+        echo = self._echo(index, delta.prompt_logprobs)
+        return [*echo, self._chunk(index, delta.text, delta.logprobs or [], None)]
 
     def end(self, index: int, final: FinalResult, reason: str) -> list[dict]:
         echo = self._echo(index, final.output.prompt_logprobs if final.output else None)
@@ -210,10 +216,12 @@ class CompletionChunks:
 
 class ChatChunks:
     def __init__(self, cid: str, model: str, shape: Shape, rids: list[str]) -> None:
-        self.head = {"id": cid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model}
+        self.head = {"id": cid, "object": "chat.completion.chunk", "created": int(time.time()),
+                     "model": model}
         self.shape, self.rids = shape, rids
 
-    def _chunk(self, index: int, delta: dict, reason: str | None = None, logprobs: dict | None = None) -> dict:
+    def _chunk(self, index: int, delta: dict, reason: str | None = None,
+               logprobs: dict | None = None) -> dict:
         return {**self.head, "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
                                           "finish_reason": reason}]}
 
@@ -231,7 +239,8 @@ class ChatChunks:
         if self.shape.tool and final.output is not None:
             message, reason = chat_message(self.shape, final.output, reason, self.rids[index])
             calls = [{"index": k, **call} for k, call in enumerate(message.get("tool_calls") or [])]
-            out.append(self._chunk(index, {"tool_calls": calls} if calls else {"content": message["content"]}))
+            called = {"tool_calls": calls} if calls else {"content": message["content"]}
+            out.append(self._chunk(index, called))
         return [*out, self._chunk(index, {}, reason)]
 
     def usage(self, usage: dict[str, int]) -> dict:
@@ -243,13 +252,14 @@ async def completions(body: CompletionRequest, s: ApiState = Depends(state),
                       caller: Caller = Depends(require_key)):
     model = await s.deployments.get(body.model)
     s.intake.check_call_size(len(body.prompt) * body.n, "prompt")  # before a row is built
-    rows = [{"prompt": p, "max_tokens": body.max_tokens} for p in body.prompt for _ in range(body.n)]
+    prompts = [p for p in body.prompt for _ in range(body.n)]
+    rows: list[dict[str, Any]] = [{"prompt": p, "max_tokens": body.max_tokens} for p in prompts]
     slot, messages = await _enqueue_choices(s, model, body, rows, caller)
     cid, shape = completion_id(messages[0].id, chat=False), body.shape()
-    prompts = [row["prompt"] for row in rows]
     if body.stream:
         include = bool(body.stream_options and body.stream_options.include_usage)
-        return _stream(s, slot, model.name, messages, CompletionChunks(cid, model.name, shape, prompts), include)
+        chunks = CompletionChunks(cid, model.name, shape, prompts)
+        return _stream(s, slot, model.name, messages, chunks, include)
     finals = await _finals(s, model.name, messages)
     return JSONResponse(completion_object(cid, model.name, int(time.time()), finals, shape, prompts))
 

@@ -12,13 +12,13 @@ from sse_starlette.sse import EventSourceResponse
 from sluice.api.auth import Caller, require_key
 from sluice.api.errors import ApiError, ErrorResponse, error_body
 from sluice.api.intake import Sampling, request_id
-from sluice.api.schemas import RequestView, SubmitRequest, Submitted
+from sluice.api.schemas import CallOptions, RequestView, SubmitRequest, Submitted
 from sluice.api.sse import chunk, sse
 from sluice.api.state import ApiState, state
 from sluice.api.streams import SlotStream
 from sluice.broker.replies.router import resume_index
 from sluice.broker.status import RequestStatus
-from sluice.protocol.messages import FinalResult
+from sluice.protocol.messages import FinalResult, Sampled, declared
 from sluice.protocol.states import State
 
 router = APIRouter(prefix="/v1/requests", tags=["requests"])
@@ -40,7 +40,8 @@ def preferred_wait(prefer: str | None) -> float | None:
 
 
 @router.post("", status_code=202, response_model=Submitted, responses={
-    200: {"model": RequestView, "description": "With `Prefer: wait=S`: the final result, ready within S seconds"}})
+    200: {"model": RequestView,
+          "description": "With `Prefer: wait=S`: the final result, ready within S seconds"}})
 async def submit(
     body: SubmitRequest,
     s: ApiState = Depends(state),
@@ -77,22 +78,22 @@ async def _submit(body: SubmitRequest, s: ApiState, caller: Caller, idempotency_
         first = await s.admission.claim_idempotency(key, rid, model.name)
         if first:
             first_model, first_id = first
-            status = await s.admission.status(first_model, first_id)
+            status = await s.statuses.status(first_model, first_id)
             # The mark and the status are written by one script: a mark seen means the status
             # was there then, so a status read after the mark and gone is a result expired (not
             # a first admission that landed between two reads: that one is found now).
             if not status and await s.admission.was_admitted(first_model, first_id):
-                status = await s.admission.status(first_model, first_id)
+                status = await s.statuses.status(first_model, first_id)
                 if not status:  # never run one id twice
-                    raise ApiError(410, f"request {first_id!r}, made with this Idempotency-Key, has finished and "
-                                        "its result expired (a result is kept for its model's retention after it "
-                                        "finishes); send a new Idempotency-Key to run it again", code="expired")
+                    raise ApiError(410, f"request {first_id!r}, made with this Idempotency-Key, has finished "
+                                        "and its result expired (a result is kept for its model's retention "
+                                        "after it finishes); send a new Idempotency-Key to run it again",
+                                   code="expired")
             if status:
                 return Submitted(id=first_id, status=status.state.value, model=first_model)
             model, rid = await s.deployments.get(first_model), first_id
     try:
-        sampling = Sampling(temperature=body.temperature, top_p=body.top_p, stop=tuple(body.stop or ()),
-                            seed=body.seed, timeout_s=body.timeout_s, priority=body.priority, **body.extras())
+        sampling = Sampling(**declared(body, Sampled, CallOptions), priority=body.priority)
         message = await s.intake.enqueue(model, [{"prompt": body.prompt, "max_tokens": body.max_tokens}],
                                          sampling, rid=rid, owner=caller.digest, keyed=key is not None,
                                          tenant=caller.tenant)
@@ -142,20 +143,21 @@ async def get_request(
 
 
 @router.delete("/{rid}", response_model=RequestView, response_model_exclude_none=True, responses={
-    202: {"model": Submitted, "description": "Running: `{id, model, status: \"cancelling\"}`; its worker aborts "
-                                             "it and it ends `cancelled`"},
-    409: {"description": "Final already (`done`, `failed`, `expired`, `cancelled`): nothing changes; the error "
-                         "names the state, and `request` holds the final as GET shows it"}})
+    202: {"model": Submitted,
+          "description": "Running: `{id, model, status: \"cancelling\"}`; its worker aborts it and it ends "
+                         "`cancelled`"},
+    409: {"description": "Final already (`done`, `failed`, `expired`, `cancelled`): nothing changes; the "
+                         "error names the state, and `request` holds the final as GET shows it"}})
 async def cancel(rid: str, s: ApiState = Depends(state),
                  caller: Caller = Depends(require_key)) -> RequestView | JSONResponse:
     """Cancel a request. A queued one ends `cancelled` at once: 200 with that final."""
     model, before = await visible(s, caller, rid)
     if before.final:
         return _already_final(before)
-    result = await s.admission.cancel(model, rid)
+    result = await s.cancels.now(model, rid)
     if result == "cancelling":
         return JSONResponse(Submitted(id=rid, status=result, model=model).model_dump(), status_code=202)
-    after = await s.admission.status(model, rid) if result else None
+    after = await s.statuses.status(model, rid) if result else None
     if after is None:
         raise ApiError(404, f"request {rid!r} not found", code="not_found")
     if result == "cancelled" and before.state is State.QUEUED:
@@ -204,7 +206,8 @@ async def events(
             out = []
             for ev in read:
                 if ev.delta is not None:
-                    data = f'{{"index": {ev.delta.i}, "text": {json.dumps(ev.delta.text)}, "row": {ev.delta.row}}}'
+                    text = json.dumps(ev.delta.text)
+                    data = f'{{"index": {ev.delta.i}, "text": {text}, "row": {ev.delta.row}}}'
                     out.append(sse(data, "delta", ev.entry_id))
                 elif ev.final is not None:
                     final = final_view(rid, model, ev.final)

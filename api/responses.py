@@ -26,6 +26,7 @@ from sluice.api.schemas import require_unicode
 from sluice.api.state import ApiState, state
 from sluice.api.streams import Slot, SlotStream
 from sluice.broker.replies.router import LostFinal
+from sluice.protocol.messages import CallerSeed, SamplingCore, SamplingExtras, declared
 from sluice.protocol.openai_responses import EventSequence, ResponseRequest, request_id, response_object
 
 router = APIRouter(prefix="/v1/responses", tags=["openai"])
@@ -71,9 +72,12 @@ def _events(s: ApiState, slot: Slot, rid: str, model: str, meta: dict, after: in
                 if seq > after:
                     yield {"event": ev["type"], "data": json.dumps(ev)}
             async for reply in s.replies.follow(model, rid):
-                lost_after = after if isinstance(reply, LostFinal) else None  # the reply stream expired
-                batch = events.delta(reply.delta) if reply.delta is not None else \
-                    events.end(reply.final, lost_after=lost_after)
+                if reply.delta is not None:
+                    batch = events.delta(reply.delta)
+                else:
+                    assert reply.final is not None  # a reply is a delta or the final
+                    lost_after = after if isinstance(reply, LostFinal) else None  # the reply stream expired
+                    batch = events.end(reply.final, lost_after=lost_after)
                 for seq, ev in batch:
                     if seq > after:
                         yield {"event": ev["type"], "data": json.dumps(ev)}
@@ -92,12 +96,13 @@ async def create(body: ResponseRequest, s: ApiState = Depends(state), caller: Ca
         raise ApiError(400, "; ".join(message for _, message in problems), param=problems[0][0])
     require_unicode([body.instructions, *[m["content"] for m in body.messages()]], "input")
     model = await s.deployments.get(body.model)
-    rid, meta = new_id(model), {**body.meta(int(time.time())), "tenant": caller.tenant}  # (its record keeps it)
+    # (its record keeps the tenant)
+    rid, meta = new_id(model), {**body.meta(int(time.time())), "tenant": caller.tenant}
     slot = await s.streams.reserve(caller if body.stream else None)  # a refused stream queues nothing
     try:
         await s.responses.save(model.name, rid, meta)  # before the request: a worker may finish it at once
-        sampling = Sampling(temperature=body.temperature, top_p=body.top_p, seed=body.seed,
-                            structured=body.structured(), **body.extras())
+        chosen = declared(body, SamplingCore, CallerSeed, SamplingExtras)
+        sampling = Sampling(**chosen, structured=body.structured())
         rows = [{"messages": body.messages(), "max_tokens": body.max_output_tokens}]
         try:
             await s.intake.enqueue(model, rows, sampling, rid=rid, owner=caller.digest, tenant=caller.tenant)
@@ -129,13 +134,13 @@ async def cancel(response: str, s: ApiState = Depends(state), caller: Caller = D
     rid, model, meta = await _find(s, caller, response)
     if not meta.get("background"):
         raise ApiError(400, "only a background response can be cancelled", param="response_id")
-    await s.admission.cancel(model, rid)  # a final response stays as it is
+    await s.cancels.now(model, rid)  # a final response stays as it is
     return JSONResponse(await _object(s, rid, model, meta))
 
 
 @router.delete("/{response}")
 async def delete(response: str, s: ApiState = Depends(state), caller: Caller = Depends(require_key)):
     rid, model, _ = await _find(s, caller, response)
-    await s.admission.cancel(model, rid)  # nothing runs for a response no one can read
+    await s.cancels.now(model, rid)  # nothing runs for a response no one can read
     await s.responses.delete(model, rid)
     return {"id": response, "object": "response", "deleted": True}

@@ -30,7 +30,8 @@ def checked_rows(model: ModelConfig, rows: Sequence[Mapping[str, Any]], *,
                  max_prompt_chars: int) -> list[dict[str, Any]]:
     """Copies of `rows` with `max_tokens` filled in; RowsRefused naming the problem otherwise."""
     problems = [rows_problem(model, len(rows))]
-    problems += [row_problem(model, row, i, len(rows), max_prompt_chars=max_prompt_chars) for i, row in enumerate(rows)]
+    problems += [row_problem(model, row, i, len(rows), max_prompt_chars=max_prompt_chars)
+                 for i, row in enumerate(rows)]
     problem = next((p for p in problems if p), None)
     if problem:
         raise RowsRefused(problem.status, problem.message, reason=problem.reason, param=problem.param)

@@ -7,9 +7,8 @@ from typing import Annotated, Any
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 
 from sluice.api.errors import ApiError
-from sluice.protocol.messages import SamplingExtras
-from sluice.protocol.openai import stop_list
-from sluice.protocol.rows import MAX_TOKENS, unicode_problem  # also imported from here
+from sluice.protocol.messages import CallerSeed, MaxTokens, Sampled, SamplingCore
+from sluice.protocol.rows import unicode_problem
 
 
 def require_unicode(value: object, where: str) -> None:
@@ -29,23 +28,27 @@ def _encodable(value: str) -> str:
 Text = Annotated[str, AfterValidator(_encodable)]
 
 
-class SubmitRequest(SamplingExtras):  # penalties and vLLM's sampling extras, as queued
+class CallOptions(CallerSeed, SamplingCore):
+    """What every native call takes besides its rows: temperature, top_p and seed (declared in
+    protocol/messages.py) and its time. The infer route's query parameters; the submit body's
+    fields too, with the rest of the sampling."""
+
+    timeout_s: float | None = Field(default=None, gt=0, le=86400)
+
+
+class SubmitRequest(CallOptions, Sampled):  # stop, penalties and vLLM's sampling extras too, as queued
     model_config = ConfigDict(extra="forbid")
 
     model: str | None = Field(default=None, max_length=128)
     prompt: Text = Field(min_length=1)
-    max_tokens: int | None = Field(default=None, ge=1, le=MAX_TOKENS)
-    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    stop: str | list[str] | None = None
-    seed: int | None = Field(default=None, ge=0, le=2**63 - 1)
-    timeout_s: float | None = Field(default=None, gt=0, le=86400)
+    max_tokens: MaxTokens | None = None
     priority: int = Field(default=0, ge=-(2**31), le=2**31 - 1)  # vLLM's: lower first
 
     @field_validator("stop")
     @classmethod
-    def _stop_list(cls, value: str | list[str] | None) -> list[str]:
-        return [_encodable(s) for s in stop_list(value)]
+    def _encodable_stops(cls, stops: list[str]) -> list[str]:
+        """A lone surrogate is refused with the body (OpenAI's routes check their stops after it)."""
+        return [_encodable(s) for s in stops]
 
 
 class Submitted(BaseModel):

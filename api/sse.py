@@ -19,7 +19,8 @@ _SEP = "\r\n"
 
 def sse(data: str, event: str | None = None, id: str | None = None) -> str:
     """One event's text (join a read's events, then encode once)."""
-    head = (f"id: {id}{_SEP}" if id is not None else "") + (f"event: {event}{_SEP}" if event is not None else "")
+    head = ((f"id: {id}{_SEP}" if id is not None else "")
+            + (f"event: {event}{_SEP}" if event is not None else ""))
     return f"{head}data: {data}{_SEP}{_SEP}"
 
 

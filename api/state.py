@@ -24,9 +24,12 @@ from sluice.api.lookup import RequestLookup
 from sluice.api.slo import SloBounds
 from sluice.api.streams import StreamSlots
 from sluice.api.tenant_limits import TenantLimits
+from sluice.broker.inference_log import LogReads
 from sluice.broker.intake.admission import Admission
+from sluice.broker.intake.cancels import Cancels
 from sluice.broker.intake.quotas import Quotas
 from sluice.broker.intake.response_records import ResponseRecords
+from sluice.broker.intake.status_reads import StatusReads
 from sluice.broker.intake.tenant_streams import TenantStreams
 from sluice.broker.jobs.files import FileStore
 from sluice.broker.jobs.store import JobStore
@@ -53,6 +56,8 @@ class ApiState:
     settings: Settings
     redis: Redis
     admission: Admission
+    statuses: StatusReads  # a request's status, as its model holds it (or its replicas)
+    inference_log: LogReads  # each model's, for the admin
     deployments: Deployments
     models_sync: ModelsFileSync
     expiry: ExpirySweep  # requests past their deadline that no worker started end `expired`
@@ -121,8 +126,10 @@ def celery_client(settings: Settings) -> Celery:
 def build_state(settings: Settings, models: list[ModelConfig]) -> ApiState:
     scopes, tenants = load_keys(settings)
     readers = max(1, min(8, settings.api_redis_connections // 8))
-    redis = connect(settings.redis_url, name="sluice-api", max_connections=settings.api_redis_connections - readers - 1)
-    admission = Admission(redis, AdmissionLimits.of(settings))
+    redis = connect(settings.redis_url, name="sluice-api",
+                    max_connections=settings.api_redis_connections - readers - 1)
+    limits = AdmissionLimits.of(settings)
+    admission, statuses = Admission(redis, limits), StatusReads(redis, limits)
     workers = WorkerRegistry(redis)  # the live workers: /v1/workers, readiness and the SLO bound
     deployments = Deployments(ModelRegistry(redis), default_model=models[0].name if models else None,
                               configured=frozenset(m.name for m in models))
@@ -130,17 +137,19 @@ def build_state(settings: Settings, models: list[ModelConfig]) -> ApiState:
         settings=settings,
         redis=redis,
         admission=admission,
+        statuses=statuses,
+        inference_log=LogReads(redis),
         deployments=deployments,
         models_sync=ModelsFileSync(deployments, models),
         expiry=ExpirySweep(redis, deployments, settings),
         intake=Intake(settings, admission, PromptLimits(settings.cache_dir),
                       SloBounds(workers, settings.worker_ttl_s),
                       TenantLimits(Quotas(redis, record_ttl_s=settings.status_ttl_s), tenants)),
-        lookup=RequestLookup(admission, DoneListener(redis), deployments, settings.result_ttl_s),
+        lookup=RequestLookup(statuses, DoneListener(redis), deployments, settings.result_ttl_s),
         replies=ReplyRouter(redis, Readers(settings.redis_url, redis, name="sluice-api-replies",
                                                replicas=settings.redis_wait_replicas > 0), shards=readers),
         responses=ResponseRecords(redis, ttl_s=settings.status_ttl_s + settings.result_ttl_s),
-        cancels=BackgroundCancels(admission),
+        cancels=BackgroundCancels(Cancels(redis, limits)),
         workers=workers,
         key_digests=scopes,
         tenants=tenants,

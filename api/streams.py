@@ -22,7 +22,8 @@ class StreamSlots:
     of one key grew the api 480 MB). Anonymous callers (no keys configured) are bounded by the
     connection cap alone."""
 
-    def __init__(self, per_key: int, tenants: Tenants | None = None, leases: TenantStreams | None = None) -> None:
+    def __init__(self, per_key: int, tenants: Tenants | None = None,
+                 leases: TenantStreams | None = None) -> None:
         self.per_key = per_key
         self.open: Counter[str] = Counter()
         self.tenants, self.leases = tenants, leases
@@ -48,7 +49,8 @@ class StreamSlots:
                 slot.release()
                 TENANT_REFUSED.labels(caller.tenant, "max_streams").inc()
                 raise ApiError(429, f"tenant {caller.tenant!r} is over its max_streams limit ({limit}): "
-                                    "close a stream first", code="rate_limit_exceeded", headers={"Retry-After": "1"})
+                                    "close a stream first", code="rate_limit_exceeded",
+                               headers={"Retry-After": "1"})
             slot.lease = (caller.tenant, lease)
         return slot
 
@@ -57,18 +59,18 @@ class Slot:
     def __init__(self, slots: StreamSlots, owner: str | None) -> None:
         self.slots, self.owner, self.held = slots, owner, owner is not None
         self.lease: tuple[str, str] | None = None  # (tenant, stream) of its tenant's lease
-        if self.held:
-            slots.open[owner] += 1  # type: ignore[index]
+        if owner is not None:
+            slots.open[owner] += 1
 
     def release(self) -> None:
         if self.lease is not None and self.slots.leases is not None:
             self.slots.leases.release(*self.lease)
             self.lease = None
-        if self.held:
+        if self.held and self.owner is not None:
             self.held = False
-            self.slots.open[self.owner] -= 1  # type: ignore[index]
-            if not self.slots.open[self.owner]:  # type: ignore[index]
-                del self.slots.open[self.owner]  # type: ignore[arg-type]
+            self.slots.open[self.owner] -= 1
+            if not self.slots.open[self.owner]:
+                del self.slots.open[self.owner]
 
 
 class SlotStream(EventStream):

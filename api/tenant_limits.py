@@ -28,7 +28,8 @@ from sluice.protocol.rows import prompt_text
 # The x-ratelimit-* headers of the answer under way (set by RateLimitHeaders, filled by a charge).
 _ANSWER_HEADERS: ContextVar[dict[str, str] | None] = ContextVar("sluice_ratelimit_headers", default=None)
 
-LIMIT_NAMES = {"requests": "requests_per_minute", "tokens": "tokens_per_minute", "tokens_call": "tokens_per_minute"}
+LIMIT_NAMES = {"requests": "requests_per_minute", "tokens": "tokens_per_minute",
+               "tokens_call": "tokens_per_minute"}
 
 
 def duration(seconds: float) -> str:
@@ -115,8 +116,9 @@ class TenantLimits:
         TENANT_REFUSED.labels(tenant, limit).inc(len(messages))
         configured = rpm if charge.refused == "requests" else tpm
         if charge.refused == "tokens_call":
-            message = (f"tenant {tenant!r}: this call needs about {sum(tokens)} tokens (prompt + max_tokens), more "
-                       f"than its tokens_per_minute limit ({configured}) allows at once: lower max_tokens or n")
+            message = (f"tenant {tenant!r}: this call needs about {sum(tokens)} tokens (prompt + "
+                       f"max_tokens), more than its tokens_per_minute limit ({configured}) allows at once: "
+                       "lower max_tokens or n")
         else:
             message = (f"tenant {tenant!r} is over its {limit} limit ({configured}) on model {model.name!r}: "
                        f"retry in {duration(charge.retry_after_s)}")
@@ -129,7 +131,8 @@ class TenantLimits:
         rpm, _ = self._limits(tenant)
         if self.quotas is None or not rpm:
             return
-        wait_s = await self.quotas.requests_wait_s(model.name, tenant, requests_per_minute=rpm, shards=model.shards)
+        wait_s = await self.quotas.requests_wait_s(model.name, tenant, requests_per_minute=rpm,
+                                                   shards=model.shards)
         if wait_s > 0:
             TENANT_REFUSED.labels(tenant, "requests_per_minute").inc()
             raise ApiError(429, f"tenant {tenant!r} is over its requests_per_minute limit ({rpm}) on model "

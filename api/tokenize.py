@@ -5,7 +5,6 @@ are rendered with the model's chat template first, as the worker renders them.""
 from __future__ import annotations
 
 import asyncio
-from typing import Any
 
 from fastapi import APIRouter, Depends
 from jinja2 import TemplateError
@@ -16,6 +15,7 @@ from sluice.api.schemas import require_unicode
 from sluice.api.state import ApiState, state
 from sluice.config.model import ModelConfig
 from sluice.protocol.openai import ChatMessage
+from sluice.protocol.tokens import Loaded
 
 router = APIRouter(tags=["vllm"])
 
@@ -50,12 +50,12 @@ class DetokenizeRequest(BaseModel):
     tokens: list[int] = Field(max_length=1_000_000)
 
 
-async def _tokenizer(s: ApiState, model: ModelConfig) -> tuple[Any, int]:
+async def _tokenizer(s: ApiState, model: ModelConfig) -> Loaded:
     loaded = await s.intake.prompt_limits.load(model)  # read off the event loop if not yet
     if loaded is None:
         raise ApiError(501, f"model {model.name!r}: its tokenizer is not readable by the api (its files are "
                             f"not on this host), so it cannot tokenize here", code="not_implemented")
-    return loaded  # type: ignore[return-value]
+    return loaded
 
 
 @router.post("/tokenize")
@@ -63,16 +63,21 @@ async def tokenize(body: TokenizeRequest, s: ApiState = Depends(state)) -> dict:
     model = await s.deployments.get(body.model)
     # The prompt limit of the routes that queue (max_prompt_chars), checked before any tokenizing
     limit, param = s.settings.max_prompt_chars, "prompt" if body.prompt is not None else "messages"
-    chars = len(body.prompt) if body.prompt is not None else sum(len(m.plain()["content"]) for m in body.messages or ())
+    if body.prompt is not None:
+        chars = len(body.prompt)
+    else:
+        chars = sum(len(m.plain()["content"]) for m in body.messages or ())
     if chars > limit:
         raise ApiError(413, f"{param}: longer than {limit} characters (SLUICE_MAX_PROMPT_CHARS)", param=param,
                        code="request_too_large")
     tokenizer, context = await _tokenizer(s, model)
     if body.messages is not None:
         require_unicode([m.content for m in body.messages], "messages")
-        chat = await asyncio.to_thread(s.intake.prompt_limits.chat_template, model)  # transformers reads files
+        # transformers reads files: in a thread
+        chat = await asyncio.to_thread(s.intake.prompt_limits.chat_template, model)
+        assert chat is not None  # its tokenizer was read: the model's files are on this host
         try:
-            text = await asyncio.to_thread(chat.apply_chat_template, [m.plain() for m in body.messages],  # type: ignore[attr-defined]
+            text = await asyncio.to_thread(chat.apply_chat_template, [m.plain() for m in body.messages],
                                            tokenize=False, add_generation_prompt=body.add_generation_prompt)
         except (TemplateError, ValueError, TypeError, IndexError) as err:  # the template refuses them
             raise ApiError(400, f"messages: the model's chat template cannot render them: {err}"[:500],
@@ -95,5 +100,6 @@ async def detokenize(body: DetokenizeRequest, s: ApiState = Depends(state)) -> d
     vocab = tokenizer.get_vocab_size()
     bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
     if bad is not None:
-        raise ApiError(400, f"tokens: {bad} is not a token id of this model (0 to {vocab - 1})", param="tokens")
+        raise ApiError(400, f"tokens: {bad} is not a token id of this model (0 to {vocab - 1})",
+                       param="tokens")
     return {"prompt": await asyncio.to_thread(tokenizer.decode, body.tokens, skip_special_tokens=False)}

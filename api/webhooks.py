@@ -56,14 +56,15 @@ async def _found(store: EndpointStore, endpoint_id: str) -> Endpoint:
 
 
 @router.post("", status_code=201)
-async def create(body: EndpointCreate, s: ApiState = Depends(state), caller: Caller = Depends(require_admin)) -> dict:
+async def create(body: EndpointCreate, s: ApiState = Depends(state),
+                 caller: Caller = Depends(require_admin)) -> dict:
     unknown = sorted(set(body.events) - set(EVENT_TYPES) - {"*"})
     if unknown:
         raise ApiError(400, f"unknown event types {unknown}; known: {', '.join(EVENT_TYPES)}", param="events")
     owner = body.owner if body.owner is not None else (caller.digest or "")
     if owner and not _DIGEST.fullmatch(owner):
-        raise ApiError(400, "owner must be an api key's sha256 digest (64 hex digits; `sluice keys` shows it) "
-                            "or '' for the api without keys", param="owner")
+        raise ApiError(400, "owner must be an api key's sha256 digest (64 hex digits; `sluice keys` shows "
+                            "it) or '' for the api without keys", param="owner")
     try:
         await check_endpoint_url(body.url, s.settings.webhooks_allow_private)
     except UnsafeUrl as err:
@@ -73,7 +74,8 @@ async def create(body: EndpointCreate, s: ApiState = Depends(state), caller: Cal
 
 
 @router.get("")
-async def list_endpoints(owner: str | None = Query(None, max_length=64), s: ApiState = Depends(state)) -> dict:
+async def list_endpoints(owner: str | None = Query(None, max_length=64),
+                         s: ApiState = Depends(state)) -> dict:
     return {"object": "list", "data": [e.public() for e in await EndpointStore(s.redis).list(owner)]}
 
 

@@ -6,7 +6,7 @@ import abc
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any, Generic, Protocol, TypeVar
 
 log = logging.getLogger(__name__)
@@ -39,7 +39,8 @@ class Source(Protocol[T]):
         ...
 
 
-Handler = Callable[[list[T]], Awaitable[None]]  # runs one batch to completion
+# runs one batch to completion; a coroutine, as the policy runs each batch as a task of its own
+Handler = Callable[[list[T]], Coroutine[Any, Any, None]]
 
 
 class Clock(Protocol):

@@ -12,8 +12,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from pydantic import BaseModel
-
 from sluice.batching.base import BatchingPolicy
 from sluice.batching.continuous import ContinuousAdmission
 from sluice.batching.dynamic import DynamicBatcher
@@ -33,7 +31,7 @@ class UnknownBatchingMode(ValueError):
 @dataclass(frozen=True)
 class BatchingMode:
     name: str
-    config: type[BaseModel]  # its options; defaults when the deployment sets none
+    config: type[ModeConfig]  # its options (a pydantic model); defaults when the deployment sets none
     field: str | None  # where a ModelConfig holds them (None: the mode has no options to set)
     policy: Callable[[Any], BatchingPolicy[Any]]  # a fresh policy from the options
 

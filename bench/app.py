@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import typer
 
@@ -25,7 +26,7 @@ from sluice.bench import (
 bench_app = typer.Typer(no_args_is_help=True, help="Measure Sluice against a baseline in the same run.",
                         callback=lambda: os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING"))
 
-COMMANDS = {
+COMMANDS: dict[str, Callable[..., None]] = {
     "throughput": throughput.throughput,
     "startup": throughput.startup,
     "modes": throughput.modes,

@@ -11,8 +11,9 @@ writes even when only the process dies: while a background fsync runs, Redis 7 p
 write() of its AOF buffer (for up to 2 s, then logs "Asynchronous AOF fsync is taking too long")
 yet still replies, so a kill in that window loses what it acknowledged meanwhile; the table
 counts the kills that found an fsync running and the postponements. Strict (`appendfsync always`)
-writes and fsyncs before every reply and has no such window. On a cluster, a Redis kill is a SIGKILL of the primary
-that holds a model's slot: its replica takes over, and the killed node comes back as a replica.
+writes and fsyncs before every reply and has no such window. On a cluster, a Redis kill is a
+SIGKILL of the primary that holds a model's slot: its replica takes over, and the killed node
+comes back as a replica.
 With --tenants N (3 by default) the stack runs with a keys file and the clients send as N tenants
 of unequal weights, each with its own key and webhook endpoint (bench/chaos_tenants.py).
 """
@@ -156,7 +157,8 @@ class ChaosStack:
     def reclaims(self) -> int:
         """Entries reclaimed from expired leases, as the workers logged them."""
         pattern = re.compile(r"reclaimed (\d+) request")
-        return sum(int(m.group(1)) for f in self.logs.glob("*-w*.log") for m in pattern.finditer(f.read_text()))
+        return sum(int(m.group(1)) for f in self.logs.glob("*-w*.log")
+                   for m in pattern.finditer(f.read_text()))
 
     def stop(self) -> None:
         self.local.stop(timeout_s=15)
@@ -170,44 +172,56 @@ def _pair(text: str) -> tuple[int, int]:
 
 
 def chaos(
-    seconds: float = typer.Option(60, help="Seconds of load and kills (more until the minimums below are met)."),
-    min_accepted: int = typer.Option(0, help="Keep the load and the kills going past --seconds until this many "
-                                     "requests are accepted: a loaded machine runs longer, not less."),
-    min_kills: str = typer.Option("0,0,0", help="The same for kills: at least this many worker, api, Redis (and "
-                                  "webhook sender) kills (workers,apis,redis[,webhooks])."),
-    max_seconds: float = typer.Option(600, help="The longest the load and kills run, whatever --min-accepted and "
-                                      "--min-kills ask."),
+    seconds: float = typer.Option(60, help="Seconds of load and kills (more until the minimums below "
+                                           "are met)."),
+    min_accepted: int = typer.Option(0, help="Keep the load and the kills going past --seconds until "
+                                             "this many requests are accepted: a loaded machine runs "
+                                             "longer, not less."),
+    min_kills: str = typer.Option("0,0,0", help="The same for kills: at least this many worker, api, "
+                                                "Redis (and webhook sender) kills "
+                                                "(workers,apis,redis[,webhooks])."),
+    max_seconds: float = typer.Option(600, help="The longest the load and kills run, whatever "
+                                                "--min-accepted and --min-kills ask."),
     clients: int = typer.Option(12, help="Concurrent clients (each: submit, follow to the end, again)."),
     kill_every: float = typer.Option(3.0, help="Mean seconds between worker kills."),
     api_kill_every: float = typer.Option(15.0, help="Mean seconds between api kills."),
     kill_redis: bool = typer.Option(True, "--kill-redis/--no-kill-redis",
                                     help="Also kill -9 Redis now and then and restart it from its AOF (on a "
                                          "cluster, the primary of a model's slot)."),
-    strict: bool = typer.Option(False, "--strict", help="Strict durability (appendfsync always) instead of the "
-                                "default (everysec)."),
-    redis_cluster: bool = typer.Option(False, "--redis-cluster", help="Run on a local Redis Cluster (3 primaries, "
-                                       "3 replicas; admissions wait for a replica)."),
-    redis_kill_every: float = typer.Option(20.0, help="Mean seconds between Redis kills (with --kill-redis)."),
+    strict: bool = typer.Option(False, "--strict", help="Strict durability (appendfsync always) instead "
+                                                        "of the default (everysec)."),
+    redis_cluster: bool = typer.Option(False, "--redis-cluster",
+                                       help="Run on a local Redis Cluster (3 primaries, 3 replicas; "
+                                            "admissions wait for a replica)."),
+    redis_kill_every: float = typer.Option(20.0, help="Mean seconds between Redis kills "
+                                                      "(with --kill-redis)."),
     webhooks: bool = typer.Option(True, "--webhooks/--no-webhooks",
-                                  help="Run a webhook sender and a loopback receiver that fails a third of first "
-                                       "attempts; audit every final's event (bench/chaos_webhooks.py)."),
-    webhook_kill_every: float = typer.Option(4.0, help="Mean seconds between webhook sender kills (with --webhooks)."),
-    tenants: int = typer.Option(3, help="Tenants the clients send as (client c: tenant c % N, weights 1, 2, 1, ...), "
-                                "each with a key and a webhook endpoint of its own; 0 or 1: no keys, one caller."),
+                                  help="Run a webhook sender and a loopback receiver that fails a third "
+                                       "of first attempts; audit every final's event "
+                                       "(bench/chaos_webhooks.py)."),
+    webhook_kill_every: float = typer.Option(4.0, help="Mean seconds between webhook sender kills "
+                                                       "(with --webhooks)."),
+    tenants: int = typer.Option(3, help="Tenants the clients send as (client c: tenant c % N, weights "
+                                        "1, 2, 1, ...), each with a key and a webhook endpoint of its "
+                                        "own; 0 or 1: no keys, one caller."),
     workers_per_model: int = typer.Option(2, help="Null-engine workers per model."),
     token_delay: float = typer.Option(0.02, help="Seconds per streamed token of the null engine."),
-    max_tokens: str = typer.Option("8,128", help="max_tokens range per request and row (128 outlast the lease)."),
+    max_tokens: str = typer.Option("8,128", help="max_tokens range per request and row (128 outlast "
+                                                 "the lease)."),
     hangups: float = typer.Option(0.25, help="Share of SSE readers that hang up once mid-stream and resume."),
-    late_readers: float = typer.Option(0.5, help="Share of followed requests with a second reader joining late."),
-    structured: float = typer.Option(0.15, help="Share of structured requests (background Responses, json_schema)."),
-    multi_row: float = typer.Option(0.2, help="Share of multi-row requests (/v1/models/{m}/infer, 2 to 4 rows, "
-                                    "on the dynamic model)."),
+    late_readers: float = typer.Option(0.5, help="Share of followed requests with a second reader "
+                                                 "joining late."),
+    structured: float = typer.Option(0.15, help="Share of structured requests (background Responses, "
+                                                "json_schema)."),
+    multi_row: float = typer.Option(0.2, help="Share of multi-row requests (/v1/models/{m}/infer, 2 to 4 "
+                                              "rows, on the dynamic model)."),
     drain_timeout: float = typer.Option(90, help="Seconds after the load for every request to become final."),
     seed: int = typer.Option(0, help="Seed of the load and of the kills."),
     json_out: Path = typer.Option(None, "--json", help="Write the figures (and the broken requests) here."),
     logs: Path = typer.Option(None, help="Keep the processes' logs in this folder."),
-    data_dir: Path = typer.Option(None, help="Keep the stack's data (Redis's AOF, the apis' data) in a temporary "
-                                  "folder under this one (e.g. /dev/shm) instead of the system's temporary folder."),
+    data_dir: Path = typer.Option(None, help="Keep the stack's data (Redis's AOF, the apis' data) in a "
+                                             "temporary folder under this one (e.g. /dev/shm) instead of "
+                                             "the system's temporary folder."),
 ) -> None:
     """Kill workers, apis, Redis and the webhook sender under load; exit 1 if any accepted request
     is lost, duplicated or not done (nothing in this load cancels, and ten deliveries are allowed),
@@ -227,11 +241,12 @@ def chaos(
             t0 = time.monotonic()
             # The kills stop with the load; clients then follow their last requests to the end.
             chaos_thread = Chaos(stack, rng, math.inf, kill_every, api_kill_every,
-                                 redis_kill_every if kill_redis else None, webhook_kill_every if webhooks else None)
+                                 redis_kill_every if kill_redis else None,
+                                 webhook_kill_every if webhooks else None)
             load = Load(stack.urls, MODEL_NAMES, clients=clients, seed=seed, max_tokens=_pair(max_tokens),
-                        hangups=hangups, late_readers=late_readers, structured=structured, multi_row=multi_row,
-                        redis_url=None if redis_cluster else stack.redis_url, rows_model="chaos-dyn",
-                        tenancy=tenancy)
+                        hangups=hangups, late_readers=late_readers, structured=structured,
+                        multi_row=multi_row, redis_url=None if redis_cluster else stack.redis_url,
+                        rows_model="chaos-dyn", tenancy=tenancy)
             chaos_thread.start()
             counts = [int(k) for k in min_kills.split(",")]
             if len(counts) not in (3, 4):

@@ -11,6 +11,7 @@ from rich.table import Table
 
 from sluice.bench.chaos_tenants import per_tenant, tenant_row
 from sluice.broker.keys import ModelKeys, idempotency
+from sluice.broker.plumbing.decoded import hash_of, maybe_text, stream_entries
 from sluice.broker.plumbing.urls import sync_connect
 
 FINAL_STATES = ("done", "failed", "expired", "cancelled")
@@ -27,7 +28,8 @@ def final_texts(view: dict) -> dict[int, str]:
 class Reader:
     """One /events reader of a request: what it received, in order."""
 
-    name: str  # "first" (from the submit on), "late" (joins mid-stream) or "responses" (late, a Responses stream)
+    # "first" (from the submit on), "late" (joins mid-stream) or "responses" (late, a Responses stream)
+    name: str
     deltas: list[tuple[int, int, str]] = field(default_factory=list)  # (row, index, text)
     final: dict | None = None  # the done/error event's data
     reconnects: int = 0
@@ -106,7 +108,8 @@ def gaps(deltas: list[dict]) -> list[str]:
     for d in deltas:
         key = (d.get("attempt", 1), d.get("row", 0))
         if key in end and d["i"] > end[key]:
-            holes.append(f"attempt {key[0]} row {key[1]} indices {end[key]}-{d['i'] - 1} (before entry {d.get('_id')})")
+            holes.append(f"attempt {key[0]} row {key[1]} indices {end[key]}-{d['i'] - 1} "
+                         f"(before entry {d.get('_id')})")
         end[key] = max(end.get(key, 0), d["i"] + len(d["token_ids"]))
     return holes
 
@@ -150,57 +153,65 @@ def _regenerated_otherwise(deltas: list[dict], final: str) -> bool:
 def audit_one(r: redis_sync.Redis, t: Tracked) -> dict:
     """What Redis holds for one accepted request, and which invariants it breaks."""
     keys = ModelKeys(t.model)
-    status = r.hgetall(keys.status(t.rid))
-    entries = r.xrange(keys.reply(t.rid))
+    status = hash_of(r.hgetall(keys.status(t.rid)))
+    entries = stream_entries(r.xrange(keys.reply(t.rid)))
     deltas = [{**json.loads(f["data"]), "_id": eid} for eid, f in entries if f.get("kind") == "delta"]
     finals = [json.loads(f["data"]) for _, f in entries if f.get("kind") == "final"]
-    row = {"rid": t.rid, "model": t.model, "kind": t.kind, "rows": t.rows, "state": status.get("state"),
-           "finals": [f"{f['status']}@attempt{f.get('attempt')}: {f.get('error') or ''}" for f in finals],
-           "deltas": runs(deltas), "status_attempt": status.get("attempt"), "worker": status.get("worker"),
-           "submit_tries": t.submit_tries, "readers": [rd.describe() for rd in t.readers], "broken": [],
-           "tenant": t.tenant, "status_tenant": status.get("tenant")}
+    broken: list[str] = []
+    row: dict[str, object] = {
+        "rid": t.rid, "model": t.model, "kind": t.kind, "rows": t.rows, "state": status.get("state"),
+        "finals": [f"{f['status']}@attempt{f.get('attempt')}: {f.get('error') or ''}" for f in finals],
+        "deltas": runs(deltas), "status_attempt": status.get("attempt"), "worker": status.get("worker"),
+        "submit_tries": t.submit_tries, "readers": [rd.describe() for rd in t.readers], "broken": broken,
+        "tenant": t.tenant, "status_tenant": status.get("tenant")}
     if status and status.get("tenant") != t.tenant:  # admitted as another tenant than its key's
-        row["broken"].append(f"tenant: stored as {status.get('tenant')!r}, sent as {t.tenant!r}")
+        broken.append(f"tenant: stored as {status.get('tenant')!r}, sent as {t.tenant!r}")
     if not finals:
         entry = status.get("entry")
-        row["stream_entry_present"] = bool(entry and r.xrange(status.get("stream", keys.requests), entry, entry))
+        queued = bool(entry and r.xrange(status.get("stream", keys.requests), entry, entry))
+        row["stream_entry_present"] = queued
         # Still on its stream when the drain ended (workers too slow to come back): late, not lost.
-        row["broken"].append("unfinished: no final yet, its entry is on the stream" if row["stream_entry_present"]
-                             else "lost: no final event")
-        row["idempotency_bound"] = t.idem_key and r.get(idempotency(f"{t.owner or 'anonymous'}:{t.idem_key}"))
-        row["in_dead_letters"] = any(f.get("id") == t.rid for _, f in r.xrange(keys.dead_letters))
+        broken.append("unfinished: no final yet, its entry is on the stream" if queued
+                      else "lost: no final event")
+        idempotency_key = idempotency(f"{t.owner or 'anonymous'}:{t.idem_key}")
+        row["idempotency_bound"] = t.idem_key and maybe_text(r.get(idempotency_key))
+        dead_letters = stream_entries(r.xrange(keys.dead_letters))
+        row["in_dead_letters"] = any(f.get("id") == t.rid for _, f in dead_letters)
     if len(finals) > 1:
-        row["broken"].append(f"duplicated: {len(finals)} final events")
+        broken.append(f"duplicated: {len(finals)} final events")
     if finals and status.get("state") != finals[0]["status"]:
-        row["broken"].append(f"status {status.get('state')} != final event {finals[0]['status']}")
+        broken.append(f"status {status.get('state')} != final event {finals[0]['status']}")
     if twice := overlaps(deltas):
-        row["broken"].append(f"duplicated: {len(twice)} token indices delivered twice, e.g. {twice[0]}")
+        broken.append(f"duplicated: {len(twice)} token indices delivered twice, e.g. {twice[0]}")
     if holes := gaps(deltas):
         row["gaps"] = holes  # not broken by itself: a retry may have resumed from the hole
     final = final_texts(finals[0]) if finals else None
     streamed = replay(deltas)
     # A retried structured row the engine regenerated with other tokens than it streamed fails
     # the request, saying so, with no text (workers/generation.py): what was streamed stands.
-    row["diverged"] = bool(finals) and not final and DIVERGED in (finals[0].get("error") or "")
-    if final is not None and not row["diverged"] and (why := _differs(streamed, final)):
-        row["broken"].append(f"stream != final: the reply stream replayed {why}")
-        row["regenerated_otherwise"] = t.kind == "structured" and _regenerated_otherwise(deltas, final.get(0, ""))
+    diverged = bool(finals) and not final and DIVERGED in (finals[0].get("error") or "")
+    row["diverged"] = diverged
+    if final is not None and not diverged and (why := _differs(streamed, final)):
+        broken.append(f"stream != final: the reply stream replayed {why}")
+        row["regenerated_otherwise"] = (t.kind == "structured"
+                                        and _regenerated_otherwise(deltas, final.get(0, "")))
     for rd in t.readers:
         if rd.final is None:
             continue
         if why := _differs(rd.texts(), streamed):
             row["reader_vs_stream"] = True  # a reader defect whatever the final says
-            if row["diverged"]:  # the stream is all the text there is: it is this reader's final
-                row["broken"].append(f"reader != final: {rd.name} ({rd.describe()}) != its reply stream {why}")
+            if diverged:  # the stream is all the text there is: it is this reader's final
+                broken.append(f"reader != final: {rd.name} ({rd.describe()}) != its reply stream {why}")
         if finals and (rd.final.get("status") == "done") != (finals[0]["status"] == "done"):
-            row["broken"].append(f"reader != final: {rd.name} was told {rd.final.get('status')}, the final is "
-                                 f"{finals[0]['status']}")
+            broken.append(f"reader != final: {rd.name} was told {rd.final.get('status')}, "
+                          f"the final is {finals[0]['status']}")
         if final is not None and final_texts(rd.final) != final:
-            row["broken"].append(f"reader != final: {rd.name}'s final view differs from the stream's final")
-        if (why := None if row["diverged"] else _differs(rd.texts(), final_texts(rd.final))) or (why := rd.index_gap()):
-            row["broken"].append(f"reader != final: {rd.name} ({rd.describe()}) {why}")
+            broken.append(f"reader != final: {rd.name}'s final view differs from the stream's final")
+        why = None if diverged else _differs(rd.texts(), final_texts(rd.final))
+        if why or (why := rd.index_gap()):
+            broken.append(f"reader != final: {rd.name} ({rd.describe()}) {why}")
     if finals and t.answer is not None and (why := _differs(t.answer, final or {})):
-        row["broken"].append(f"answer != final: the call's own answer {why}")
+        broken.append(f"answer != final: the call's own answer {why}")
     if finals and any(rd.final is None for rd in t.readers):
         row["reader_unfinished"] = True  # the client gave up: not a lost request
     return row
@@ -209,15 +220,14 @@ def audit_one(r: redis_sync.Redis, t: Tracked) -> dict:
 def audit(redis_url: str, tracked: list[Tracked]) -> dict:
     r = sync_connect(redis_url)
     rows = [audit_one(r, t) for t in tracked]
-    figures = {"accepted": len(tracked), "done": 0, "failed": 0, "expired": 0, "cancelled": 0,
-               "lost": 0, "unfinished": 0, "duplicated": 0, "stream_mismatch": 0, "reader_mismatch": 0,
-               "answer_mismatch": 0,
-               "retried": 0, "readers": sum(len(t.readers) for t in tracked), "readers_mismatched": 0,
-               "readers_unfinished": 0, "readers_dropped": sum(rd.dropped for t in tracked for rd in t.readers),
-               "readers_late": sum(rd.name != "first" for t in tracked for rd in t.readers),
-               "kinds": {k: sum(t.kind == k for t in tracked) for k in ("stream", "poll", "structured", "rows")},
-               "done_once": 0, "regenerated_otherwise": 0, "diverged": 0, "tenant_mismatch": 0,
-               "by_tenant": per_tenant(rows)}
+    readers = [rd for t in tracked for rd in t.readers]
+    figures: dict[str, int] = {
+        "accepted": len(tracked), "done": 0, "failed": 0, "expired": 0, "cancelled": 0,
+        "lost": 0, "unfinished": 0, "duplicated": 0, "stream_mismatch": 0, "reader_mismatch": 0,
+        "answer_mismatch": 0, "retried": 0, "readers": len(readers), "readers_mismatched": 0,
+        "readers_unfinished": 0, "readers_dropped": sum(rd.dropped for rd in readers),
+        "readers_late": sum(rd.name != "first" for rd in readers),
+        "done_once": 0, "regenerated_otherwise": 0, "diverged": 0, "tenant_mismatch": 0}
     for row in rows:
         state = row["finals"][0].split("@")[0] if row["finals"] else None
         if state in FINAL_STATES:
@@ -238,7 +248,9 @@ def audit(redis_url: str, tracked: list[Tracked]) -> dict:
         figures["readers_unfinished"] += bool(row.get("reader_unfinished"))
     figures["dead_letters"] = sum(r.xlen(ModelKeys(m).dead_letters) for m in {t.model for t in tracked})
     figures["token_gaps"] = sum(bool(row.get("gaps")) for row in rows)
-    return {"figures": figures, "broken": [row for row in rows if row["broken"]],
+    kinds = {k: sum(t.kind == k for t in tracked) for k in ("stream", "poll", "structured", "rows")}
+    return {"figures": {**figures, "kinds": kinds, "by_tenant": per_tenant(rows)},
+            "broken": [row for row in rows if row["broken"]],
             "gaps": [row for row in rows if row.get("gaps") and not row["broken"]],
             "not_done": [row for row in rows if not row["broken"] and row["state"] != "done"]}
 
@@ -246,8 +258,8 @@ def audit(redis_url: str, tracked: list[Tracked]) -> dict:
 def table(f: dict, models: list[str]) -> Table:
     durability = "strict" if f["strict_durability"] else "default"
     tenants = f" as {len(f['tenants'])} tenants" if f.get("tenants") else ""
-    table = Table(title=f"chaos run: {f['seconds']:.0f}s, {f['clients']} clients{tenants}, models {', '.join(models)}, "
-                        f"{f['redis']} Redis, {durability} durability")
+    table = Table(title=f"chaos run: {f['seconds']:.0f}s, {f['clients']} clients{tenants}, "
+                        f"models {', '.join(models)}, {f['redis']} Redis, {durability} durability")
     table.add_column("figure")
     table.add_column("value", justify="right")
     k, kinds = f["kills"], f["kinds"]
@@ -262,7 +274,8 @@ def table(f: dict, models: list[str]) -> Table:
              ("reader != final (requests)", f["reader_mismatch"]),
              ("readers (late joiners, hung up and resumed)",
               f"{f['readers']} ({f['readers_late']}, {f['readers_dropped']})"),
-             ("readers != final", f["readers_mismatched"]), ("answer != final (poll, infer)", f["answer_mismatch"]),
+             ("readers != final", f["readers_mismatched"]),
+             ("answer != final (poll, infer)", f["answer_mismatch"]),
              ("token gaps (resumed holes)", f["token_gaps"]),
              ("stored under another tenant than its key's", f["tenant_mismatch"]),
              ("kills (workers/apis/redis)", f"{k['workers']}/{k['apis']}/{k['redis']}"),
@@ -284,5 +297,6 @@ def broken(f: dict) -> bool:
     """Whether the run broke the promise: a request lost, duplicated or not done (but a retried
     structured row that failed as diverged, as designed), or a text (the reply stream, a reader,
     an answer) other than the final, or one stored under another tenant than its client's."""
-    return bool(f["lost"] or f["duplicated"] or f["done"] + f["diverged"] < f["accepted"] or f["stream_mismatch"]
-                or f["reader_mismatch"] or f["answer_mismatch"] or f["tenant_mismatch"])
+    return bool(f["lost"] or f["duplicated"] or f["done"] + f["diverged"] < f["accepted"]
+                or f["stream_mismatch"] or f["reader_mismatch"] or f["answer_mismatch"]
+                or f["tenant_mismatch"])

@@ -32,7 +32,8 @@ class Chaos(threading.Thread):
                  api_every: float, redis_every: float | None, webhooks_every: float | None = None):
         super().__init__(daemon=True, name="chaos")
         self.stack, self.rng, self.calm_at = stack, rng, calm_at
-        self.every = {"worker": worker_every, "api": api_every, "redis": redis_every, "webhooks": webhooks_every}
+        self.every = {"worker": worker_every, "api": api_every, "redis": redis_every,
+                      "webhooks": webhooks_every}
         self.kills = {"workers": 0, "apis": 0, "redis": 0, "webhooks": 0}
         self.done = threading.Event()
         self.pending: list[tuple[float, str]] = []  # (monotonic time, worker slot) restarts due

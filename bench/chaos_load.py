@@ -30,6 +30,7 @@ from sluice.bench.chaos_readers import Readers
 from sluice.bench.chaos_tenants import Tenancy
 from sluice.bench.prefix_workload import shared_preamble
 from sluice.broker.keys import ModelKeys, staged
+from sluice.broker.plumbing.decoded import stream_entries
 from sluice.protocol.openai_responses import request_id
 
 SUBMIT_TIMEOUT_S = 60.0  # a submit still unanswered after this long is given up (never counted as accepted)
@@ -50,9 +51,10 @@ class LoadFigures:
 
 
 class Load(Readers):
-    def __init__(self, urls: list[str], models: list[str], *, clients: int, seed: int, max_tokens: tuple[int, int],
-                 hangups: float, late_readers: float = 0.5, structured: float = 0.15, multi_row: float = 0.2,
-                 redis_url: str | None = None, rows_model: str | None = None, tenancy: Tenancy | None = None):
+    def __init__(self, urls: list[str], models: list[str], *, clients: int, seed: int,
+                 max_tokens: tuple[int, int], hangups: float, late_readers: float = 0.5,
+                 structured: float = 0.15, multi_row: float = 0.2, redis_url: str | None = None,
+                 rows_model: str | None = None, tenancy: Tenancy | None = None):
         self.urls, self.models, self.clients, self.hangups = urls, models, clients, hangups
         self.late_readers, self.structured, self.multi_row = late_readers, structured, multi_row
         self.rows_model, self.tenancy = rows_model or models[-1], tenancy or Tenancy()
@@ -67,8 +69,10 @@ class Load(Readers):
         timeout = httpx.Timeout(30, connect=3)
         limits = httpx.Limits(max_connections=8 * self.clients, max_keepalive_connections=2 * self.clients)
         async with contextlib.AsyncExitStack() as pools:
-            http = {t: await pools.enter_async_context(httpx.AsyncClient(timeout=timeout, limits=limits, headers=(
-                self.tenancy.headers(t)))) for t in {self.tenancy.of_client(c) for c in range(self.clients)}}
+            tenants = {self.tenancy.of_client(c) for c in range(self.clients)}
+            http = {t: await pools.enter_async_context(
+                        httpx.AsyncClient(timeout=timeout, limits=limits, headers=self.tenancy.headers(t)))
+                    for t in tenants}
             clients = [asyncio.create_task(self._client(http[self.tenancy.of_client(c)], c))
                        for c in range(self.clients)]
             while not enough():
@@ -101,7 +105,8 @@ class Load(Readers):
             model = self.rows_model if kind == "rows" else self.rng.choice(self.models)
             prompt = f"{shared_preamble(c % 3)}chaos client {c} request {n}"  # three prefix groups
             try:
-                await self._one(http, api, model, kind, prompt, every_reader=n == 1, tenant=self.tenancy.of_client(c))
+                await self._one(http, api, model, kind, prompt, every_reader=n == 1,
+                                tenant=self.tenancy.of_client(c))
             except Exception as err:  # a bench bug must not stop the load; it is reported
                 self.figures.client_errors.append(f"{kind} {prompt}: {type(err).__name__}: {err}")
 
@@ -155,9 +160,11 @@ class Load(Readers):
             self.figures.queue_full += 1
         return r.status_code == 429 or (r.status_code == 503 and "overloaded" in r.text)
 
-    async def _submit(self, http: httpx.AsyncClient, api: int, model: str, prompt: str, kind: str) -> Tracked | None:
+    async def _submit(self, http: httpx.AsyncClient, api: int, model: str, prompt: str,
+                      kind: str) -> Tracked | None:
         key = f"chaos-{uuid.uuid4().hex}"
-        body = {"model": model, "prompt": prompt, "temperature": 0.0, "max_tokens": self.rng.randint(*self.max_tokens)}
+        body = {"model": model, "prompt": prompt, "temperature": 0.0,
+                "max_tokens": self.rng.randint(*self.max_tokens)}
         r, tries = await self._post(http, api, "/v1/requests", body, {"Idempotency-Key": key})
         return Tracked(r.json()["id"], model, kind, key, tries) if r is not None else None
 
@@ -168,7 +175,9 @@ class Load(Readers):
                 "max_output_tokens": self.rng.randint(*self.max_tokens),
                 "text": {"format": {"type": "json_schema", "name": "chaos", "schema": SCHEMA}}}
         r, tries = await self._post(http, api, "/v1/responses", body, timeout=30)  # compiles its schema
-        return Tracked(request_id(r.json()["id"]) or "", model, "structured", None, tries) if r is not None else None
+        if r is None:
+            return None
+        return Tracked(request_id(r.json()["id"]) or "", model, "structured", None, tries)
 
     async def _rows(self, http: httpx.AsyncClient, api: int, model: str, prompt: str, every_reader: bool,
                     tenant: str) -> None:
@@ -181,8 +190,8 @@ class Load(Readers):
         readers: asyncio.Task | None = None
         try:
             rid = await self._find(model, marker, call, tenant)
-            t = Tracked(rid or "", model, "rows", None, 1, rows=len(rows), every_reader=every_reader, tenant=tenant,
-                        owner=self.tenancy.owner(tenant))
+            t = Tracked(rid or "", model, "rows", None, 1, rows=len(rows), every_reader=every_reader,
+                        tenant=tenant, owner=self.tenancy.owner(tenant))
             if rid:
                 self.figures.tracked.append(t)
                 readers = asyncio.create_task(self._readers(http, t, api))
@@ -226,8 +235,9 @@ class Load(Readers):
         lane = ModelKeys(model).requests
         while not call.done():
             try:
-                for stream in (staged(lane, tenant), lane):  # (staged first: an entry moves on, never back)
-                    for _, f in await self.redis.xrevrange(stream, count=500):
+                # (staged first: an entry moves on, never back)
+                for stream in (staged(lane, tenant), lane):
+                    for _, f in stream_entries(await self.redis.xrevrange(stream, count=500)):
                         data = json.loads(f.get("data") or "{}")
                         if str((data.get("rows") or [{}])[0].get("prompt", "")).startswith(marker):
                             return data["id"]

@@ -43,8 +43,8 @@ class Readers:
             tasks.append(self._stream(http, t, late, api + 1, join_after=self.rng.uniform(0.05, 1.5)))
         await asyncio.gather(*tasks)
 
-    async def _stream(self, http: httpx.AsyncClient, t: Tracked, rd: Reader, api: int, join_after: float = 0.0,
-                      hang_up: bool = False) -> None:
+    async def _stream(self, http: httpx.AsyncClient, t: Tracked, rd: Reader, api: int,
+                      join_after: float = 0.0, hang_up: bool = False) -> None:
         """Follow the SSE stream to its final; a share of the readers also hang up once after a
         few deltas (as a browser or a phone changing networks does) and resume: /events with
         Last-Event-ID, a Responses stream (reader "responses") with starting_after."""
@@ -58,14 +58,17 @@ class Readers:
                 path, headers = f"/v1/responses/{response_id(t.rid)}", {}
                 params = {"stream": "true", **({"starting_after": last} if last else {})}
             else:
-                path, headers, params = f"/v1/requests/{t.rid}/events", {"Last-Event-ID": last} if last else {}, {}
+                path, params = f"/v1/requests/{t.rid}/events", {}
+                headers = {"Last-Event-ID": last} if last else {}
             try:
                 async with http.stream("GET", f"{url}{path}", headers=headers, params=params) as r:
                     async for name, cursor, data in _sse(r):
                         last = cursor or last
                         if name in ("delta", "response.output_text.delta"):
-                            rd.deltas.append((data.get("row", 0), data["index"], data["text"]) if name == "delta"
-                                             else (0, data["sequence_number"], data["delta"]))
+                            if name == "delta":
+                                rd.deltas.append((data.get("row", 0), data["index"], data["text"]))
+                            else:
+                                rd.deltas.append((0, data["sequence_number"], data["delta"]))
                             if drop_after is not None and len(rd.deltas) >= drop_after:
                                 drop_after, rd.dropped = None, True
                                 break
@@ -76,7 +79,8 @@ class Readers:
                             return
                         elif name in RESPONSE_ENDS:  # as a RequestView: a text only when completed
                             state = RESPONSE_ENDS[name]
-                            rd.final = {"status": state, **({"output": {"text": text}} if state == "done" else {})}
+                            output = {"output": {"text": text}} if state == "done" else {}
+                            rd.final = {"status": state, **output}
                             return
             except httpx.TransportError:
                 pass

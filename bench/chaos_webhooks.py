@@ -22,6 +22,7 @@ from standardwebhooks.webhooks import Webhook, WebhookVerificationError
 from sluice.bench.chaos_audit import FINAL_STATES, Tracked
 from sluice.bench.chaos_tenants import Tenancy
 from sluice.broker.keys import ModelKeys
+from sluice.broker.plumbing.decoded import maybe_text
 from sluice.broker.plumbing.urls import sync_connect
 from sluice.broker.webhooks.outbox import DUE, GROUP, outbox
 from sluice.protocol.openai_responses import request_id, response_id
@@ -96,7 +97,8 @@ class HookReceiver:
             event = Webhook(secret).verify(body, headers)
         except (KeyError, WebhookVerificationError) as err:
             with self._lock:
-                self.bad_signatures.append(f"{headers.get('webhook-id')} at {path}: {type(err).__name__} {err}")
+                self.bad_signatures.append(f"{headers.get('webhook-id')} at {path}: "
+                                           f"{type(err).__name__} {err}")
             return 400
         post = Post(headers["webhook-id"], body, event, self._state(event), tenant)
         with self._lock:
@@ -113,8 +115,9 @@ class HookReceiver:
 
     def _state(self, event: dict) -> str | None:
         data = event.get("data") or {}
+        status = ModelKeys(data.get("model", "")).status(_request_of(data.get("id", "")))
         try:
-            return self._redis.hget(ModelKeys(data.get("model", "")).status(_request_of(data.get("id", ""))), "state")
+            return maybe_text(self._redis.hget(status, "state"))
         except (redis_sync.RedisError, OSError):
             return None
 
@@ -124,8 +127,8 @@ class HookReceiver:
         tenancy = tenancy or Tenancy()
         for tenant in tenancy.names or [""]:
             url = self.url_for(tenant)
-            secret = self._create(api_url, url, tenancy.owner(tenant) if tenant else None, tenancy.admin_headers(),
-                                  time.monotonic() + timeout_s)
+            owner = tenancy.owner(tenant) if tenant else None
+            secret = self._create(api_url, url, owner, tenancy.admin_headers(), time.monotonic() + timeout_s)
             if tenant:
                 self.secrets[tenant] = secret
             else:
@@ -192,17 +195,19 @@ def undelivered(r: redis_sync.Redis, stream: str) -> int:
     """Outbox entries the senders have not fanned out: unread by their group, or read and not
     acknowledged. Not its length: a sender killed between its XACK and its XDEL of an entry it
     fanned out leaves that entry on the stream, read and acknowledged, for good."""
-    group = next((g for g in r.xinfo_groups(stream) if g["name"] == GROUP), None) if r.exists(stream) else None
+    group = None
+    if r.exists(stream):
+        group = next((g for g in r.xinfo_groups(stream) if g["name"] == GROUP), None)
     if group is None:
         return r.xlen(stream)
-    unread = r.xrange(stream, f"({group['last-delivered-id']}", "+", count=10_000)
+    unread = r.xrange(stream, f"({group['last-delivered-id']}", "+", count=10_000) or []
     return int(group["pending"]) + len(unread)
 
 
 def _finals(r: redis_sync.Redis, tracked: list[Tracked]) -> list[tuple[Tracked, str]]:
     out = []
     for t in tracked:
-        state = r.hget(ModelKeys(t.model).status(t.rid), "state") if t.rid else None
+        state = maybe_text(r.hget(ModelKeys(t.model).status(t.rid), "state")) if t.rid else None
         if state in FINAL_STATES:
             out.append((t, state))
     return out
@@ -223,11 +228,13 @@ def audit_webhooks(redis_url: str, receiver: HookReceiver, tracked: list[Tracked
         if not posts:
             broken.append(f"missing: no event for {object_id} ({state})")
         elif {p.event["type"] for p in posts} != {kind}:
-            broken.append(f"wrong type: {object_id} is {state}, events {sorted({p.event['type'] for p in posts})}")
+            types = sorted({p.event["type"] for p in posts})
+            broken.append(f"wrong type: {object_id} is {state}, events {types}")
     wrong_endpoint = 0
     for object_id, posts in by_object.items():
         data = posts[0].event["data"]
-        now, tenant = r.hmget(ModelKeys(data.get("model", "")).status(_request_of(object_id)), "state", "tenant")
+        status = ModelKeys(data.get("model", "")).status(_request_of(object_id))
+        now, tenant = map(maybe_text, r.hmget(status, "state", "tenant"))
         if wrong := sorted({p.endpoint for p in posts if p.endpoint and p.endpoint != tenant}):
             wrong_endpoint += 1  # an event of one tenant's request sent to another's endpoint
             broken.append(f"wrong endpoint: {object_id} of tenant {tenant} posted to the endpoint of {wrong}")
@@ -235,7 +242,8 @@ def audit_webhooks(redis_url: str, receiver: HookReceiver, tracked: list[Tracked
         if now not in FINAL_STATES or any(s not in FINAL_STATES for s in then):
             broken.append(f"not final: an event for {object_id} while its state was {then or now}")
         if len({p.webhook_id for p in posts}) > 1:
-            broken.append(f"duplicate with another webhook-id: {object_id} {sorted({p.webhook_id for p in posts})}")
+            webhook_ids = sorted({p.webhook_id for p in posts})
+            broken.append(f"duplicate with another webhook-id: {object_id} {webhook_ids}")
         if len({p.body for p in posts}) > 1:
             broken.append(f"duplicate with another body: {object_id}")
     broken += [f"bad signature: {b}" for b in receiver.bad_signatures]
@@ -243,7 +251,8 @@ def audit_webhooks(redis_url: str, receiver: HookReceiver, tracked: list[Tracked
     figures = {"finals": len(finals), "events": len(ids), "posts": len(receiver.posts),
                "failed_first": receiver.failed_first, "cut_off": receiver.cut_off,
                "posted_again": sum(sum(p.webhook_id == i for p in receiver.posts) > 1 for i in ids),
-               "broken": len(broken), "bad_signatures": len(receiver.bad_signatures), "wrong_endpoint": wrong_endpoint,
+               "broken": len(broken), "bad_signatures": len(receiver.bad_signatures),
+               "wrong_endpoint": wrong_endpoint,
                "by_endpoint": {t: len({p.webhook_id for p in receiver.posts if p.endpoint == t})
                                for t in sorted({p.endpoint for p in receiver.posts})}}
     return {"figures": figures, "broken": broken[:20]}
@@ -255,6 +264,8 @@ def table_rows(w: dict) -> list[tuple[str, object]]:
             ("webhooks: finals / events received (posts)", f"{w['finals']} / {w['events']} ({w['posts']})"),
             ("webhooks: first attempts answered 500 / events posted again",
              f"{w['failed_first']} / {w['posted_again']}"),
-            ("webhooks: events per endpoint", ", ".join(f"{t or '/hooks'} {n}" for t, n in w["by_endpoint"].items())),
-            ("webhooks: broken (missing, not final, other id or body, bad signature, wrong endpoint)", w["broken"]),
+            ("webhooks: events per endpoint",
+             ", ".join(f"{t or '/hooks'} {n}" for t, n in w["by_endpoint"].items())),
+            ("webhooks: broken (missing, not final, other id or body, bad signature, wrong endpoint)",
+             w["broken"]),
             ("webhooks: seconds to deliver the rest after the drain", f"{w['wait_s']:.1f}")]

@@ -27,7 +27,8 @@ async def _requests(url: str, n: int, concurrency: int, streamed: bool, max_toke
             async with sem:
                 body = {"prompt": f"count {i}", "max_tokens": max_tokens}
                 if not streamed:
-                    async with client.post(f"{url}/v1/requests", json=body, headers={"Prefer": "wait=60"}) as r:
+                    async with client.post(f"{url}/v1/requests", json=body,
+                                           headers={"Prefer": "wait=60"}) as r:
                         text = await r.text()
                         assert r.status == 200 and json.loads(text)["status"] == "done", text
                     return
@@ -42,13 +43,14 @@ async def _requests(url: str, n: int, concurrency: int, streamed: bool, max_toke
         await asyncio.gather(*(one(i) for i in range(n)))
 
 
-def per_request(url: str, redis_url: str, *, requests: int = 200, concurrency: int = 8, streamed: bool = False,
-                max_tokens: int = 16) -> dict:
+def per_request(url: str, redis_url: str, *, requests: int = 200, concurrency: int = 8,
+                streamed: bool = False, max_tokens: int = 16) -> dict:
     """Commands per request over `requests` requests (`concurrency` at once): the total and the
     ten largest shares, per command. Everything Redis ran meanwhile is counted (heartbeats,
     housekeeping, idle reads): that is what the queue costs under this load."""
     client = redis.Redis.from_url(redis_url, decode_responses=True)
-    asyncio.run(_requests(url, min(requests, 20), concurrency, streamed, max_tokens))  # scripts loaded, pools warm
+    # a warm-up: scripts loaded, pools warm
+    asyncio.run(_requests(url, min(requests, 20), concurrency, streamed, max_tokens))
     client.config_resetstat()
     asyncio.run(_requests(url, requests, concurrency, streamed, max_tokens))
     calls = commandstats(client)

@@ -103,7 +103,8 @@ def durability(
             rate = _throughput(url, seconds, concurrency)
             rounds = [_loss(url, redis, concurrency) for _ in range(kills)]
         figures[name] = {"admissions_per_s": round(rate, 1), "kills": kills,
-                         "acknowledged_before_kill": sum(a for a, _ in rounds), "lost": sum(lost for _, lost in rounds),
+                         "acknowledged_before_kill": sum(a for a, _ in rounds),
+                         "lost": sum(lost for _, lost in rounds),
                          "lost_per_kill": [lost for _, lost in rounds]}
         typer.echo(f"{name}: {json.dumps(figures[name])}")
     figures["strict_vs_default_throughput"] = round(

@@ -29,7 +29,7 @@ import random
 import secrets
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import httpx
@@ -53,6 +53,20 @@ class Offer:
     weight: float = 1.0
 
 
+@dataclass(frozen=True)
+class RunShape:
+    """One run's arrivals, worker and engine pace (the same for every run but the real one)."""
+
+    seconds: float
+    warm_s: float
+    slots: int
+    token_ms: float
+    prefill_ms: float
+    reserve: int
+    engine: str
+    drain_s: float
+
+
 @dataclass
 class Sent:
     tenant: str
@@ -61,7 +75,8 @@ class Sent:
     refused: int = 0  # the status code of a refusal
 
 
-async def _offer(url: str, key: str, offer: Offer, seconds: float, rng: random.Random, out: list[Sent]) -> None:
+async def _offer(url: str, key: str, offer: Offer, seconds: float, rng: random.Random,
+                 out: list[Sent]) -> None:
     """Open-loop arrivals of one tenant for `seconds`: each request is sent when its time comes,
     whatever the earlier ones are doing."""
     async with httpx.AsyncClient(base_url=url, timeout=30, headers={"Authorization": f"Bearer {key}"},
@@ -104,60 +119,69 @@ def _keys_file(path: Path, offers: list[Offer]) -> dict[str, str]:
 def _results(client: redis.Redis, sent: list[Sent]) -> dict[str, dict]:
     """The final results (timings, usage) of the admitted requests that finished."""
     keys = ModelKeys(MODEL)
-    admitted = [s for s in sent if s.rid]
+    admitted = [s.rid for s in sent if s.rid]
     pipe = client.pipeline(transaction=False)
-    for s in admitted:
-        pipe.hget(keys.status(s.rid), "result")
-    return {s.rid: json.loads(raw) for s, raw in zip(admitted, pipe.execute()) if raw}
+    for rid in admitted:
+        pipe.hget(keys.status(rid), "result")
+    return {rid: json.loads(raw) for rid, raw in zip(admitted, pipe.execute()) if raw}
 
 
-def _run(offers: list[Offer], *, fair: bool, seconds: float, warm_s: float, slots: int, token_ms: float,
-         prefill_ms: float, reserve: int, engine: str, drain_s: float) -> dict[str, TenantFigures]:
-    models = (f"models:\n  - name: {MODEL}\n    continuous_batching_config: {{max_concurrent_batch_size: {slots}}}\n"
-              f"    request_timeout_s: 3600\n")
-    if engine == "vllm":
-        models = models.replace(f"  - name: {MODEL}\n", f"  - name: {MODEL}\n    framework_config: {{dtype: float32, "
-                                f"enforce_eager: true, max_model_len: 1024, cpu_kvcache_space_gib: 1}}\n")
+def _models_yaml(shape: RunShape) -> str:
+    engine_options = ("    framework_config: {dtype: float32, enforce_eager: true, max_model_len: 1024, "
+                      "cpu_kvcache_space_gib: 1}\n") if shape.engine == "vllm" else ""
+    return (f"models:\n  - name: {MODEL}\n{engine_options}"
+            f"    continuous_batching_config: {{max_concurrent_batch_size: {shape.slots}}}\n"
+            f"    request_timeout_s: 3600\n")
+
+
+def _run(offers: list[Offer], *, fair: bool, shape: RunShape) -> dict[str, TenantFigures]:
     with tempfile.TemporaryDirectory() as tmp:
         keys = _keys_file(Path(tmp) / "keys.yaml", offers)
         env = {"SLUICE_LOG_LEVEL": "WARNING", "SLUICE_KEYS_FILE": str(Path(tmp) / "keys.yaml"),
-               "SLUICE_FAIR_SHARE": "true" if fair else "false", "SLUICE_TENANT_RESERVED_SLOTS": str(reserve),
-               "SLUICE_NULL_TOKEN_DELAY_S": str(token_ms / 1000), "SLUICE_NULL_DELAY_S": str(prefill_ms / 1000)}
-        with LocalStack(Path(tmp) / "stack", models, appendonly=False, env=env, output="logs") as stack:
+               "SLUICE_FAIR_SHARE": "true" if fair else "false",
+               "SLUICE_TENANT_RESERVED_SLOTS": str(shape.reserve),
+               "SLUICE_NULL_TOKEN_DELAY_S": str(shape.token_ms / 1000),
+               "SLUICE_NULL_DELAY_S": str(shape.prefill_ms / 1000)}
+        with LocalStack(Path(tmp) / "stack", _models_yaml(shape), appendonly=False, env=env,
+                        output="logs") as stack:
             try:
-                stack.up(["echo"], engine=engine, timeout_s=600)
+                stack.up(["echo"], engine=shape.engine, timeout_s=600)
             except RuntimeError:
                 for log in sorted((Path(tmp) / "stack" / "logs").glob("*")):
-                    typer.echo(f"--- {log.name}\n" + "\n".join(log.read_text(errors="replace").splitlines()[-60:]))
+                    tail = log.read_text(errors="replace").splitlines()[-60:]
+                    typer.echo(f"--- {log.name}\n" + "\n".join(tail))
                 raise
+            assert stack.redis_url is not None  # up() started Redis
             client = redis.Redis.from_url(stack.redis_url, decode_responses=True)
             sent: list[Sent] = []
 
             async def load() -> None:
                 rng = random.Random(7)
-                await asyncio.gather(*(_offer(stack.url, keys[o.tenant], o, seconds, random.Random(rng.random()), sent)
+                await asyncio.gather(*(_offer(stack.url, keys[o.tenant], o, shape.seconds,
+                                              random.Random(rng.random()), sent)
                                        for o in offers))
 
             t0 = time.time()
             asyncio.run(load())
             t_end = time.time()
-            time.sleep(drain_s)  # what ran at the end finishes (its tokens inside the run count)
+            time.sleep(shape.drain_s)  # what ran at the end finishes (its tokens inside the run count)
             results = _results(client, sent)
             client.close()
-    return figures_of(sent, results, t0 + warm_s, t_end)
+    return figures_of(sent, results, t0 + shape.warm_s, t_end)
 
 
 def _show(label: str, figures: dict[str, TenantFigures]) -> None:
     typer.echo(f"\n{label}")
-    typer.echo(f"  {'tenant':6} {'tokens/s':>9} {'share':>6} {'30s min':>8} {'30s max':>8} {'TTFT p50':>9} "
-               f"{'TTFT p99':>9} {'queued p99':>10} {'sent':>6} {'done':>6} {'refused':>7}")
+    typer.echo(f"  {'tenant':6} {'tokens/s':>9} {'share':>6} {'30s min':>8} {'30s max':>8} "
+               f"{'TTFT p50':>9} {'TTFT p99':>9} {'queued p99':>10} {'sent':>6} {'done':>6} {'refused':>7}")
     for t, f in figures.items():
         def ms(v: float | None) -> str:
             return f"{v * 1000:.0f} ms" if v is not None else "-"
         wmin = min(f.window_shares) if f.window_shares else f.share
         wmax = max(f.window_shares) if f.window_shares else f.share
-        typer.echo(f"  {t:6} {f.tokens_per_s:9.0f} {f.share:6.1%} {wmin:8.1%} {wmax:8.1%} {ms(f.ttft_p50):>9} "
-                   f"{ms(f.ttft_p99):>9} {ms(f.queued_p99):>10} {f.sent:6} {f.done:6} {f.refused:7}")
+        typer.echo(f"  {t:6} {f.tokens_per_s:9.0f} {f.share:6.1%} {wmin:8.1%} {wmax:8.1%} "
+                   f"{ms(f.ttft_p50):>9} {ms(f.ttft_p99):>9} {ms(f.queued_p99):>10} {f.sent:6} {f.done:6} "
+                   f"{f.refused:7}")
 
 
 def fairness(
@@ -169,7 +193,8 @@ def fairness(
     a_tokens: int = typer.Option(200, help="Tenant a's output tokens (long)."),
     b_tokens: int = typer.Option(8, help="Tenant b's output tokens (short)."),
     reserve: int = typer.Option(3, help="SLUICE_TENANT_RESERVED_SLOTS of the fair runs."),
-    real: bool = typer.Option(False, "--real", help="Also one short fair run with the real default model (vLLM)."),
+    real: bool = typer.Option(False, "--real",
+                              help="Also one short fair run with the real default model (vLLM)."),
     only: str = typer.Option("", help="Runs, comma-separated: b-alone,fair,fifo,equal,3:1,real "
                                       "(default: all but real)."),
     out: Path = typer.Option(None, help="Write the figures as JSON here."),
@@ -177,8 +202,8 @@ def fairness(
     """Tenant a floods a model, tenant b asks for a little: fair share against FIFO, and weights."""
     duration_s = (prefill_ms + a_tokens * token_ms) / 1000
     capacity = slots / duration_s  # requests of a's shape per second
-    common = {"seconds": seconds, "warm_s": warm_s, "slots": slots, "token_ms": token_ms, "prefill_ms": prefill_ms,
-              "reserve": reserve, "engine": "null", "drain_s": duration_s + 2}
+    common = RunShape(seconds=seconds, warm_s=warm_s, slots=slots, token_ms=token_ms, prefill_ms=prefill_ms,
+                      reserve=reserve, engine="null", drain_s=duration_s + 2)
     light = Offer("b", 0.1 * capacity, b_tokens)
     runs = {
         "b-alone": ([light], True),
@@ -194,20 +219,21 @@ def fairness(
     figures: dict[str, dict[str, TenantFigures]] = {}
     for name in [c for c in chosen if c != "real"]:
         offers, fair = runs[name]
-        figures[name] = _run(offers, fair=fair, **common)
+        figures[name] = _run(offers, fair=fair, shape=common)
         _show(f"{name} ({'fair share' if fair else 'FIFO'}, weights "
               f"{':'.join(f'{o.weight:g}' for o in offers)})", figures[name])
     if real:
         offers = [Offer("a", 4.0, 64), Offer("b", 0.5, 8)]
-        figures["real"] = _run(offers, fair=True, **{**common, "engine": "vllm", "seconds": 60.0, "warm_s": 10.0,
-                                                    "slots": 8, "drain_s": 20.0})
-        _show("real engine (vLLM, default model; fair share, a 4/s x 64 tokens, b 0.5/s x 8)", figures["real"])
+        real_shape = replace(common, engine="vllm", seconds=60.0, warm_s=10.0, slots=8, drain_s=20.0)
+        figures["real"] = _run(offers, fair=True, shape=real_shape)
+        _show("real engine (vLLM, default model; fair share, a 4/s x 64 tokens, b 0.5/s x 8)",
+              figures["real"])
     summary = _summary(figures)
     for line in summary:
         typer.echo(line)
     if out:
-        out.write_text(json.dumps({name: {t: vars(f) for t, f in run.items()} for name, run in figures.items()}
-                                  | {"summary": summary}, indent=2))
+        by_run = {name: {t: vars(f) for t, f in run.items()} for name, run in figures.items()}
+        out.write_text(json.dumps(by_run | {"summary": summary}, indent=2))
 
 
 def _summary(figures: dict[str, dict[str, TenantFigures]]) -> list[str]:
@@ -216,7 +242,8 @@ def _summary(figures: dict[str, dict[str, TenantFigures]]) -> list[str]:
     for name in ("fair", "fifo"):
         b = figures.get(name, {}).get("b")
         if alone and b and alone.ttft_p99 and b.ttft_p99:
-            lines.append(f"  {name}: b's TTFT p99 / b alone = {b.ttft_p99 / alone.ttft_p99:.2f} (target <= 1.5)")
+            lines.append(f"  {name}: b's TTFT p99 / b alone = {b.ttft_p99 / alone.ttft_p99:.2f} "
+                         "(target <= 1.5)")
     if "fair" in figures and "fifo" in figures:
         fair = sum(f.tokens_per_s for f in figures["fair"].values())
         fifo = sum(f.tokens_per_s for f in figures["fifo"].values())
@@ -226,6 +253,7 @@ def _summary(figures: dict[str, dict[str, TenantFigures]]) -> list[str]:
         if a:
             shares = a.window_shares or [a.share]
             ok = all(low <= s <= high for s in shares)
-            lines.append(f"  {name}: a's share {a.share:.1%}, every 30 s window {min(shares):.1%}-{max(shares):.1%} "
+            lines.append(f"  {name}: a's share {a.share:.1%}, every 30 s window "
+                         f"{min(shares):.1%}-{max(shares):.1%} "
                          f"(target {low:.0%}-{high:.0%}: {'met' if ok else 'missed'})")
     return lines

@@ -5,6 +5,7 @@ window, and its TTFT and queueing quantiles."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -53,7 +54,8 @@ def _service(result: dict, start: float, end: float) -> tuple[float, float]:
     return inside + output * part, inside + 2 * output * part
 
 
-def figures_of(sent: list[SentRequest], results: dict[str, dict], start: float, end: float) -> dict[str, TenantFigures]:
+def figures_of(sent: Sequence[SentRequest], results: dict[str, dict], start: float,
+               end: float) -> dict[str, TenantFigures]:
     tenants = sorted({s.tenant for s in sent})
     out = {t: TenantFigures() for t in tenants}
     windows = [(w, min(w + WINDOW_S, end)) for w in _frange(start, end, WINDOW_S)

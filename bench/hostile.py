@@ -31,14 +31,16 @@ from sluice.bench.hostile_probe import Target, Watch, rss_mib
 from sluice.supervisor.stack import LocalStack
 
 MODELS = ("models:\n  - name: echo\n    continuous_batching_config: {max_concurrent_batch_size: 256}\n"
-          "  - name: idle\n    continuous_batching_config: {max_concurrent_batch_size: 4}\n")  # idle: no worker
+          "  - name: idle\n"  # no worker serves it
+          "    continuous_batching_config: {max_concurrent_batch_size: 4}\n")
 Attack = Callable[["Target"], Awaitable[tuple[str, float]]]
 
 
-async def _status(t: Target, method: str, path: str, **kw: object) -> tuple[str, float]:
+async def _status(t: Target, method: str, path: str, *, content: str | None = None,
+                  headers: dict[str, str] | None = None, json_body: object = None) -> tuple[str, float]:
     async with t.client() as client:
         t0 = time.perf_counter()
-        r = await client.request(method, path, **kw)  # type: ignore[arg-type]
+        r = await client.request(method, path, content=content, headers=headers, json=json_body)
         return f"{r.status_code} {r.json()['error']['code'] if r.status_code >= 400 else ''}".strip(), \
             time.perf_counter() - t0
 
@@ -47,7 +49,8 @@ def completions(prompts: int, n: int) -> Attack:
     body = json.dumps({"model": "echo", "prompt": [f"p{i}" for i in range(prompts)], "n": n, "max_tokens": 4})
 
     async def attack(t: Target) -> tuple[str, float]:
-        return await _status(t, "POST", "/v1/completions", content=body, headers={"content-type": "application/json"})
+        return await _status(t, "POST", "/v1/completions", content=body,
+                             headers={"content-type": "application/json"})
 
     return attack
 
@@ -142,7 +145,8 @@ async def upload_without_key(t: Target) -> tuple[str, float]:
         pass
     writer.close()
     spooled = sum(f.stat().st_size for f in t.spool.rglob("*") if f.is_file())
-    return f"{_first_line(head)} from its headers; {sent // 1_048_576} MiB sent before close; {spooled} B spooled", took
+    return (f"{_first_line(head)} from its headers; {sent // 1_048_576} MiB sent before close; "
+            f"{spooled} B spooled"), took
 
 
 def streams_of_one_key(count: int) -> Attack:
@@ -150,12 +154,13 @@ def streams_of_one_key(count: int) -> Attack:
         async with t.client() as client:
             rid = (await client.post("/v1/requests", json={"model": "idle", "prompt": "p"})).json()["id"]
         host, port = t.address
-        opened, statuses = [], {}
+        opened: list[asyncio.StreamWriter] = []
+        statuses: dict[str, int] = {}
         t0 = time.perf_counter()
         for _ in range(count):
             reader, writer = await asyncio.open_connection(host, port)
-            writer.write(f"GET /v1/requests/{rid}/events HTTP/1.1\r\nhost: x\r\nauthorization: Bearer {t.key}\r\n"
-                         "accept: text/event-stream\r\n\r\n".encode())
+            writer.write(f"GET /v1/requests/{rid}/events HTTP/1.1\r\nhost: x\r\n"
+                         f"authorization: Bearer {t.key}\r\naccept: text/event-stream\r\n\r\n".encode())
             line = _first_line(await reader.readuntil(b"\r\n\r\n"))
             statuses[line] = statuses.get(line, 0) + 1
             opened.append(writer)
@@ -188,9 +193,10 @@ ATTACKS: dict[str, Attack] = {
     "completions 1,024 x 1 (over the queue bound)": completions(1024, 1),
     "upload 150 MB without a key": upload_without_key,
     "trailing slash, Host: evil.example": redirect,
-    "tokenize 7.8 MB": lambda t: _status(t, "POST", "/tokenize", json={"model": "echo", "prompt": "a" * 7_800_000}),
+    "tokenize 7.8 MB": lambda t: _status(t, "POST", "/tokenize",
+                                         json_body={"model": "echo", "prompt": "a" * 7_800_000}),
     "top_k 10^30": lambda t: _status(t, "POST", "/v1/completions",
-                                     json={"model": "echo", "prompt": "p", "top_k": 10**30}),
+                                     json_body={"model": "echo", "prompt": "p", "top_k": 10**30}),
     "300 SSE streams of one key": streams_of_one_key(300),
     "1,500 partial headers": partial_headers(1500),
     "3,000 partial headers (over the connection cap)": partial_headers(3000),
@@ -228,25 +234,30 @@ async def _run(target: Target, pid: int, jobs_pid: int, attacks: dict[str, Attac
 
 
 def hostile(
-    only: list[str] = typer.Option([], "--only", help="run the attacks whose names contain this (repeatable)"),
+    only: list[str] = typer.Option([], "--only",
+                                   help="run the attacks whose names contain this (repeatable)"),
     header_timeout_s: float | None = typer.Option(None, help="SLUICE_API_HEADER_TIMEOUT_S for the api"),
     body_timeout_s: float | None = typer.Option(None, help="SLUICE_API_BODY_TIMEOUT_S for the api"),
     batch_lines: int = typer.Option(1_000_000, help="lines of the big batch input file (131 bytes each)"),
     max_batch_lines: int | None = typer.Option(None, help="SLUICE_MAX_BATCH_LINES for the stack: at or above "
                                                           "--batch-lines, the big file is run, not refused"),
-    batch_run_s: float = typer.Option(30.0, help="how long the big batch's rows run before the bench cancels it"),
+    batch_run_s: float = typer.Option(30.0,
+                                      help="how long the big batch's rows run before the bench cancels it"),
 ) -> None:
-    """Replay issue 29's attacks against a local stack (Redis, a null worker, the jobs worker, one keyed api)."""
+    """Replay issue 29's attacks against a local stack (Redis, a null worker, the jobs worker, one
+    keyed api)."""
     key = secrets.token_urlsafe(24)
     data = Path(tempfile.mkdtemp(prefix="sluice-hostile-"))
     spool = data / "tmp"
     spool.mkdir()
     env = {"SLUICE_API_KEYS": f"admin:{key}", "TMPDIR": str(spool)}
     for name, value in (("SLUICE_API_HEADER_TIMEOUT_S", header_timeout_s),
-                        ("SLUICE_API_BODY_TIMEOUT_S", body_timeout_s), ("SLUICE_MAX_BATCH_LINES", max_batch_lines)):
+                        ("SLUICE_API_BODY_TIMEOUT_S", body_timeout_s),
+                        ("SLUICE_MAX_BATCH_LINES", max_batch_lines)):
         if value:
             env[name] = str(value)
-    attacks = {**ATTACKS, f"batch input file of {batch_lines:,} lines": big_batch(batch_lines, data, batch_run_s)}
+    attacks = {**ATTACKS,
+               f"batch input file of {batch_lines:,} lines": big_batch(batch_lines, data, batch_run_s)}
     with LocalStack(data, models_yaml=MODELS, env=env) as stack:
         stack.start_redis()
         stack.start_worker("echo", engine="null")

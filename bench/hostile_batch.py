@@ -20,7 +20,8 @@ FINAL = ("completed", "failed", "cancelled", "expired")
 
 def write_file(path: Path, lines: int) -> int:
     """A batch input file of `lines` valid /v1/completions lines for the model `echo`; its size."""
-    head = '{"custom_id":"line-%07d","method":"POST","url":"/v1/completions","body":{"model":"echo","prompt":"'
+    head = ('{"custom_id":"line-%07d","method":"POST","url":"/v1/completions",'
+            '"body":{"model":"echo","prompt":"')
     tail = '","max_tokens":4}}\n'
     pad = "p" * (LINE_BYTES - len(head % 0) - len(tail))
     template = head + pad + tail
@@ -39,7 +40,8 @@ async def _until(check: Callable[[], Awaitable[bool]], within_s: float, every_s:
     return False
 
 
-def big_batch(lines: int, folder: Path, run_s: float = 30.0) -> Callable[[Target], Awaitable[tuple[str, float]]]:
+def big_batch(lines: int, folder: Path,
+              run_s: float = 30.0) -> Callable[[Target], Awaitable[tuple[str, float]]]:
     async def attack(t: Target) -> tuple[str, float]:
         path = folder / f"batch-{lines}.jsonl"
         size = await asyncio.to_thread(write_file, path, lines)
@@ -51,7 +53,8 @@ def big_batch(lines: int, folder: Path, run_s: float = 30.0) -> Callable[[Target
             if r.status_code != 200:
                 return uploaded, time.perf_counter() - t0
             t0 = time.perf_counter()
-            r = await client.post("/v1/batches", json={"input_file_id": r.json()["id"], "endpoint": "/v1/completions"})
+            r = await client.post("/v1/batches",
+                                  json={"input_file_id": r.json()["id"], "endpoint": "/v1/completions"})
             took = time.perf_counter() - t0
             if r.status_code != 200:
                 why = r.json()["error"]["message"]

@@ -27,8 +27,8 @@ class Target:
     def auth(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.key}"}
 
-    def client(self, timeout: float = 120, **kw: object) -> httpx.AsyncClient:
-        return httpx.AsyncClient(base_url=self.url, headers=self.auth, timeout=timeout, **kw)  # type: ignore[arg-type]
+    def client(self, timeout: float = 120) -> httpx.AsyncClient:
+        return httpx.AsyncClient(base_url=self.url, headers=self.auth, timeout=timeout)
 
 
 def _children(pid: int) -> list[int]:

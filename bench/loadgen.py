@@ -51,8 +51,8 @@ def make_requests(n: int, prompt_words: tuple[int, int], output_tokens: tuple[in
                 rng.randint(*output_tokens)) for _ in range(n)]
 
 
-async def drive(send: Send, requests: list[LoadRequest], *, rate: float | None, poisson: bool, concurrency: int | None,
-                seed: int) -> tuple[list[Record], float]:
+async def drive(send: Send, requests: list[LoadRequest], *, rate: float | None, poisson: bool,
+                concurrency: int | None, seed: int) -> tuple[list[Record], float]:
     """Send the requests with the arrival process (rate: requests/s) and/or a concurrency cap."""
     rng = random.Random(seed + 1)
     sem = asyncio.Semaphore(concurrency) if concurrency else None
@@ -100,7 +100,8 @@ def summarize(records: list[Record], wall: float, *, slo_ttft_s: float, slo_tpot
                  "output_token_throughput": sum(r.output_tokens for r in ok) / wall,
                  "goodput": len(good) / wall, "slo": {"ttft_s": slo_ttft_s, "tpot_s": slo_tpot_s}}
     for name, xs in (("ttft", ttft), ("tpot", tpot), ("itl", itl), ("queue_wait", queue), ("e2e", e2e)):
-        out[name] = {f"p{p}": percentile(xs, p) for p in (50, 90, 99)} | {"mean": statistics.fmean(xs) if xs else None}
+        out[name] = ({f"p{p}": percentile(xs, p) for p in (50, 90, 99)}
+                     | {"mean": statistics.fmean(xs) if xs else None})
     return out
 
 
@@ -126,6 +127,20 @@ class _Session:
             self._session = None
 
 
+@dataclass(frozen=True)
+class _SessionSend:
+    """A sender with a session of its own, which `close` closes."""
+
+    send: Send
+    session: _Session
+
+    def __call__(self, request: LoadRequest) -> Awaitable[Record]:
+        return self.send(request)
+
+    async def aclose(self) -> None:
+        await self.session.aclose()
+
+
 async def close(send: Send) -> None:
     """Close a sender's connections (a sender without any has no `aclose`)."""
     aclose = getattr(send, "aclose", None)
@@ -138,7 +153,8 @@ def sluice_sender(url: str, model: str | None) -> Send:
 
     async def send(request: LoadRequest) -> Record:
         rec = Record(start=time.perf_counter())
-        body = {"prompt": request.prompt, "max_tokens": request.max_tokens, "temperature": 0.0, "ignore_eos": True}
+        body = {"prompt": request.prompt, "max_tokens": request.max_tokens, "temperature": 0.0,
+                "ignore_eos": True}
         if model:
             body["model"] = model
         async with session().post(f"{session.url}/v1/requests", json=body) as r:
@@ -164,8 +180,7 @@ def sluice_sender(url: str, model: str | None) -> Send:
                     break
         return rec
 
-    send.aclose = session.aclose
-    return send
+    return _SessionSend(send, session)
 
 
 def openai_sender(url: str, model: str, api_key: str | None = None) -> Send:
@@ -173,8 +188,9 @@ def openai_sender(url: str, model: str, api_key: str | None = None) -> Send:
 
     async def send(request: LoadRequest) -> Record:
         rec = Record(start=time.perf_counter())
-        body = {"model": model, "prompt": request.prompt, "max_tokens": request.max_tokens, "temperature": 0.0,
-                "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+        body = {"model": model, "prompt": request.prompt, "max_tokens": request.max_tokens,
+                "temperature": 0.0, "ignore_eos": True, "stream": True,
+                "stream_options": {"include_usage": True}}
         async with session().post(f"{session.url}/v1/completions", json=body) as response:
             if response.status != 200:
                 rec.error, rec.end = f"{response.status}", time.perf_counter()
@@ -193,8 +209,7 @@ def openai_sender(url: str, model: str, api_key: str | None = None) -> Send:
         rec.output_tokens = rec.output_tokens or len(rec.token_times)
         return rec
 
-    send.aclose = session.aclose
-    return send
+    return _SessionSend(send, session)
 
 
 def engine_sender(engine) -> Send:

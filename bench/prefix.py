@@ -25,23 +25,25 @@ from sluice.bench.prefix_sim import POLICIES, simulate
 from sluice.bench.prefix_workload import SimConfig
 
 
-def prefix(sim: bool = typer.Option(True, "--sim/--real", help="The placement simulator (default), or the real "
-                                    "engine on this machine."),
-           requests: int = typer.Option(8000, help="Requests per simulated workload."),
-           load: list[float] = typer.Option([0.8, 1.3], help="Arrival rate as a share of what the workers finish "
-                                            "when every prompt misses (repeat for several)."),
-           zipf: list[float] = typer.Option([0.0, 1.0], help="Prefix popularity: 0 uniform, s > 0 Zipf (repeat)."),
-           max_wait_ms: float = typer.Option(30.0, help="The bound on the extra wait affinity may add."),
-           seed: int = typer.Option(0),
-           as_json: bool = typer.Option(False, "--json", help="One JSON object per line instead of a table."),
-           mode: list[str] = typer.Option(["off", "on"], help="--real: affinity off and/or on, one stack each."),
-           real_requests: int = typer.Option(96, help="--real: chat requests per mode."),
-           concurrency: int = typer.Option(4, help="--real: requests in flight at once."),
-           max_tokens: int = typer.Option(16, help="--real: output tokens per request (ignore_eos)."),
-           kv_gib: float = typer.Option(KV_GIB, help="--real: each worker's KV cache (cpu_kvcache_space_gib): 15 "
-                                        "blocks of 128 tokens in float32, 4 of the 8 system prompts beside a few "
-                                        "running requests."),
-           data_dir: Path | None = typer.Option(None, help="--real: keep the stacks' logs here.")) -> None:
+def prefix(
+    sim: bool = typer.Option(True, "--sim/--real", help="The placement simulator (default), or the real "
+                                                        "engine on this machine."),
+    requests: int = typer.Option(8000, help="Requests per simulated workload."),
+    load: list[float] = typer.Option([0.8, 1.3], help="Arrival rate as a share of what the workers finish "
+                                                      "when every prompt misses (repeat for several)."),
+    zipf: list[float] = typer.Option([0.0, 1.0], help="Prefix popularity: 0 uniform, s > 0 Zipf (repeat)."),
+    max_wait_ms: float = typer.Option(30.0, help="The bound on the extra wait affinity may add."),
+    seed: int = typer.Option(0),
+    as_json: bool = typer.Option(False, "--json", help="One JSON object per line instead of a table."),
+    mode: list[str] = typer.Option(["off", "on"], help="--real: affinity off and/or on, one stack each."),
+    real_requests: int = typer.Option(96, help="--real: chat requests per mode."),
+    concurrency: int = typer.Option(4, help="--real: requests in flight at once."),
+    max_tokens: int = typer.Option(16, help="--real: output tokens per request (ignore_eos)."),
+    kv_gib: float = typer.Option(KV_GIB, help="--real: each worker's KV cache (cpu_kvcache_space_gib): "
+                                              "15 blocks of 128 tokens in float32, 4 of the 8 system "
+                                              "prompts beside a few running requests."),
+    data_dir: Path | None = typer.Option(None, help="--real: keep the stacks' logs here."),
+) -> None:
     """Prefix affinity: hit rate against an oracle, TTFT, throughput and worker shares per policy."""
     if not sim:
         from sluice.bench.prefix_real import run_mode
@@ -50,8 +52,8 @@ def prefix(sim: bool = typer.Option(True, "--sim/--real", help="The placement si
             if m not in ("off", "on"):
                 raise typer.BadParameter("off or on", param_hint="--mode")
             zipf_real = zipf[-1] if zipf else 1.0
-            figures = run_mode(m == "on", requests=real_requests, concurrency=concurrency, max_tokens=max_tokens,
-                               kv_gib=kv_gib, zipf=zipf_real, seed=seed,
+            figures = run_mode(m == "on", requests=real_requests, concurrency=concurrency,
+                               max_tokens=max_tokens, kv_gib=kv_gib, zipf=zipf_real, seed=seed,
                                data_dir=data_dir / f"affinity-{m}" if data_dir else None)
             typer.echo(json.dumps(figures))
         return
@@ -61,8 +63,9 @@ def prefix(sim: bool = typer.Option(True, "--sim/--real", help="The placement si
             config = replace(base, load=lo, zipf=z)
             results = simulate(config, POLICIES)
             oracle = next(r.hit_rate for r in results if r.policy == "oracle")
+            popularity = "uniform" if z == 0 else f"Zipf {z:g}"
             title = (f"{config.workers} workers x {config.slots} slots, {config.prefixes} prefixes of "
-                     f"{config.prefix_tokens} tokens ({'uniform' if z == 0 else f'Zipf {z:g}'}), load {lo:g}, "
+                     f"{config.prefix_tokens} tokens ({popularity}), load {lo:g}, "
                      f"cache {config.cache_blocks} blocks/worker, max wait {max_wait_ms:g} ms, seed {seed}")
             rows = [r.row(oracle) for r in results]
             if as_json:

@@ -30,6 +30,7 @@ from sluice.bench.prefix_sim import best_worker_hit_rate
 from sluice.bench.prefix_workload import chat_workload
 from sluice.bench.sse import sse_events
 from sluice.broker.keys import WORKERS, ModelKeys
+from sluice.broker.plumbing.decoded import hash_of, stream_entries
 from sluice.config.engine import DEFAULT_BLOCK_SIZE
 from sluice.supervisor.stack import LocalStack
 
@@ -52,7 +53,7 @@ def _counters(client: redis.Redis) -> dict[str, tuple[int, int, tuple[int | None
     """Each live worker's prefix-cache (queries, hits, (its size in blocks, their size in tokens))
     from its last heartbeat."""
     out = {}
-    for name, raw in client.hgetall(WORKERS).items():
+    for name, raw in hash_of(client.hgetall(WORKERS)).items():
         info = json.loads(raw)
         out[name] = (info.get("prefix_cache_queries") or 0, info.get("prefix_cache_hits") or 0,
                      (info.get("prefix_cache_blocks"), info.get("prefix_cache_block_size")))
@@ -62,8 +63,8 @@ def _counters(client: redis.Redis) -> dict[str, tuple[int, int, tuple[int | None
 def _shares(client: redis.Redis) -> dict[str, int]:
     """Requests per worker, from the inference log (a record's batch id starts with its worker's name)."""
     counts: dict[str, int] = {}
-    for _, fields in client.xrange(ModelKeys(MODEL).log):
-        name = json.loads(fields["data"])["batch_id"].split("-", 1)[0]
+    for _, entry in stream_entries(client.xrange(ModelKeys(MODEL).log)):
+        name = json.loads(entry["data"])["batch_id"].split("-", 1)[0]
         counts[name] = counts.get(name, 0) + 1
     return counts
 
@@ -103,14 +104,17 @@ async def _oracles(http: httpx.AsyncClient, chats: list[list[dict[str, str]]],
             r = await http.post("/tokenize", json=body)
             r.raise_for_status()
             shared[system] = r.json()["count"] // DEFAULT_BLOCK_SIZE * DEFAULT_BLOCK_SIZE
-        prompts.append((await http.post("/tokenize", json={"model": MODEL, "messages": chat})).json()["tokens"])
+        tokenized = await http.post("/tokenize", json={"model": MODEL, "messages": chat})
+        prompts.append(tokenized.json()["tokens"])
         n = len(prompts[-1])
         total += n
         if system in seen:
             hits += min(shared[system], n - 1)
         seen.add(system)
     blocks, block_size = cache
-    best = best_worker_hit_rate(prompts, len(WORKER_NAMES), blocks, block_size) if blocks and block_size else None
+    best = None
+    if blocks and block_size:
+        best = best_worker_hit_rate(prompts, len(WORKER_NAMES), blocks, block_size)
     return (hits / total if total else 0.0), best
 
 
@@ -132,9 +136,11 @@ def run_mode(affinity: bool, *, requests: int, concurrency: int, max_tokens: int
     """One stack, one workload; the figures of this mode. `data_dir` keeps the stack's logs."""
     chats = chat_workload(requests, zipf=zipf, seed=seed)
     yaml = models_yaml(affinity, kv_gib, concurrency)
-    with tempfile.TemporaryDirectory() as tmp, LocalStack(data_dir or Path(tmp), models_yaml=yaml, output="logs",
+    with tempfile.TemporaryDirectory() as tmp, LocalStack(data_dir or Path(tmp), models_yaml=yaml,
+                                                          output="logs",
                                                           env={"VLLM_LOGGING_LEVEL": "WARNING"}) as stack:
         stack.up([MODEL, MODEL], names=WORKER_NAMES, timeout_s=1800)
+        assert stack.redis_url is not None  # up() started Redis
         client = redis.Redis.from_url(stack.redis_url, decode_responses=True)
         asyncio.run(_drive(stack.url, chat_workload(1, seed=seed + 1), 1, 2))  # both paths warm, not counted
         time.sleep(2 * heartbeat_s)
@@ -156,7 +162,8 @@ def run_mode(affinity: bool, *, requests: int, concurrency: int, max_tokens: int
     rate = hits / queries if queries else None
     served = {w: shares.get(w, 0) - logged.get(w, 0) for w in WORKER_NAMES}
     ordered = sorted(ttfts)
-    return {"affinity": affinity, "requests": requests, "hit_rate": round(rate, 3) if rate is not None else None,
+    return {"affinity": affinity, "requests": requests,
+            "hit_rate": round(rate, 3) if rate is not None else None,
             "kv_cache": f"{cache[0]} x {cache[1]} tokens",
             "oracle_hit_rate": round(best_worker, 3) if best_worker is not None else None,
             "of_oracle": round(rate / best_worker, 3) if rate is not None and best_worker else None,

@@ -72,8 +72,10 @@ class SimResult:
     def row(self, oracle_hit_rate: float) -> dict[str, float | str]:
         return {"policy": self.policy, "hit_rate": round(self.hit_rate, 3),
                 "vs_oracle": round(self.hit_rate / oracle_hit_rate, 3) if oracle_hit_rate else 0.0,
-                "ttft_p50_ms": round(1000 * self.ttft_p50_s, 1), "ttft_p99_ms": round(1000 * self.ttft_p99_s, 1),
-                "throughput_rps": round(self.throughput_rps, 1), "share_max/mean": round(self.share_max_over_mean, 2)}
+                "ttft_p50_ms": round(1000 * self.ttft_p50_s, 1),
+                "ttft_p99_ms": round(1000 * self.ttft_p99_s, 1),
+                "throughput_rps": round(self.throughput_rps, 1),
+                "share_max/mean": round(self.share_max_over_mean, 2)}
 
 
 Pick = Callable[[WorkerState, list[Entry], float], Entry | None]
@@ -90,7 +92,7 @@ class Simulation:
         self.by_name = {w.name: w for w in self.workers}
         self.ranks: dict[str, list[str]] = {}
         self.owners: dict[str, list[str]] = {}  # bounded loads: the groups of the last interval
-        self.interval_counts: dict[str, int] = {}
+        self.interval_counts: dict[str, float] = {}  # group -> requests this interval (bounded loads)
         self.rnd = random.Random(config.seed + 1)
         self.pick: Pick = getattr(self, f"_pick_{policy}")
 
@@ -136,12 +138,15 @@ class Simulation:
             for w in self.workers:
                 w.digest = frozenset(w.recent)
         elif self.policy == "rendezvous" and self.config.bounded_load and self.interval_counts:
-            c = self.config  # the caches' room and the prompts' size as the workers' recompute counts them
-            room, _ = cache_room([{"prefix_cache_blocks": c.cache_blocks, "prefix_cache_block_size": c.block_size,
-                                   "in_flight": c.slots - w.free} for w in self.workers], self.names)
+            # the caches' room and the prompts' size as the workers' recompute counts them
+            c = self.config
+            heartbeats = [{"prefix_cache_blocks": c.cache_blocks, "prefix_cache_block_size": c.block_size,
+                           "in_flight": c.slots - w.free} for w in self.workers]
+            room, _ = cache_room(heartbeats, self.names)
             size = full_blocks(c.prefix_tokens + sum(c.user_tokens) // 2, c.block_size)
-            self.owners = bounded_owners(self.interval_counts, self.names, c.bounded_load, self._ranked, self.owners,
-                                         room=room, sizes=dict.fromkeys(self.interval_counts, size))
+            self.owners = bounded_owners(self.interval_counts, self.names, c.bounded_load, self._ranked,
+                                         self.owners, room=room,
+                                         sizes=dict.fromkeys(self.interval_counts, size))
             self.interval_counts = {}
 
     def _pick_digest(self, w: WorkerState, waiting: list[Entry], now: float) -> Entry | None:
@@ -153,7 +158,8 @@ class Simulation:
             if unclaimed is None and e.group not in others:
                 unclaimed = e
         return unclaimed or self._overdue_or_idle(
-            w, waiting, now, lambda e: any(o.free for o in self.workers if o is not w and e.group in o.digest))
+            w, waiting, now,
+            lambda e: any(o.free for o in self.workers if o is not w and e.group in o.digest))
 
     def _pick_oracle(self, w: WorkerState, waiting: list[Entry], now: float) -> Entry | None:
         nobody = None
@@ -232,7 +238,8 @@ class Simulation:
                 self._start(w, e, now, at, ttft)
                 progress = True
 
-    def _start(self, w: WorkerState, e: Entry, now: float, at: Callable[..., None], ttft: list[float]) -> None:
+    def _start(self, w: WorkerState, e: Entry, now: float, at: Callable[..., None],
+               ttft: list[float]) -> None:
         c = self.config
         hits = w.cache.admit(e.blocks, e.prompt_tokens)
         begin = max(now, w.prefill_free_at)

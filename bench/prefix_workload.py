@@ -73,8 +73,9 @@ def workload(config: SimConfig) -> list[Entry]:
 SYSTEM_PROMPTS = 8
 SYSTEM_WORDS = 380  # about 500 tokens of SmolLM2's tokenizer
 _TOPICS = ("billing", "shipping", "returns", "warranty", "accounts", "security", "travel", "recipes")
-_WORDS = ("customer", "policy", "answer", "always", "never", "politely", "order", "refund", "detail", "step",
-          "confirm", "number", "date", "explain", "briefly", "clearly", "escalate", "record", "check", "offer")
+_WORDS = ("customer", "policy", "answer", "always", "never", "politely", "order", "refund", "detail",
+          "step", "confirm", "number", "date", "explain", "briefly", "clearly", "escalate", "record",
+          "check", "offer")
 
 
 def system_prompt(k: int) -> str:
@@ -102,5 +103,5 @@ def shared_preamble(k: int) -> str:
     """A short shared preamble (over 32 tokens, so over two blocks at vLLM's 16): prompts that open
     with the same one fall into one prefix group (`sluice bench chaos` uses three, so that its
     kills hit the workers owning groups)."""
-    return (f"You are assistant number {k} of the chaos run. Answer briefly, plainly and politely, in English, "
-            "without lists, code or tables; never ask back, keep to the point, then stop. ")
+    return (f"You are assistant number {k} of the chaos run. Answer briefly, plainly and politely, "
+            "in English, without lists, code or tables; never ask back, keep to the point, then stop. ")

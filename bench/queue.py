@@ -37,6 +37,7 @@ def _null_stack(workers: int) -> Iterator[tuple[str, str]]:
         while len(httpx.get(f"{url}/v1/workers").json()["workers"]) < workers:
             assert time.monotonic() < deadline, "workers did not come up"
             time.sleep(0.2)
+        assert stack.redis_url is not None  # up() started Redis
         yield url, stack.redis_url
 
 
@@ -50,7 +51,8 @@ async def _sluice_round_trips(url: str, n: int, concurrency: int,
                 t0 = time.perf_counter()
                 submit = {"prompt": f"echo {i}", "max_tokens": 4}
                 if one_call:  # Prefer: wait=S: the result in the submit's answer
-                    async with client.post(f"{url}/v1/requests", json=submit, headers={"Prefer": "wait=60"}) as r:
+                    async with client.post(f"{url}/v1/requests", json=submit,
+                                           headers={"Prefer": "wait=60"}) as r:
                         body = await r.json()
                 else:
                     async with client.post(f"{url}/v1/requests", json=submit) as r:

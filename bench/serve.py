@@ -8,6 +8,7 @@ import json
 import os
 import statistics
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import typer
@@ -15,7 +16,16 @@ from rich.console import Console
 from rich.table import Table
 
 from sluice.bench.frontend_cpu import Sample, per_level, sampler
-from sluice.bench.loadgen import close, drive, engine_sender, make_requests, openai_sender, sluice_sender, summarize
+from sluice.bench.loadgen import (
+    Send,
+    close,
+    drive,
+    engine_sender,
+    make_requests,
+    openai_sender,
+    sluice_sender,
+    summarize,
+)
 from sluice.bench.throughput import direct_engine, local_stack
 from sluice.config.model import load_models
 from sluice.config.settings import Settings
@@ -31,19 +41,35 @@ def _levels(text: str) -> list[float]:
     return [float(x) for x in text.split(",") if x.strip()]
 
 
-async def _levels_run(send, levels: list[float], by: str, n: int, words, outputs, seed: int, poisson: bool,
-                      slo: tuple[float, float], cpu: Sample | None = None) -> list[dict]:
+@dataclass(frozen=True)
+class Load:
+    """The load levels every target is measured at, and the requests of each level."""
+
+    levels: list[float]
+    by: str  # "concurrency" (a level caps the requests at once) or "rate" (requests per second)
+    requests: int  # per level
+    prompt_words: tuple[int, int]
+    output_tokens: tuple[int, int]
+    seed: int
+    poisson: bool
+    slo: tuple[float, float]  # goodput's (TTFT, TPOT) in seconds
+
+
+async def _levels_run(send: Send, load: Load, cpu: Sample | None = None) -> list[dict]:
     """Each level's figures; with `cpu`, also its frontend processes' CPU (bench/frontend_cpu.py)."""
+    by, seed = load.by, load.seed
     results = []
     try:
-        await drive(send, make_requests(2, (4, 4), (4, 4), seed + 99), rate=None, poisson=False, concurrency=2,
-                    seed=seed)
-        for level in levels:
-            requests = make_requests(n, words, outputs, seed)
+        await drive(send, make_requests(2, (4, 4), (4, 4), seed + 99), rate=None, poisson=False,
+                    concurrency=2, seed=seed)
+        for level in load.levels:
+            requests = make_requests(load.requests, load.prompt_words, load.output_tokens, seed)
             before = cpu() if cpu else {}
-            records, wall = await drive(send, requests, rate=level if by == "rate" else None, poisson=poisson,
+            records, wall = await drive(send, requests, rate=level if by == "rate" else None,
+                                        poisson=load.poisson,
                                         concurrency=int(level) if by == "concurrency" else None, seed=seed)
-            results.append({by: level, **summarize(records, wall, slo_ttft_s=slo[0], slo_tpot_s=slo[1])})
+            figures = summarize(records, wall, slo_ttft_s=load.slo[0], slo_tpot_s=load.slo[1])
+            results.append({by: level, **figures})
             if cpu:
                 tokens = results[-1]["output_token_throughput"] * wall
                 results[-1]["frontend"] = per_level(before, cpu(), tokens)
@@ -52,7 +78,7 @@ async def _levels_run(send, levels: list[float], by: str, n: int, words, outputs
     return results
 
 
-def _vllm_levels(settings: Settings, model: str | None, name: str, *args) -> list[dict]:
+def _vllm_levels(settings: Settings, model: str | None, name: str, load: Load) -> list[dict]:
     """The same load against `vllm serve` with the deployment's engine options (its own port and
     process; nothing of Sluice runs meanwhile)."""
     import tempfile
@@ -69,7 +95,7 @@ def _vllm_levels(settings: Settings, model: str | None, name: str, *args) -> lis
     pids: dict[str, int] = {}
     with vllm_serve(kwargs.pop("model"), kwargs, served_name=name, port=free_port(), log=log,
                     on_start=lambda pid: pids.setdefault("vllm api server", pid)) as url:
-        return asyncio.run(_levels_run(openai_sender(url, name), *args, cpu=sampler(pids)))
+        return asyncio.run(_levels_run(openai_sender(url, name), load, cpu=sampler(pids)))
 
 
 def _ratios(by: str, ours: list[dict], theirs: list[dict]) -> list[dict]:
@@ -80,20 +106,22 @@ def _ratios(by: str, ours: list[dict], theirs: list[dict]) -> list[dict]:
     out = []
     for s, t in zip(ours, theirs):
         cpu = {}
-        if "frontend" in s and "frontend" in t:  # Sluice's api, worker and Redis against vLLM's api server
+        # Sluice's api, worker and Redis against vLLM's api server
+        if "frontend" in s and "frontend" in t:
             cpu = {"frontend_cpu_ratio": s["frontend"]["cpu_ms_per_1000_tokens"]
                    / max(t["frontend"]["cpu_ms_per_1000_tokens"], 1e-9)}
-        out.append({by: s[by], "throughput_ratio": s["output_token_throughput"] / t["output_token_throughput"], **cpu,
+        out.append({by: s[by],
+                    "throughput_ratio": s["output_token_throughput"] / t["output_token_throughput"], **cpu,
                     "goodput": [s["goodput"], t["goodput"]],
                     **{f"added_{m}_{p}_s": delta(m, p)
                        for m in ("ttft", "tpot", "itl", "e2e") for p in ("p50", "p99")}})
     return out
 
 
-async def _engine_levels(settings: Settings, model: str | None, *args) -> list[dict]:
+async def _engine_levels(settings: Settings, model: str | None, load: Load) -> list[dict]:
     _, engine = direct_engine(settings, model)
     try:
-        return await _levels_run(engine_sender(engine), *args)
+        return await _levels_run(engine_sender(engine), load)
     finally:
         engine.shutdown()
 
@@ -112,14 +140,16 @@ def _ms(x: float | None) -> str:
 
 def _table(title: str, by: str, runs: dict[str, list[dict]]) -> Table:
     table = Table(title=title)
-    for col in ("target", by, "req/s", "out tok/s", "goodput", "TTFT p50/p99 ms", "TPOT p50 ms", "ITL p50 ms",
-                "queue p50 ms", "e2e p50/p99 s"):
+    for col in ("target", by, "req/s", "out tok/s", "goodput", "TTFT p50/p99 ms", "TPOT p50 ms",
+                "ITL p50 ms", "queue p50 ms", "e2e p50/p99 s"):
         table.add_column(col)
     for target, results in runs.items():
         for r in results:
-            table.add_row(target, f"{r[by]:g}", f"{r['request_throughput']:.2f}", f"{r['output_token_throughput']:.0f}",
-                          f"{r['goodput']:.2f}", f"{_fmt(r['ttft']['p50'], 1e3)}/{_fmt(r['ttft']['p99'], 1e3)}",
-                          _fmt(r["tpot"]["p50"], 1e3), _fmt(r["itl"]["p50"], 1e3), _fmt(r["queue_wait"]["p50"], 1e3),
+            table.add_row(target, f"{r[by]:g}", f"{r['request_throughput']:.2f}",
+                          f"{r['output_token_throughput']:.0f}", f"{r['goodput']:.2f}",
+                          f"{_fmt(r['ttft']['p50'], 1e3)}/{_fmt(r['ttft']['p99'], 1e3)}",
+                          _fmt(r["tpot"]["p50"], 1e3), _fmt(r["itl"]["p50"], 1e3),
+                          _fmt(r["queue_wait"]["p50"], 1e3),
                           f"{_fmt(r['e2e']['p50'])}/{_fmt(r['e2e']['p99'])}")
     return table
 
@@ -134,9 +164,11 @@ def _plot(path: Path, by: str, runs: dict[str, list[dict]]) -> None:
     for target, results in runs.items():
         xs = [r["output_token_throughput"] for r in results]
         axes[0].plot(xs, [r["ttft"]["p50"] for r in results], marker="o", label=f"{target} TTFT p50")
-        axes[0].plot(xs, [r["ttft"]["p99"] for r in results], marker="x", linestyle="--", label=f"{target} TTFT p99")
+        axes[0].plot(xs, [r["ttft"]["p99"] for r in results], marker="x", linestyle="--",
+                     label=f"{target} TTFT p99")
         axes[1].plot(xs, [r["e2e"]["p50"] for r in results], marker="o", label=f"{target} e2e p50")
-        axes[1].plot(xs, [r["e2e"]["p99"] for r in results], marker="x", linestyle="--", label=f"{target} e2e p99")
+        axes[1].plot(xs, [r["e2e"]["p99"] for r in results], marker="x", linestyle="--",
+                     label=f"{target} e2e p99")
     for ax, name in zip(axes, ("time to first token (s)", "end-to-end latency (s)")):
         ax.set_xlabel(f"output tokens/s (load: {by})")
         ax.set_ylabel(name)
@@ -147,10 +179,13 @@ def _plot(path: Path, by: str, runs: dict[str, list[dict]]) -> None:
 
 
 def serve(
-    target: str = typer.Option("compare", help="sluice, engine, openai, or compare (sluice and engine)."),
-    against: str = typer.Option(None, help="vllm: the same load against `vllm serve` with the deployment's "
-                                           "engine options, then against Sluice's OpenAI route, one at a time."),
-    url: str = typer.Option(None, help="A running Sluice api or OpenAI-style server (else a local stack)."),
+    target: str = typer.Option("compare",
+                               help="sluice, engine, openai, or compare (sluice and engine)."),
+    against: str = typer.Option(None, help="vllm: the same load against `vllm serve` with the "
+                                           "deployment's engine options, then against Sluice's OpenAI "
+                                           "route, one at a time."),
+    url: str = typer.Option(None,
+                            help="A running Sluice api or OpenAI-style server (else a local stack)."),
     model: str = typer.Option(None, help="Model name (default: the first in the models file)."),
     concurrency: str = typer.Option("1,8,32", help="Load levels as concurrency caps (comma-separated)."),
     rate: str = typer.Option(None, help="Load levels as request rates per second instead."),
@@ -164,22 +199,24 @@ def serve(
     api_key: str = typer.Option(None, envvar="SLUICE_API_KEY"),
     out: Path = typer.Option(None, help="Write the figures as JSON here."),
     plot: Path = typer.Option(None, help="Write a PNG of latency against load here."),
-    repeat: int = typer.Option(1, help="With --against vllm: measure both sides this many times, alternating "
-                                       "which goes first, and report each level's median ratio (a shared "
-                                       "machine's speed drifts between runs more than the gap measured)."),
+    repeat: int = typer.Option(1, help="With --against vllm: measure both sides this many times, "
+                                       "alternating which goes first, and report each level's median "
+                                       "ratio (a shared machine's speed drifts between runs more than "
+                                       "the gap measured)."),
 ) -> None:
     """Load generator in the style of `vllm bench serve`."""
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     settings = Settings()
     name = model or load_models(settings.models_file)[0].name
     by, levels = ("rate", _levels(rate)) if rate else ("concurrency", _levels(concurrency))
-    args = (levels, by, requests, _pair(prompt_words), _pair(output_tokens), seed, poisson, (slo_ttft, slo_tpot))
+    load = Load(levels, by, requests, _pair(prompt_words), _pair(output_tokens), seed, poisson,
+                (slo_ttft, slo_tpot))
     targets = ["engine", "sluice"] if target == "compare" else [target]
     if against == "vllm":
         targets = ["vllm", "sluice-openai"]
     elif against is not None:
         raise typer.BadParameter("--against takes vllm")
-    repeats = [_targets(targets if r % 2 == 0 else targets[::-1], settings, model, name, url, api_key, args)
+    repeats = [_targets(targets if r % 2 == 0 else targets[::-1], settings, model, name, url, api_key, load)
                for r in range(max(1, repeat) if against else 1)]
     runs = repeats[0]
     figures: dict = {"by": by, "requests_per_level": requests, "ignore_eos": True, "runs": runs}
@@ -195,24 +232,26 @@ def serve(
             ours, theirs = runs["sluice"][i]["frontend"], runs[baseline][i]["frontend"]
             console.print(f"{by} {row[by]:g}: frontend CPU per 1,000 output tokens: Sluice "
                           f"{ours['cpu_ms_per_1000_tokens']:.0f} ms ({_parts(ours)}), vLLM's api server "
-                          f"{theirs['cpu_ms_per_1000_tokens']:.0f} ms: ratio {row['frontend_cpu_ratio']:.2f}")
-        console.print(f"{by} {row[by]:g} against {baseline}: throughput ratio {row['throughput_ratio']:.3f}, goodput "
-                      f"{row['goodput'][0]:.2f} vs {row['goodput'][1]:.2f} req/s; added " + ", ".join(
-                          f"{m.upper()} p50 {_ms(row[f'added_{m}_p50_s'])} p99 {_ms(row[f'added_{m}_p99_s'])}"
-                          for m in ("ttft", "tpot", "e2e")))
+                          f"{theirs['cpu_ms_per_1000_tokens']:.0f} ms: "
+                          f"ratio {row['frontend_cpu_ratio']:.2f}")
+        added = ", ".join(f"{m.upper()} p50 {_ms(row[f'added_{m}_p50_s'])} p99 {_ms(row[f'added_{m}_p99_s'])}"
+                          for m in ("ttft", "tpot", "e2e"))
+        console.print(f"{by} {row[by]:g} against {baseline}: throughput ratio {row['throughput_ratio']:.3f}, "
+                      f"goodput {row['goodput'][0]:.2f} vs {row['goodput'][1]:.2f} req/s; added {added}")
     if len(repeats) > 1:
-        figures["repeats"] = [{"runs": r, "sluice_vs_vllm": _ratios(by, r["sluice"], r["vllm"])} for r in repeats]
+        figures["repeats"] = [{"runs": r, "sluice_vs_vllm": _ratios(by, r["sluice"], r["vllm"])}
+                              for r in repeats]
         figures["median_throughput_ratio"] = {}
         for i, level in enumerate(levels):
             ratios = [r["sluice_vs_vllm"][i]["throughput_ratio"] for r in figures["repeats"]]
             figures["median_throughput_ratio"][f"{level:g}"] = statistics.median(ratios)
-            console.print(f"{by} {level:g}: throughput ratio per run {', '.join(f'{x:.3f}' for x in ratios)}; "
-                          f"median {statistics.median(ratios):.3f}")
+            console.print(f"{by} {level:g}: throughput ratio per run "
+                          f"{', '.join(f'{x:.3f}' for x in ratios)}; median {statistics.median(ratios):.3f}")
             cpu = [r["sluice_vs_vllm"][i].get("frontend_cpu_ratio") for r in figures["repeats"]]
             if None not in cpu:
                 figures.setdefault("median_frontend_cpu_ratio", {})[f"{level:g}"] = statistics.median(cpu)
-                console.print(f"{by} {level:g}: frontend CPU ratio per run {', '.join(f'{x:.2f}' for x in cpu)}; "
-                              f"median {statistics.median(cpu):.2f}")
+                console.print(f"{by} {level:g}: frontend CPU ratio per run "
+                              f"{', '.join(f'{x:.2f}' for x in cpu)}; median {statistics.median(cpu):.2f}")
     if out:
         out.write_text(json.dumps(figures, indent=2))
     if plot:
@@ -220,28 +259,31 @@ def serve(
 
 
 def _targets(targets: list[str], settings: Settings, model: str | None, name: str, url: str | None,
-             api_key: str | None, args: tuple) -> dict[str, list[dict]]:
+             api_key: str | None, load: Load) -> dict[str, list[dict]]:
     """One measurement of each target, in this order."""
     runs: dict[str, list[dict]] = {}
     for t in targets:
         if t == "vllm":
-            runs["vllm"] = _vllm_levels(settings, model, name, *args)
+            runs["vllm"] = _vllm_levels(settings, model, name, load)
         elif t == "sluice-openai":
             with tempfile.TemporaryDirectory() as tmp, LocalStack(Path(tmp)) as stack:
                 stack.up([name], timeout_s=900)
+                redis = stack.redis.process if stack.redis else None
+                assert redis is not None  # up() started a local Redis
                 cpu = sampler({"api": next(iter(stack.apis.values())).pid,
-                               "worker": next(iter(stack.workers.values())).pid,  # (its own: not its engine core)
-                               "redis": stack.redis.process.pid})
-                runs["sluice"] = asyncio.run(_levels_run(openai_sender(stack.url, name), *args, cpu=cpu))
+                               # (the worker's own process: not its engine core)
+                               "worker": next(iter(stack.workers.values())).pid,
+                               "redis": redis.pid})
+                runs["sluice"] = asyncio.run(_levels_run(openai_sender(stack.url, name), load, cpu=cpu))
         elif t == "engine":
-            runs["engine"] = asyncio.run(_engine_levels(settings, model, *args))
+            runs["engine"] = asyncio.run(_engine_levels(settings, model, load))
         elif t == "openai":
             if not url:
                 raise typer.BadParameter("--url is needed with --target openai")
-            runs["openai"] = asyncio.run(_levels_run(openai_sender(url, name, api_key), *args))
+            runs["openai"] = asyncio.run(_levels_run(openai_sender(url, name, api_key), load))
         elif url:
-            runs["sluice"] = asyncio.run(_levels_run(sluice_sender(url, model), *args))
+            runs["sluice"] = asyncio.run(_levels_run(sluice_sender(url, model), load))
         else:
             with local_stack(name) as local:
-                runs["sluice"] = asyncio.run(_levels_run(sluice_sender(local, model), *args))
+                runs["sluice"] = asyncio.run(_levels_run(sluice_sender(local, model), load))
     return runs

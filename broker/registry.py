@@ -10,10 +10,22 @@ from dataclasses import asdict, dataclass
 from redis.asyncio import Redis
 
 from sluice.broker.keys import MODELS, WORKERS
-from sluice.broker.plumbing import Scripts
+from sluice.broker.plumbing import Key, ScriptCall, Scripts, hash_of, maybe_text, text
 from sluice.config.model import ModelConfig, parse_model
 
 # A stored deployment is "<version>\n<fingerprint>\n<config json>" (lua/deploy.lua).
+
+
+@dataclass(frozen=True)
+class Deploy(ScriptCall):
+    """deploy.lua: store a deployment, versioned (a changed configuration gets the next version)."""
+
+    script = "deploy"
+    models: Key  # the models hash
+    name: str
+    fingerprint: str
+    config: str  # its JSON
+    keep_existing: str  # '1': a stored deployment wins
 
 
 def _decode(name: str, stored: str) -> ModelConfig:
@@ -26,7 +38,7 @@ def _decode(name: str, stored: str) -> ModelConfig:
 class ModelRegistry:
     def __init__(self, redis: Redis):
         self.redis = redis
-        self._deploy = Scripts.register(redis).deploy
+        self.scripts = Scripts(redis)
 
     async def deploy(self, model: ModelConfig, *, keep_existing: bool = False) -> ModelConfig:
         """Store a deployment; a changed one gets the next version, an unchanged one keeps its own.
@@ -36,10 +48,9 @@ class ModelRegistry:
         """
         config = json.dumps(model.deployment_key(), sort_keys=True)
         fingerprint = hashlib.sha256(config.encode()).hexdigest()[:16]
-        stored = await self._deploy(
-            keys=[MODELS], args=[model.name, fingerprint, config, "1" if keep_existing else "0"]
-        )
-        return _decode(model.name, stored)
+        stored = await self.scripts(Deploy(models=MODELS, name=model.name, fingerprint=fingerprint,
+                                           config=config, keep_existing="1" if keep_existing else "0"))
+        return _decode(model.name, text(stored))
 
     async def undeploy(self, name: str) -> bool:
         """Remove a deployment (a model dropped from the models file); whether it was there. Its
@@ -47,11 +58,11 @@ class ModelRegistry:
         return bool(await self.redis.hdel(MODELS, name))
 
     async def get(self, name: str) -> ModelConfig | None:
-        stored = await self.redis.hget(MODELS, name)
+        stored = maybe_text(await self.redis.hget(MODELS, name))
         return _decode(name, stored) if stored else None
 
     async def all(self) -> list[ModelConfig]:
-        stored = await self.redis.hgetall(MODELS)
+        stored = hash_of(await self.redis.hgetall(MODELS))
         return sorted((_decode(k, v) for k, v in stored.items()), key=lambda m: m.name)
 
 

@@ -36,7 +36,8 @@ class RequestStatus:
         result = raw.get("result")
         return cls(
             id=rid, model=raw.get("model", model), state=State(raw.get("state", State.QUEUED)),
-            owner=raw.get("owner") or None, lane=raw.get("lane", "interactive"), entry=raw.get("entry") or None,
+            owner=raw.get("owner") or None, lane=raw.get("lane", "interactive"),
+            entry=raw.get("entry") or None,
             enqueued_at=_num(raw.get("enqueued_at")), started_at=_num(raw.get("started_at")),
             attempt=int(raw["attempt"]) if raw.get("attempt") else None, charges=int(raw.get("charges") or 0),
             result=FinalResult.model_validate_json(result) if result else None,

@@ -26,16 +26,19 @@ def new_key() -> str:
 
 def _tenant(name: str | None) -> str | None:
     if name is not None and not TENANT_NAME.fullmatch(name):
-        raise typer.BadParameter("letters, digits, '.', '_' and '-' only, at most 64, starting with a letter or digit")
+        raise typer.BadParameter("letters, digits, '.', '_' and '-' only, at most 64, "
+                                 "starting with a letter or digit")
     return name
 
 
 @keys_app.command("new")
 def keys_new(
-    scope: KeyScope = typer.Option(KeyScope.user, "--scope", help="user: submits, and sees and cancels its own "
-                                   "requests, files and batches; admin: everything."),
+    scope: KeyScope = typer.Option(KeyScope.user, "--scope",
+                                   help="user: submits, and sees and cancels its own requests, files "
+                                        "and batches; admin: everything."),
     tenant: str | None = typer.Option(None, "--tenant", metavar="NAME", callback=_tenant,
-                                      help="The key's tenant: prints its entry for the keys file (SLUICE_KEYS_FILE)."),
+                                      help="The key's tenant: prints its entry for the keys file "
+                                           "(SLUICE_KEYS_FILE)."),
 ) -> None:
     """Print a new key, its keys-file entry (with --tenant) and its SLUICE_API_KEYS entry.
 
@@ -45,7 +48,9 @@ def keys_new(
     key = new_key()
     typer.echo(f"key={key}")
     if tenant is not None:
-        typer.echo(f"# for the keys file (SLUICE_KEYS_FILE), under `keys:` (tenant {tenant} under `tenants:`)")
+        typer.echo(f"# for the keys file (SLUICE_KEYS_FILE), under `keys:` "
+                   f"(tenant {tenant} under `tenants:`)")
         typer.echo(f'- {{key: "sha256:{digest(key)}", scope: {scope.value}, tenant: {tenant}}}')
     typer.echo(f"SLUICE_API_KEYS={scope.value}:sha256:{digest(key)}")
-    typer.echo("The key is shown once and stored nowhere; each entry holds only its SHA-256 digest.", err=True)
+    typer.echo("The key is shown once and stored nowhere; each entry holds only its SHA-256 digest.",
+               err=True)

@@ -50,7 +50,8 @@ def _read_table(path: Path, fmt: str) -> pa.Table:
 
 def _lines_from_table(table: pa.Table, model: str, endpoint: str, max_tokens: int) -> bytes:
     if "prompt" not in table.column_names:
-        raise typer.BadParameter(f"the input has no 'prompt' column (columns: {', '.join(table.column_names)})")
+        raise typer.BadParameter(
+            f"the input has no 'prompt' column (columns: {', '.join(table.column_names)})")
     out = []
     for i, row in enumerate(table.to_pylist()):
         body: dict[str, Any] = {"model": model, "max_tokens": row.get("max_tokens") or max_tokens}
@@ -96,8 +97,8 @@ def _client(url: str, api_key: str | None) -> httpx.Client:
 
 def _check(r: httpx.Response) -> dict:
     if r.status_code >= 400:
-        message = r.json().get("error", {}).get("message", r.text) if r.headers.get("content-type", "").startswith(
-            "application/json") else r.text
+        is_json = r.headers.get("content-type", "").startswith("application/json")
+        message = r.json().get("error", {}).get("message", r.text) if is_json else r.text
         typer.echo(f"error ({r.status_code}): {message}", err=True)
         raise typer.Exit(1)
     return r.json()
@@ -106,15 +107,17 @@ def _check(r: httpx.Response) -> dict:
 @batch_app.command("run")
 def run(
     input: Path = typer.Argument(..., exists=True, dir_okay=False, metavar="INPUT",
-                                 help=".jsonl (OpenAI batch lines), or .parquet / .arrow with a prompt column "
-                                      "(and optionally custom_id, max_tokens, temperature, top_p, seed)."),
+                                 help=".jsonl (OpenAI batch lines), or .parquet / .arrow with a prompt "
+                                      "column (and optionally custom_id, max_tokens, temperature, "
+                                      "top_p, seed)."),
     output: Path = typer.Option(..., "-o", "--output", metavar="OUTPUT",
                                 help="Where to write the results (same format)."),
     model: str = typer.Option(..., "--model", metavar="MODEL", help="The deployed model."),
     endpoint: str = typer.Option("/v1/completions", "--endpoint", metavar="PATH",
-                                 help="/v1/completions or /v1/chat/completions, for table input (a .jsonl line "
-                                      "names its own url)."),
-    max_tokens: int = typer.Option(256, "--max-tokens", metavar="N", help="For rows that do not set their own."),
+                                 help="/v1/completions or /v1/chat/completions, for table input "
+                                      "(a .jsonl line names its own url)."),
+    max_tokens: int = typer.Option(256, "--max-tokens", metavar="N",
+                                   help="For rows that do not set their own."),
     url: str = ApiUrl,
     api_key: str | None = ApiKey,
 ) -> None:
@@ -122,8 +125,10 @@ def run(
 
     Submits INPUT as a batch job, shows its progress, and writes OUTPUT when it ends."""
     fmt = _format(input)
-    data = input.read_bytes() if fmt == "jsonl" else _lines_from_table(_read_table(input, fmt), model, endpoint,
-                                                                        max_tokens)
+    if fmt == "jsonl":
+        data = input.read_bytes()
+    else:
+        data = _lines_from_table(_read_table(input, fmt), model, endpoint, max_tokens)
     input_lines = [json.loads(x) for x in data.decode().splitlines() if x.strip()] if fmt != "jsonl" else []
     if fmt == "jsonl":
         endpoint = json.loads(data.decode().splitlines()[0]).get("url", endpoint)

@@ -10,7 +10,8 @@ from sluice.config.settings import Settings
 
 dlq_app = typer.Typer(no_args_is_help=True, help="Requests that failed every delivery: list, retry, drop.")
 RedisUrl = typer.Option(None, "--redis-url", metavar="URL", envvar="SLUICE_REDIS_URL",
-                        help="The Redis to use (default: that of the `sluice up` running on the data directory).")
+                        help="The Redis to use (default: that of the `sluice up` running on the data "
+                             "directory).")
 Model = typer.Option(..., "--model", metavar="MODEL", help="The deployed model.")
 Ids = typer.Argument(None, metavar="REQUEST_ID", help="The dead letters' request ids (or --all).")
 All = typer.Option(False, "--all", help="Every dead letter of the model.")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import TypedDict
 
 import typer
 
@@ -26,6 +27,16 @@ app.add_typer(bench_app, name="bench")
 app.add_typer(batch_app, name="batch")
 app.add_typer(keys_app, name="keys")
 app.add_typer(webhooks_app, name="webhooks")
+
+
+class _ServeOptions(TypedDict):
+    """uvicorn.run's options shared by one api process and several."""
+
+    host: str
+    port: int
+    log_level: str
+    timeout_graceful_shutdown: int
+    timeout_keep_alive: int
 
 
 @app.command()
@@ -62,10 +73,10 @@ def api(
     # shutdown_timeout_s (their own grace), and uvicorn waits a little longer so the streams,
     # not uvicorn, end what is left (an OpenAI stream then aborts its request).
     # uvicorn's own logs (its access log: one line per request, at info) follow SLUICE_LOG_LEVEL
-    options = {"host": settings.api_host, "port": settings.api_port,
-               "log_level": os.environ.get("SLUICE_LOG_LEVEL", "INFO").lower(),
-               "timeout_graceful_shutdown": math.ceil(settings.shutdown_timeout_s) + 2,
-               "timeout_keep_alive": math.ceil(settings.api_keep_alive_s)}
+    options = _ServeOptions(host=settings.api_host, port=settings.api_port,
+                            log_level=os.environ.get("SLUICE_LOG_LEVEL", "INFO").lower(),
+                            timeout_graceful_shutdown=math.ceil(settings.shutdown_timeout_s) + 2,
+                            timeout_keep_alive=math.ceil(settings.api_keep_alive_s))
     # Header and body timeouts and a cap on open connections (api/connections.py); the open-file
     # limit is raised for the cap first (the processes of --workers inherit it).
     allowed = raise_fd_limit(settings.api_max_connections)
@@ -105,10 +116,12 @@ def worker(
     """Start one worker for one model."""
     import uvloop
 
+    from sluice.workers.engines.factory import EngineKind
     from sluice.workers.process import serve
 
     setup_logging()
-    if engine not in ("vllm", "null"):
+    kinds: dict[str, EngineKind] = {"vllm": "vllm", "null": "null"}
+    if engine not in kinds:
         raise typer.BadParameter("--engine must be vllm or null")
     if os.environ.get("SLUICE_WORKER_CPUS"):  # `sluice up` gave this replica its own cores
         from sluice.cli.replicas import pin_to_cpus
@@ -116,7 +129,7 @@ def worker(
         pin_to_cpus(os.environ["SLUICE_WORKER_CPUS"])
     settings = settings_with(redis_url=redis_url, models_file=models_file)
     # uvloop, as `vllm serve` and uvicorn run: the worker's token path is event-loop work
-    uvloop.run(serve(settings, model, name, engine, metrics_port))  # type: ignore[arg-type]
+    uvloop.run(serve(settings, model, name, kinds[engine], metrics_port))
 
 
 @app.command()
@@ -135,20 +148,22 @@ def jobs(redis_url: str | None = RedisUrl, models_file: Path | None = ModelsFile
 def up(
     redis_url: str | None = typer.Option(None, "--redis-url", metavar="URL", envvar="SLUICE_REDIS_URL",
                                          help="Use this Redis instead of a local one."),
-    port: int = typer.Option(8000, "--port", metavar="PORT", envvar="SLUICE_API_PORT", help="The api's port."),
+    port: int = typer.Option(8000, "--port", metavar="PORT", envvar="SLUICE_API_PORT",
+                             help="The api's port."),
     host: str = typer.Option("127.0.0.1", "--host", metavar="ADDRESS", envvar="SLUICE_API_HOST",
                              help="The api's address."),
     models_file: Path | None = ModelsFile,
     allow_anonymous: bool = AllowAnonymous,
-    verbose: bool = typer.Option(False, "--verbose/--no-verbose", "-v", envvar="SLUICE_VERBOSE", show_default=False,
-                                 help="Show every process's log here too."),
-    from_oci: str | None = typer.Option(None, "--from", metavar="oci://REGISTRY/REPO:TAG", envvar="SLUICE_FROM",
+    verbose: bool = typer.Option(False, "--verbose/--no-verbose", "-v", envvar="SLUICE_VERBOSE",
+                                 show_default=False, help="Show every process's log here too."),
+    from_oci: str | None = typer.Option(None, "--from", metavar="oci://REGISTRY/REPO:TAG",
+                                        envvar="SLUICE_FROM",
                                         help="Serve a model published with `sluice publish`."),
     trust_artifact: bool = typer.Option(False, "--trust-artifact/--no-trust-artifact",
                                         envvar="SLUICE_TRUST_ARTIFACT", show_default=False,
-                                        help="Let the --from artifact run its own code (a custom runtime, "
-                                             "trust_remote_code, .py or pickled files), set any engine option "
-                                             "and its own replica count."),
+                                        help="Let the --from artifact run its own code (a custom "
+                                             "runtime, trust_remote_code, .py or pickled files), "
+                                             "set any engine option and its own replica count."),
 ) -> None:
     """Run Sluice on this machine: Redis, the api, the workers.
 
@@ -179,8 +194,8 @@ def publish(
     target: str = typer.Argument(..., metavar="REGISTRY/REPO:TAG", help="Where to push, e.g. "
                                  "registry:5000/sluice/m:v1."),
     models_file: Path | None = ModelsFile,
-    plain_http: bool | None = typer.Option(None, "--plain-http/--tls",
-                                           help="HTTP without TLS (default: only for a registry on loopback)."),
+    plain_http: bool | None = typer.Option(
+        None, "--plain-http/--tls", help="HTTP without TLS (default: only for a registry on loopback)."),
     sign_key: Path | None = typer.Option(None, "--sign-key", metavar="FILE", envvar="SLUICE_SIGNING_KEY",
                                          help="Sign the artifact with this Ed25519 private key (PEM); a pull "
                                               "with SLUICE_ARTIFACT_PUBLIC_KEY verifies it."),
@@ -214,7 +229,8 @@ def compose(
     models_file: Path | None = ModelsFile,
     output: Path | None = typer.Option(None, "--output", "-o", metavar="FILE",
                                        help="Write the file here (default: stdout)."),
-    cpu: bool = typer.Option(False, "--cpu", help="The CPU-only variant (a model asking for GPUs is an error)."),
+    cpu: bool = typer.Option(False, "--cpu",
+                             help="The CPU-only variant (a model asking for GPUs is an error)."),
 ) -> None:
     """Write a compose file for the models file.
 
@@ -224,7 +240,8 @@ def compose(
     from sluice.config.model import ConfigError
 
     try:
-        typer.echo(write_compose(settings_with(models_file=models_file).models_file, output, cpu=cpu), nl=False)
+        models = settings_with(models_file=models_file).models_file
+        typer.echo(write_compose(models, output, cpu=cpu), nl=False)
     except ConfigError as err:
         typer.echo(f"error: {err}", err=True)
         raise typer.Exit(2) from None

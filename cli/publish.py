@@ -52,7 +52,8 @@ def _reference(ref: str) -> tuple[str, str]:
     ref = ref.removeprefix("oci://")
     host, _, rest = ref.partition("/")
     if not rest or "." not in host and ":" not in host and host != "localhost":
-        raise PublishError(f"{ref!r}: name the registry, as REGISTRY/REPO:TAG (localhost:5000/sluice/smollm2:v1)")
+        raise PublishError(f"{ref!r}: name the registry, as REGISTRY/REPO:TAG "
+                           "(localhost:5000/sluice/smollm2:v1)")
     return host, ref
 
 
@@ -66,7 +67,8 @@ def _registry(host: str, plain_http: bool | None):
 
     def client(backend: str):
         registry = oras.provider.Registry(hostname=host, insecure=insecure, auth_backend=backend)
-        user, password = os.environ.get("SLUICE_REGISTRY_USERNAME"), os.environ.get("SLUICE_REGISTRY_PASSWORD")
+        user = os.environ.get("SLUICE_REGISTRY_USERNAME")
+        password = os.environ.get("SLUICE_REGISTRY_PASSWORD")
         if user and password:
             registry.auth.set_basic_auth(user, password)
         else:
@@ -92,7 +94,8 @@ def _probe(registry, host: str) -> str:
         answer = httpx.get(f"{registry.prefix}://{host}/v2/", timeout=10, verify=registry._tls_verify,
                            headers={"Authorization": f"Basic {basic}"} if basic else {})
     except httpx.HTTPError as err:
-        raise PublishError(f"no registry answers at {registry.prefix}://{host}: {type(err).__name__}: {err}") from None
+        raise PublishError(f"no registry answers at {registry.prefix}://{host}: "
+                           f"{type(err).__name__}: {err}") from None
     challenge = answer.headers.get("www-authenticate", "").lower()
     if not challenge.startswith("basic") and not (basic and answer.status_code == 200 and not challenge):
         return "token"
@@ -111,7 +114,8 @@ def _model_files(model: ModelConfig, cache_dir: Path) -> Path:
     found = Path(model.path).expanduser()
     if not found.is_dir():
         raise PublishError(f"model {model.name!r}: path {model.path!r} is not a directory on this machine; "
-                           "publish takes a model whose files are here (a local directory or the builtin model)")
+                           "publish takes a model whose files are here "
+                           "(a local directory or the builtin model)")
     return found
 
 
@@ -147,7 +151,8 @@ def publish(model: ModelConfig, target: str, cache_dir: Path, *, plain_http: boo
                 target=ref, files=[str(p) for p in files.values()], disable_path_validation=True,
                 annotation_file=str(stage / "annotations.json"), quiet=True,
                 manifest_config=f"{stage / 'sluice.json'}:{CONFIG_MEDIA_TYPE}",
-                manifest_annotations={"io.sluice.model": model.name, "io.sluice.version": meta["sluice_version"],
+                manifest_annotations={"io.sluice.model": model.name,
+                                      "io.sluice.version": meta["sluice_version"],
                                       "org.opencontainers.image.title": model.name, **signed})
         except Exception as err:  # requests' and oras' errors: say where it failed
             raise PublishError(f"pushing to {ref} failed: {type(err).__name__}: {err}") from None
@@ -186,8 +191,8 @@ def pull(source: str, into: Path, *, plain_http: bool | None = None, trust: bool
                 raise PublishError(f"{ref}: downloading {name} failed: {type(err).__name__}: {err}") from None
             got = _sha256(out)
             if got != layer["digest"] or layer["annotations"].get(SHA, got) != got:
-                raise PublishError(f"{ref}: layer {name} does not match its digest (expected {layer['digest']}, "
-                                   f"got {got}): refusing to serve it")
+                raise PublishError(f"{ref}: layer {name} does not match its digest "
+                                   f"(expected {layer['digest']}, got {got}): refusing to serve it")
         signed = {k: str(v) for k, v in (manifest.get("annotations") or {}).items()}
         if public_key is not None and "sluice.json" in titles:
             try:
@@ -222,7 +227,8 @@ def _vetted(ref: str, stage: Path, titles: set[str], trust: bool) -> tuple[list[
         models = yaml.safe_load((stage / "models.yaml").read_text())["models"]
         files = dict(meta["files"])
     except (ValueError, TypeError, KeyError, yaml.YAMLError) as err:
-        raise PublishError(f"{ref}: its sluice.json or models.yaml is malformed: {type(err).__name__}: {err}") from None
+        raise PublishError(f"{ref}: its sluice.json or models.yaml is malformed: "
+                           f"{type(err).__name__}: {err}") from None
     for name, digest in files.items():
         if not safe_name(name) or name not in titles:
             raise PublishError(f"{ref}: sluice.json names a file that is not one of its layers ({name!r})")

@@ -69,8 +69,9 @@ def vet(models: list[dict[str, Any]], files: Iterable[str], *, trust: bool,
         raw = dict(raw)
         capped = _replicas(model, cores, memory)
         if capped < model.deployment.replicas and not trust:
-            notes.append(f"model {model.name!r}: {capped} replica(s), not the {model.deployment.replicas} its "
-                         f"artifact asks for (this machine has {cores} core(s) and {memory / 2**30:.1f} GiB)")
+            notes.append(f"model {model.name!r}: {capped} replica(s), not the {model.deployment.replicas} "
+                         f"its artifact asks for (this machine has {cores} core(s) and "
+                         f"{memory / 2**30:.1f} GiB)")
             raw["deployment"] = {**(raw.get("deployment") or {}), "replicas": capped}
         out.append(raw)
     if problems:

@@ -65,7 +65,8 @@ def plan_replicas(models: list[ModelConfig], gpus: list[str] | None = None,
         raise DeploymentError(
             f"model {first.name!r}: its deployment asks for {d.gpus} GPU(s) per replica x {d.replicas} "
             f"replica(s), and the models file {wanted} in all, but this machine has {len(gpus)}"
-            f"{' (' + ','.join(gpus) + ')' if gpus else ''}: lower gpus or replicas, or run it where the GPUs are")
+            f"{' (' + ','.join(gpus) + ')' if gpus else ''}: lower gpus or replicas, "
+            "or run it where the GPUs are")
     out: list[Replica] = []
     next_gpu = next_cpu = 0
     for m in models:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import fcntl
 import os
 from pathlib import Path
+from typing import TextIO
 from urllib.parse import urlsplit, urlunsplit
 
 LOCK = "up.lock"
@@ -23,7 +24,7 @@ class UpLock:
 
     def __init__(self, data_dir: Path):
         self.data_dir = Path(data_dir)
-        self._file = None
+        self._file: TextIO | None = None
 
     def acquire(self) -> UpLock:
         self.data_dir.mkdir(parents=True, exist_ok=True)

@@ -14,11 +14,12 @@ RedisUrl = typer.Option(None, "--redis-url", metavar="URL", envvar="SLUICE_REDIS
                         help="Redis URL (redis:// or rediss://).")
 ModelsFile = typer.Option(None, "--models-file", metavar="FILE", envvar="SLUICE_MODELS_FILE",
                           help="Model deployments YAML.")
-AllowAnonymous = typer.Option(False, "--allow-anonymous/--no-allow-anonymous", envvar="SLUICE_ALLOW_ANONYMOUS",
-                              show_default=False,
-                              help="Listen on a non-loopback address without SLUICE_API_KEYS (when something in "
-                                   "front of the api authenticates callers).")
-ApiUrl = typer.Option("http://127.0.0.1:8000", "--url", metavar="URL", envvar="SLUICE_URL", help="The Sluice api.")
+AllowAnonymous = typer.Option(False, "--allow-anonymous/--no-allow-anonymous",
+                              envvar="SLUICE_ALLOW_ANONYMOUS", show_default=False,
+                              help="Listen on a non-loopback address without SLUICE_API_KEYS (when "
+                                   "something in front of the api authenticates callers).")
+ApiUrl = typer.Option("http://127.0.0.1:8000", "--url", metavar="URL", envvar="SLUICE_URL",
+                      help="The Sluice api.")
 ApiKey = typer.Option(None, "--api-key", metavar="KEY", envvar="SLUICE_API_KEY",
                       help="A key of SLUICE_API_KEYS (`sluice keys new`), where the api asks for one.")
 

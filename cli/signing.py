@@ -48,9 +48,11 @@ def verify(data: bytes, annotations: dict[str, str], public_key: Path) -> None:
         raise SignatureError(f"SLUICE_ARTIFACT_PUBLIC_KEY {public_key}: not an Ed25519 public key")
     signature = annotations.get(SIGNATURE)
     if not signature:
-        raise SignatureError(f"it is not signed, and SLUICE_ARTIFACT_PUBLIC_KEY asks for a signature by {key_id(key)}")
+        raise SignatureError("it is not signed, and SLUICE_ARTIFACT_PUBLIC_KEY asks for a signature by "
+                             f"{key_id(key)}")
     try:
         key.verify(base64.b64decode(signature, validate=True), data)
     except (InvalidSignature, ValueError):
-        raise SignatureError(f"its signature (by {annotations.get(SIGNER, 'an unknown key')}) does not verify "
+        signer = annotations.get(SIGNER, "an unknown key")
+        raise SignatureError(f"its signature (by {signer}) does not verify "
                              f"with SLUICE_ARTIFACT_PUBLIC_KEY ({key_id(key)})") from None

@@ -12,6 +12,7 @@ import logging
 import os
 import signal
 import socket
+import subprocess
 import time
 from pathlib import Path
 
@@ -53,8 +54,8 @@ def _port_taken(host: str, port: int) -> str | None:
         try:
             s.bind(addr)
         except OSError as err:
-            return (f"port {port} on {host} is taken ({err.strerror}): stop what holds it, or choose another "
-                    "with --port or SLUICE_API_PORT")
+            return (f"port {port} on {host} is taken ({err.strerror}): stop what holds it, "
+                    "or choose another with --port or SLUICE_API_PORT")
     return None
 
 
@@ -76,7 +77,8 @@ def _exited(stack: LocalStack, proc) -> str:
         "the webhook sender" if proc is stack.webhooks else "the api"
     logs = stack.logs_dir or stack.data_dir / "logs"
     tail = _last_lines(logs / log_name) if stack.output == "logs" else ""
-    return f"{what} exited with {proc.returncode}; its log is {logs / log_name}" + (f":\n{tail}" if tail else "")
+    return (f"{what} exited with {proc.returncode}; its log is {logs / log_name}"
+            + (f":\n{tail}" if tail else ""))
 
 
 def _prepare(models: list[ModelConfig], settings: Settings) -> bool:
@@ -108,7 +110,8 @@ def _live_workers(redis_url: str, ttl_s: float) -> dict[str, dict]:
     except (redis.RedisError, OSError):
         return {}
     now = time.time()
-    return {k: info for k, v in beats.items() if now - (info := json.loads(v)).get("heartbeat_at", 0) <= ttl_s}
+    infos = {k: json.loads(v) for k, v in beats.items()}
+    return {k: info for k, info in infos.items() if now - info.get("heartbeat_at", 0) <= ttl_s}
 
 
 def _wait_ready(stack: LocalStack, replicas: list[Replica], stop: dict, ttl_s: float,
@@ -145,7 +148,7 @@ def _wait_ready(stack: LocalStack, replicas: list[Replica], stop: dict, ttl_s: f
 def run_up(redis_url: str | None, host: str, port: int, models_file: Path | None, *,
            allow_anonymous: bool = False, verbose: bool = False) -> int:
     t0 = time.monotonic()
-    settings = Settings(**({"models_file": models_file} if models_file else {}))
+    settings = Settings(models_file=models_file) if models_file else Settings()
     # The api would refuse too, but only after Redis and the model were started for nothing.
     refused = anonymous_listen_error(host, configured_keys(settings), allow_anonymous)
     if refused:
@@ -186,7 +189,8 @@ def _run(lock: UpLock, models: list[ModelConfig], replicas: list[Replica], setti
     logs = settings.data_dir / "logs"
     stack = LocalStack(settings.data_dir, models_file=models_file, redis_url=redis_url, host=host,
                        output="inherit" if verbose else "logs", logs_dir=logs,
-                       strict=settings.durability == "strict", env={"SLUICE_DATA_DIR": str(settings.data_dir)},
+                       strict=settings.durability == "strict",
+                       env={"SLUICE_DATA_DIR": str(settings.data_dir)},
                        redis_port=free_port(6380), own_session=True)
     stop = {"requested": False}
 
@@ -195,7 +199,8 @@ def _run(lock: UpLock, models: list[ModelConfig], replicas: list[Replica], setti
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGHUP, on_signal)  # the terminal closed: the children, in their own sessions, would stay
+    # the terminal closed: the children, in their own sessions, would stay
+    signal.signal(signal.SIGHUP, on_signal)
     try:
         lock.record_redis(stack.start_redis())  # `sluice dlq` and the like find it there
         if redis_url is None and stack.redis is not None:
@@ -205,8 +210,8 @@ def _run(lock: UpLock, models: list[ModelConfig], replicas: list[Replica], setti
         metrics_host = "127.0.0.1" if host in ("127.0.0.1", "localhost", "::1") else "0.0.0.0"
         for r in replicas:
             mport = free_port()
-            where = ", ".join(filter(None, [r.gpus and f"GPUs {','.join(r.gpus)}",
-                                            r.cpus and f"cores {','.join(map(str, r.cpus))}"]))
+            where = ", ".join(filter(None, [f"GPUs {','.join(r.gpus)}" if r.gpus else None,
+                                            f"cores {','.join(map(str, r.cpus))}" if r.cpus else None]))
             log.info("starting worker %s for %s%s; its engine loads now", r.name, r.model,
                      f" on {where}" if where else "")
             stack.start_worker(r.model, r.name, SLUICE_WORKER_METRICS_PORT=str(mport),
@@ -216,7 +221,8 @@ def _run(lock: UpLock, models: list[ModelConfig], replicas: list[Replica], setti
         stack.start_webhooks()  # the webhook sender (docs/webhooks.md)
         # One api process per four cores, up to four (SLUICE_API_WORKERS overrides): the workers'
         # engines and Redis need the rest.
-        api_processes = os.environ.get("SLUICE_API_WORKERS") or str(max(1, min(4, (os.cpu_count() or 1) // 4)))
+        api_processes = (os.environ.get("SLUICE_API_WORKERS")
+                         or str(max(1, min(4, (os.cpu_count() or 1) // 4))))
         stack.start_api(port, "--workers", api_processes, *(["--allow-anonymous"] if allow_anonymous else []),
                         log="api")
         if _wait_ready(stack, replicas, stop, settings.worker_ttl_s):
@@ -230,7 +236,8 @@ def _run(lock: UpLock, models: list[ModelConfig], replicas: list[Replica], setti
                 return 1
             time.sleep(0.2)
         return 0
-    except (RuntimeError, TimeoutError) as err:  # a child died while starting, never got ready, no redis-server
+    except (RuntimeError, TimeoutError) as err:
+        # a child died while starting, never got ready, or no redis-server
         log.error("%s", err)
         return 1
     finally:
@@ -241,8 +248,14 @@ def _run(lock: UpLock, models: list[ModelConfig], replicas: list[Replica], setti
 
 def _say_stopped(stack: LocalStack) -> None:
     """"stopped", and whatever is still running (nothing should be)."""
-    left = [f"{' '.join(map(str, p.args[3:6]))} (pid {p.pid})" for p in stack.processes if p.poll() is None]
+    left = [f"{_command(p)} (pid {p.pid})" for p in stack.processes if p.poll() is None]
     if left:
         log.warning("stopped; still running: %s", ", ".join(left))
     else:
         log.info("stopped; nothing it started is left running")
+
+
+def _command(proc: subprocess.Popen) -> str:
+    """A child's sluice command and its first options ("worker --model m"), after the interpreter's."""
+    args = proc.args if isinstance(proc.args, list) else [proc.args]
+    return " ".join(map(str, args[3:6]))

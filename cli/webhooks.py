@@ -41,7 +41,8 @@ def add(url: str = typer.Argument(..., metavar="URL", help="Where to POST events
         event: list[str] = typer.Option([], "--event", "-e", metavar="TYPE",
                                         help="An event type to send (repeat; none: all)."),
         owner: str = typer.Option("", metavar="DIGEST",
-                                  help="The api key digest (sha256 hex) whose work it hears of; '' without keys."),
+                                  help="The api key digest (sha256 hex) whose work it hears of; "
+                                       "'' without keys."),
         key: str | None = typer.Option(None, metavar="KEY",
                                        help="The api key itself (its digest is stored, not the key)."),
         description: str = typer.Option("", metavar="TEXT", help="A note shown in listings."),
@@ -143,8 +144,10 @@ def test(endpoint_id: str = EndpointId, redis_url: str | None = RedisUrl) -> Non
 
 
 @webhooks_app.command("dead")
-def dead(replay: bool = typer.Option(False, "--replay", help="Deliver them again, with a fresh retry period."),
-         event_id: list[str] = typer.Option([], "--id", metavar="ID", help="Only this delivery or event id (repeat)."),
+def dead(replay: bool = typer.Option(False, "--replay",
+                                     help="Deliver them again, with a fresh retry period."),
+         event_id: list[str] = typer.Option([], "--id", metavar="ID",
+                                            help="Only this delivery or event id (repeat)."),
          limit: int = typer.Option(100, min=1, metavar="N", help="Show at most this many."),
          redis_url: str | None = RedisUrl) -> None:
     """Deliveries that failed for their whole retry period; --replay sends them again."""
@@ -154,13 +157,15 @@ def dead(replay: bool = typer.Option(False, "--replay", help="Deliver them again
         d = Deliveries(redis)
         if replay:
             return {"replayed": await d.replay(event_id or None)}
-        return [x for x in await d.dead(limit) if not event_id or x["id"] in event_id or x["event_id"] in event_id]
+        return [x for x in await d.dead(limit)
+                if not event_id or x["id"] in event_id or x["event_id"] in event_id]
 
     _show(_run(redis_url, action))
 
 
 @webhooks_app.command("send")
-def send(metrics_port: int | None = typer.Option(None, metavar="PORT", help="Serve Prometheus metrics on this port."),
+def send(metrics_port: int | None = typer.Option(None, metavar="PORT",
+                                                 help="Serve Prometheus metrics on this port."),
          redis_url: str | None = RedisUrl) -> None:
     """Run a webhook sender (as many as you like: they share the work through a consumer group)."""
     import uvloop

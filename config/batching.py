@@ -59,7 +59,8 @@ class DynamicBatchingConfig(BaseModel):
 
     def rows_error(self, rows: int) -> str | None:
         """A request is never split across batches, so it must fit the limit whole."""
-        return MAX_BATCH_SIZE_EXCEEDED if self.batch_size_limit is not None and rows > self.batch_size_limit else None
+        over = self.batch_size_limit is not None and rows > self.batch_size_limit
+        return MAX_BATCH_SIZE_EXCEEDED if over else None
 
 
 class SingleBatchConfig(BaseModel):

@@ -67,8 +67,8 @@ class KeyEntry(BaseModel):
     @classmethod
     def _digest(cls, key: str) -> str:
         if not _DIGEST.fullmatch(key.lower()):
-            raise ValueError("must be sha256:<64 hex digits>, the key's digest (`sluice keys new --tenant NAME` "
-                             "prints one), never the key itself")
+            raise ValueError("must be sha256:<64 hex digits>, the key's digest (`sluice keys new --tenant "
+                             "NAME` prints one), never the key itself")
         return key.lower()
 
     @property
@@ -122,8 +122,8 @@ def read_keys_file(path: Path) -> KeysFile:
     try:
         return KeysFile.model_validate(raw)
     except ValidationError as err:
-        problems = "; ".join(f"{'.'.join(str(p) for p in e['loc']) or 'file'}: {e['msg'].removeprefix('Value error, ')}"
-                             for e in err.errors())
+        problems = "; ".join(f"{'.'.join(str(p) for p in e['loc']) or 'file'}: "
+                             f"{e['msg'].removeprefix('Value error, ')}" for e in err.errors())
         raise TenantsError(f"SLUICE_KEYS_FILE {path}: {problems}") from None
 
 

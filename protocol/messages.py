@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from sluice.protocol.states import State
 
@@ -29,8 +29,8 @@ class SamplingExtras(BaseModel):
     type, bounds and default. Every body takes them by inheriting this class (the native route's,
     OpenAI's completions and chat, where null stands for the default, and Responses, on the api
     and in a batch's lines), the queued entry's SamplingSpec carries them, and the worker hands
-    them to its engine as one object (GenerationRequest.extras) that the vLLM engine passes
-    through to SamplingParams: a knob added here needs no other change in the code
+    them to its engine inside one object (GenerationRequest.sampling, a Sampled) that the vLLM
+    engine passes through to SamplingParams: a knob added here needs no other change in the code
     (tests/workers/test_sampling_knobs.py), only its line in docs/openai.md."""
 
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
@@ -43,18 +43,69 @@ class SamplingExtras(BaseModel):
     stop_token_ids: list[int] = Field(default_factory=list, max_length=64)
 
     def extras(self) -> dict[str, Any]:
-        """These fields as keywords (stop_token_ids as a tuple, as api.intake.Sampling keeps it)."""
-        values = {name: getattr(self, name) for name in SamplingExtras.model_fields}
-        return {**values, "stop_token_ids": tuple(self.stop_token_ids)}
-
-    def sampling_extras(self, **changes: Any) -> SamplingExtras:
-        """These fields alone, as the one object an engine is handed (of a body, or an entry's
-        SamplingSpec), with `changes` made."""
-        values = {name: getattr(self, name) for name in SamplingExtras.model_fields}
-        return SamplingExtras.model_validate({**values, **changes})
+        """These fields as keywords."""
+        return declared(self, SamplingExtras)
 
 
-class SamplingSpec(SamplingExtras):
+def declared(model: BaseModel, *parts: type[BaseModel]) -> dict[str, Any]:
+    """`model`'s values of the fields that `parts`, sampling classes it inherits, declare: what
+    a surface hands on by name, so that a field added to one of them goes along."""
+    return {name: getattr(model, name) for part in parts for name in part.model_fields}
+
+
+# The sampling core: temperature, top_p, stop, seed and the max_tokens bound, declared once
+# with their bounds and defaults. A surface takes what it serves by inheriting the classes
+# below: the native routes (SubmitRequest, the infer route's query), OpenAI's completions and
+# chat (SamplingBody) and Responses (ResponseRequest), on the api and in a batch's lines; the
+# api's Sampling and the queued SamplingSpec carry them, and the worker hands its engine a
+# Sampled. A bound changed here is changed on every surface (tests/api/test_sampling_core.py).
+
+MAX_TOKENS = 1_000_000  # the most tokens any request may ask for (protocol/rows.py checks each row)
+MaxTokens = Annotated[int, Field(ge=1, le=MAX_TOKENS)]  # a max_tokens that its body bounds itself
+
+
+class SamplingCore(BaseModel):
+    """Temperature and top_p, with OpenAI's bounds and defaults: every surface takes them."""
+
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+
+
+class CallerSeed(BaseModel):
+    """A caller's seed; None: admission draws one, so that every request has a seed to retry with."""
+
+    seed: int | None = Field(default=None, ge=0, le=2**63 - 1)
+
+
+def stop_list(value: str | list[str] | None) -> list[str]:
+    """One stop string or several (None: none) as a list, bounded as OpenAI bounds them."""
+    stops = [value] if isinstance(value, str) else list(value or [])
+    if len(stops) > 16:
+        raise ValueError("at most 16 stop strings")
+    if any(not s for s in stops):
+        raise ValueError("stop strings must not be empty")
+    return stops
+
+
+# Typed as the wire takes it (the JSON schema, the messages of a wrong type); a list once validated.
+Stops = Annotated[str | list[str] | None, AfterValidator(stop_list)]
+
+
+class StopStrings(BaseModel):
+    """Where the output ends (the native and OpenAI bodies'; not Responses', as OpenAI's)."""
+
+    stop: Stops = Field(default=None, validate_default=True)  # an absent one too is [] once validated
+
+
+class Sampled(StopStrings, SamplingCore, SamplingExtras):
+    """How tokens are drawn, as a caller chose: what the engine is handed as one object."""
+
+    def sampled(self, **changes: Any) -> Sampled:
+        """These fields alone (of a body, or an entry's SamplingSpec), with `changes` made."""
+        return Sampled.model_validate({**declared(self, Sampled), **changes})
+
+
+class SamplingSpec(Sampled):
     """Sampling parameters fixed at admission; the seed makes a retried request repeat itself.
 
     Unknown fields are ignored: an api one version ahead of its workers (a rolling upgrade)
@@ -64,15 +115,17 @@ class SamplingSpec(SamplingExtras):
     model_config = ConfigDict(extra="ignore")
 
     max_tokens: int = Field(gt=0)
-    temperature: float = Field(default=1.0, ge=0.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    stop: list[str] = Field(default_factory=list)
+    # The seed admission chose: the caller's (CallerSeed) plus the request's index among its
+    # call's choices, or one drawn; never None, and past the caller's bound by that index.
     seed: int
     # Log probabilities: of each generated token with this many alternatives, and of the
     # prompt's tokens (OpenAI's `echo` with `logprobs`); None: not returned.
     logprobs: int | None = Field(default=None, ge=0, le=20)
     prompt_logprobs: int | None = Field(default=None, ge=0, le=20)
     structured: StructuredSpec | None = None
+
+
+Lane = Literal["interactive", "bulk"]
 
 
 class RequestMessage(BaseModel):
@@ -87,14 +140,16 @@ class RequestMessage(BaseModel):
     enqueued_at: float
     deadline: float
     priority: int = 0
-    lane: Literal["interactive", "bulk"] = "interactive"
+    lane: Lane = "interactive"
     owner: str | None = None  # digest of the api key that made it; None without keys
-    tenant: str = "default"  # the tenant of that key (config/tenants.py); fair share and quotas are per tenant
+    # The tenant of that key (config/tenants.py): fair share and quotas are per tenant.
+    tenant: str = "default"
     # Chained hashes of the prompt's leading KV-cache blocks at a few depths, shallowest first
     # (protocol/prefix.py): requests sharing a prefix share their leading keys, and placement
     # prefers the worker likely to hold them. Empty: no affinity (nothing cacheable, not computed).
     prefix: list[str] = Field(default_factory=list, max_length=8)
-    prefix_tokens: int = 0  # the tokens `prefix` was computed from (its prompt's), for placement; 0: not counted
+    # The tokens `prefix` was computed from (its prompt's), for placement; 0: not counted.
+    prefix_tokens: int = 0
 
     def to_fields(self) -> dict[str, str]:
         return {"id": self.id, "data": self.model_dump_json()}
@@ -127,7 +182,8 @@ class RowOutput(BaseModel):
 
     def record(self) -> dict[str, Any]:
         """The row in the default output schema, plus any extra fields."""
-        return {"generated_text": self.text, "num_output_tokens": self.num_output_tokens, **(self.fields or {})}
+        return {"generated_text": self.text, "num_output_tokens": self.num_output_tokens,
+                **(self.fields or {})}
 
 
 class Timings(BaseModel):

@@ -9,20 +9,11 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
-from sluice.protocol.messages import SamplingExtras, StructuredSpec
+from sluice.protocol.messages import CallerSeed, Sampled, SamplingExtras, StructuredSpec, declared
 from sluice.protocol.openai_objects import Shape
 from sluice.protocol.openai_tools import AUTO, REQUIRED, NamedToolChoice, Tool, tool_calls_schema
 from sluice.protocol.structured import from_fields, from_response_format
 from sluice.protocol.structured import problem as structured_problem
-
-
-def stop_list(value: str | list[str] | None) -> list[str]:
-    stops = [value] if isinstance(value, str) else list(value or [])
-    if len(stops) > 16:
-        raise ValueError("at most 16 stop strings")
-    if any(not s for s in stops):
-        raise ValueError("stop strings must not be empty")
-    return stops
 
 
 class StreamOptions(BaseModel):
@@ -39,19 +30,16 @@ _GUIDED = {"guided_json": "json_schema", "guided_regex": "regex", "guided_choice
            "guided_grammar": "grammar"}
 
 
-class SamplingBody(SamplingExtras):
-    """What completions and chat bodies share; vLLM's sampling extras (its OpenAI server takes
-    them as extra body fields) come from their one declaration, SamplingExtras, with null
-    standing for the default (OpenAI's SDKs may send a null)."""
+class SamplingBody(Sampled, CallerSeed):
+    """What completions and chat bodies share; the sampling (temperature, top_p, stop, seed) and
+    vLLM's sampling extras (its OpenAI server takes them as extra body fields) come from their
+    one declaration (protocol/messages.py), an extra's null standing for its default (OpenAI's
+    SDKs may send a null)."""
 
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = Field(default=None, max_length=128)
-    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     n: int = Field(default=1, ge=1, le=16)
-    stop: str | list[str] | None = None
-    seed: int | None = Field(default=None, ge=0, le=2**63 - 1)
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -72,14 +60,10 @@ class SamplingBody(SamplingExtras):
             return {k: v for k, v in data.items() if not (v is None and k in SamplingExtras.model_fields)}
         return data
 
-    @field_validator("stop")
-    @classmethod
-    def _stop(cls, value: str | list[str] | None) -> list[str]:
-        return stop_list(value)
-
     def constrained(self) -> bool:
         """Whether a field of a structured output is set (checking one compiles it: off the loop)."""
-        return any(getattr(self, name) is not None for name in ("response_format", "structured_outputs", *_GUIDED))
+        fields = ("response_format", "structured_outputs", *_GUIDED)
+        return any(getattr(self, name) is not None for name in fields)
 
     def problems(self) -> list[Problem]:
         """Fields a client set that this server does not serve, or cannot serve together."""
@@ -105,8 +89,8 @@ class SamplingBody(SamplingExtras):
             unknown = sorted(set(self.structured_outputs) - set(_STRUCTURED_KEYS) - {"disable_any_whitespace",
                                                                                       "whitespace_pattern"})
             if unknown:
-                raise ValueError(f"structured_outputs: unknown field {unknown[0]!r} (one of json, regex, choice, "
-                                 "grammar, json_object)")
+                raise ValueError(f"structured_outputs: unknown field {unknown[0]!r} (one of json, regex, "
+                                 "choice, grammar, json_object)")
             given = {_STRUCTURED_KEYS[k]: v for k, v in self.structured_outputs.items()
                      if k in _STRUCTURED_KEYS and v not in (None, False)}
             found.append(("structured_outputs", from_fields("structured_outputs", given)))
@@ -128,8 +112,7 @@ class SamplingBody(SamplingExtras):
 
     def sampling_fields(self) -> dict[str, Any]:
         """SamplingSpec's fields from this body, but for max_tokens and the seed."""
-        return {"temperature": self.temperature, "top_p": self.top_p, "stop": tuple(self.stop or ()),
-                **self.extras(), "structured": self.structured(), "priority": self.priority}
+        return {**declared(self, Sampled), "structured": self.structured(), "priority": self.priority}
 
 
 class CompletionRequest(SamplingBody):
@@ -228,8 +211,9 @@ class ChatCompletionRequest(SamplingBody):
             raise ValueError("tool_choice: needs tools")
         if choice == "auto":
             if self._parser is None:
-                raise ValueError('tool_choice: "auto" needs a tool-call parser, and this deployment names none '
-                                 '(tool_call_parser in its configuration); use "required" or name a function')
+                raise ValueError('tool_choice: "auto" needs a tool-call parser, and this deployment names '
+                                 'none (tool_call_parser in its configuration); use "required" or name a '
+                                 'function')
             return AUTO
         if self.response_format not in (None, {"type": "text"}) or self.structured_outputs:
             raise ValueError("tool_choice: a tool call and response_format cannot both constrain the output")
@@ -237,7 +221,8 @@ class ChatCompletionRequest(SamplingBody):
             return REQUIRED
         names = [t.function.name for t in self.tools]
         if choice.function.name not in names:
-            raise ValueError(f"tool_choice: no tool named {choice.function.name!r} (tools: {', '.join(names)})")
+            raise ValueError(f"tool_choice: no tool named {choice.function.name!r} "
+                             f"(tools: {', '.join(names)})")
         return choice.function.name
 
     def with_parser(self, parser: str | None) -> ChatCompletionRequest:
@@ -261,14 +246,16 @@ class ChatCompletionRequest(SamplingBody):
         spec = StructuredSpec(json_schema=tools[mode] if mode != REQUIRED else tool_calls_schema(tools))
         why = structured_problem(spec)
         if why is not None:
-            raise ValueError(f"tools: a function's parameters are not a schema the engine can decode with: {why}")
+            raise ValueError("tools: a function's parameters are not a schema the engine can decode "
+                             f"with: {why}")
         return spec
 
     def sampling_fields(self) -> dict[str, Any]:
         return {**super().sampling_fields(), "logprobs": (self.top_logprobs or 0) if self.logprobs else None}
 
     def shape(self) -> Shape:
-        return Shape(chat=True, logprobs=(self.top_logprobs or 0) if self.logprobs else None, tool=self._tool())
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        return Shape(chat=True, logprobs=logprobs, tool=self._tool())
 
     def rows(self) -> dict[str, Any]:
         """What the worker renders: the messages, and the tools for the chat template."""

@@ -80,13 +80,14 @@ def chat_message(shape: Shape, output: RowOutput | None, reason: str, rid: str) 
     if shape.tool == AUTO:  # the deployment's tool-call parser read them (on the worker)
         if output is None or not output.tool_calls:
             return {"role": "assistant", "content": text}, reason
-        return {"role": "assistant", "content": output.tool_content, "tool_calls": output.tool_calls}, "tool_calls"
+        message = {"role": "assistant", "content": output.tool_content, "tool_calls": output.tool_calls}
+        return message, "tool_calls"
     calls = tool_calls(shape.tool, text, rid) if shape.tool else None
     if calls is None:
         return {"role": "assistant", "content": text}, reason
     # As vLLM: "tool_calls" for `required`; a named function's call ends with "stop".
-    return {"role": "assistant", "content": None, "tool_calls": calls}, ("tool_calls" if shape.tool == REQUIRED
-                                                                         else reason)
+    called = "tool_calls" if shape.tool == REQUIRED else reason
+    return {"role": "assistant", "content": None, "tool_calls": calls}, called
 
 
 def chat_object(cid: str, model: str, created: int, finals: list[FinalResult], shape: Shape,

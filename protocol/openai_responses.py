@@ -16,7 +16,14 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from sluice.protocol.messages import DeltaEvent, FinalResult, SamplingExtras, StructuredSpec
+from sluice.protocol.messages import (
+    CallerSeed,
+    DeltaEvent,
+    FinalResult,
+    SamplingCore,
+    SamplingExtras,
+    StructuredSpec,
+)
 from sluice.protocol.states import State
 from sluice.protocol.structured import problem as structured_problem
 
@@ -72,24 +79,23 @@ def bounded_metadata(metadata: dict[str, str]) -> dict[str, str]:
     return metadata
 
 
-class ResponseRequest(SamplingExtras):
+class ResponseRequest(SamplingCore, CallerSeed, SamplingExtras):
     """POST /v1/responses, with vLLM's sampling extras as extra fields (as its server takes them).
     Fields this server does not serve are refused by name (problems())."""
 
+    # temperature, top_p and seed come from their one declaration (protocol/messages.py); no
+    # stop, as OpenAI's Responses.
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = Field(default=None, max_length=128)
     input: str | list[InputMessage] = Field(min_length=1)
     instructions: str | None = None
     max_output_tokens: int | None = Field(default=None, ge=1)
-    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     text: TextOptions = Field(default_factory=TextOptions)
     stream: bool = False
     background: bool = False
     store: bool = True
     metadata: dict[str, str] = Field(default_factory=dict)
-    seed: int | None = Field(default=None, ge=0, le=2**63 - 1)
     tools: list[Any] | None = None
     previous_response_id: str | None = None
     conversation: Any = None
@@ -100,8 +106,8 @@ class ResponseRequest(SamplingExtras):
         return bounded_metadata(metadata)
 
     def problems(self) -> list[tuple[str, str]]:
-        out = [(name, f"{name}: not supported by this server") for name in ("tools", "previous_response_id",
-                                                                            "conversation") if getattr(self, name)]
+        unserved = ("tools", "previous_response_id", "conversation")
+        out = [(name, f"{name}: not supported by this server") for name in unserved if getattr(self, name)]
         if self.background and not self.store:
             out.append(("store", "store: a background response must be stored"))
         try:
@@ -135,7 +141,8 @@ class ResponseRequest(SamplingExtras):
     def meta(self, created_at: int) -> dict[str, Any]:
         """What the response object repeats of the request (kept beside the request)."""
         return {"created_at": created_at, "instructions": self.instructions,
-                "max_output_tokens": self.max_output_tokens, "temperature": self.temperature, "top_p": self.top_p,
+                "max_output_tokens": self.max_output_tokens, "temperature": self.temperature,
+                "top_p": self.top_p,
                 "text": {"format": self.text.format.model_dump(by_alias=True, exclude_none=True)},
                 "background": self.background, "metadata": self.metadata}
 
@@ -170,7 +177,8 @@ def response_object(rid: str, model: str, meta: dict[str, Any], state: State,
                      "total_tokens": u.prompt_tokens + u.completion_tokens}
     return {"id": response_id(rid), "object": "response", "created_at": meta["created_at"], "status": status,
             "background": meta["background"], "error": error, "incomplete_details": incomplete,
-            "instructions": meta["instructions"], "max_output_tokens": meta["max_output_tokens"], "model": model,
+            "instructions": meta["instructions"], "max_output_tokens": meta["max_output_tokens"],
+            "model": model,
             "output": output, "parallel_tool_calls": True, "previous_response_id": None,
             "reasoning": {"effort": None, "summary": None}, "store": True, "temperature": meta["temperature"],
             "text": meta["text"], "tool_choice": "auto", "tools": [], "top_p": meta["top_p"],
@@ -200,7 +208,8 @@ class EventSequence:
         yield self._event("response.in_progress", response={**queued, "status": "in_progress"})
         yield self._event("response.output_item.added", output_index=0,
                           item={**_message(self.rid, "", "in_progress"), "content": []})
-        yield self._event("response.content_part.added", item_id=self.item_id, output_index=0, content_index=0,
+        yield self._event("response.content_part.added", item_id=self.item_id, output_index=0,
+                          content_index=0,
                           part={"type": "output_text", "text": "", "annotations": [], "logprobs": []})
 
     def delta(self, delta: DeltaEvent) -> Iterator[tuple[int, dict[str, Any]]]:
@@ -208,7 +217,8 @@ class EventSequence:
         yield self._event("response.output_text.delta", item_id=self.item_id, output_index=0, content_index=0,
                           delta=delta.text, logprobs=[])
 
-    def end(self, final: FinalResult, *, lost_after: int | None = None) -> Iterator[tuple[int, dict[str, Any]]]:
+    def end(self, final: FinalResult, *,
+            lost_after: int | None = None) -> Iterator[tuple[int, dict[str, Any]]]:
         """The events after the last delta. `lost_after`: the reply stream expired before it
         was read to its end, and the client resumes after that sequence number. Past the
         events rebuilt so far, the numbering it saw cannot be rebuilt (nor the text it was

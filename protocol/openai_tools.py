@@ -40,7 +40,8 @@ class NamedToolChoice(BaseModel):
 def tool_calls_schema(tools: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """A JSON array of one or more calls, each `{"name": ..., "parameters": {...}}` naming one
     of the tools with arguments valid for it (vLLM's schema for `tool_choice: "required"`)."""
-    calls = [{"type": "object", "properties": {"name": {"type": "string", "enum": [name]}, "parameters": params},
+    calls = [{"type": "object",
+              "properties": {"name": {"type": "string", "enum": [name]}, "parameters": params},
               "required": ["name", "parameters"]} for name, params in tools.items()]
     return {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
 

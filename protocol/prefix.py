@@ -45,7 +45,8 @@ def prefix_keys(token_ids: Sequence[int], block_size: int = DEFAULT_BLOCK_SIZE,
     return [chain[d - 1].hex() for d in depths if d <= len(chain)]
 
 
-def prefix_group(prefix: Sequence[str], group_blocks: int, depths: Sequence[int] = PREFIX_DEPTHS) -> str | None:
+def prefix_group(prefix: Sequence[str], group_blocks: int,
+                 depths: Sequence[int] = PREFIX_DEPTHS) -> str | None:
     """The key a placement groups a request by: the deepest one the entry carries that covers at
     most `group_blocks` blocks (a shorter prompt's deepest key); None for an entry without keys."""
     chosen = None

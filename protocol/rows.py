@@ -11,8 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from sluice.config.model import ModelConfig
-
-MAX_TOKENS = 1_000_000  # the most tokens any request may ask for
+from sluice.protocol.messages import MAX_TOKENS
 
 
 @dataclass(frozen=True)
@@ -73,13 +72,21 @@ def row_problem(model: ModelConfig, row: Mapping[str, Any], index: int = 0, rows
         return RowProblem(413, f"{where('prompt', index, rows)}: longer than {max_prompt_chars} characters",
                           "prompt_too_long", "prompt")
     max_tokens = row.get("max_tokens") or model.default_max_tokens
-    if max_tokens > MAX_TOKENS:
-        return RowProblem(422, f"{where('max_tokens', index, rows)}: at most {MAX_TOKENS}", "max_tokens",
-                          "max_tokens")
+    too_many = max_tokens_problem(max_tokens, where("max_tokens", index, rows))
+    if too_many:
+        return too_many
     limit = model.framework_config.max_model_len
     if limit is not None and max_tokens >= limit:
         return RowProblem(422, f"{where('max_tokens', index, rows)}: must be below the model's context "
                                f"length ({limit})", "max_tokens", "max_tokens")
+    return None
+
+
+def max_tokens_problem(max_tokens: int, field: str = "max_tokens") -> RowProblem | None:
+    """The bound on max_tokens (MAX_TOKENS) where a body does not hold it itself: a 422 naming
+    `field`, the same from every route and for a batch's line."""
+    if max_tokens > MAX_TOKENS:
+        return RowProblem(422, f"{field}: at most {MAX_TOKENS}", "max_tokens", "max_tokens")
     return None
 
 
@@ -97,10 +104,10 @@ def sampling_problem(model: ModelConfig, sampling: Mapping[str, Any], max_tokens
     bound = vocab if vocab is not None else INT32_MAX + 1
     bad = next((t for t in sampling.get("stop_token_ids") or () if not 0 <= t < bound), None)
     if bad is not None:
-        return RowProblem(400, f"stop_token_ids: {bad} is not a token id of model {model.name!r} (0 to {bound - 1})",
-                          "stop_token_ids", "stop_token_ids")
+        return RowProblem(400, f"stop_token_ids: {bad} is not a token id of model {model.name!r} "
+                               f"(0 to {bound - 1})", "stop_token_ids", "stop_token_ids")
     min_tokens = sampling.get("min_tokens") or 0
     if min_tokens > max_tokens:
-        return RowProblem(400, f"min_tokens: {min_tokens} is more than max_tokens ({max_tokens})", "min_tokens",
-                          "min_tokens")
+        return RowProblem(400, f"min_tokens: {min_tokens} is more than max_tokens ({max_tokens})",
+                          "min_tokens", "min_tokens")
     return None

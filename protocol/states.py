@@ -40,5 +40,6 @@ class BatchState(str, enum.Enum):
         return self in FINAL_BATCH_STATES
 
 
-FINAL_BATCH_STATES = frozenset({BatchState.COMPLETED, BatchState.FAILED, BatchState.EXPIRED, BatchState.CANCELLED})
+FINAL_BATCH_STATES = frozenset({BatchState.COMPLETED, BatchState.FAILED, BatchState.EXPIRED,
+                                BatchState.CANCELLED})
 ACTIVE_BATCH_STATES = tuple(s for s in BatchState if not s.final)

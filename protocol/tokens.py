@@ -16,17 +16,22 @@ import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sluice.config.model import ModelConfig
 from sluice.config.model_paths import local_model_dir
 from sluice.protocol.prefix import prefix_keys
 from sluice.protocol.rows import prompt_text
 
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerBase
+
 log = logging.getLogger(__name__)
 
 
 MISSING_S = 5.0  # a model whose tokenizer files were not found is looked for again this much later
+Loaded = tuple["Tokenizer", int]  # a model's tokenizer and its context length in tokens
 
 # A prompt this short is measured on the event loop: tokenizing it costs less than a thread's round trip.
 INLINE_BYTES = 2048
@@ -45,9 +50,10 @@ class Measured:
 class PromptLimits:
     def __init__(self, cache_dir: Path):
         self.cache_dir = cache_dir
-        self._loaded: dict[tuple[str, str], tuple[object, int] | None] = {}
-        self._missing_since: dict[tuple[str, str], float] = {}  # files not found: looked for again after MISSING_S
-        self._templates: dict[tuple[str, str, str], object] = {}
+        self._loaded: dict[tuple[str, str], Loaded | None] = {}
+        # Files not found: looked for again after MISSING_S.
+        self._missing_since: dict[tuple[str, str], float] = {}
+        self._templates: dict[tuple[str, str, str], PreTrainedTokenizerBase] = {}
         self._no_template: set[tuple[str, str]] = set()
         self._lock = threading.Lock()  # one load per model, whichever thread asks first
 
@@ -64,7 +70,7 @@ class PromptLimits:
             return False
         return self._loaded[key] is not None or time.monotonic() - self._missing_since[key] < MISSING_S
 
-    async def load(self, model: ModelConfig) -> tuple[object, int] | None:
+    async def load(self, model: ModelConfig) -> Loaded | None:
         """As `loaded`, reading the files in a thread when they were not read yet: reading one
         holds the GIL for about a second, which on the event loop stalls every connection."""
         if self.is_loaded(model):
@@ -84,12 +90,12 @@ class PromptLimits:
             except Exception as err:  # noqa: BLE001 - unreadable files are the engine's to refuse
                 log.warning("model %r: could not read its tokenizer (%s)", model.name, err)
 
-    def loaded(self, model: ModelConfig) -> tuple[object, int] | None:
+    def loaded(self, model: ModelConfig) -> Loaded | None:
         """The model's tokenizer (a `tokenizers.Tokenizer`) and context length, when the api
         can read them; None where it cannot see the model's files."""
         return self._load(model)
 
-    def chat_template(self, model: ModelConfig) -> object | None:
+    def chat_template(self, model: ModelConfig) -> PreTrainedTokenizerBase | None:
         """A transformers tokenizer for rendering chat messages as the worker does."""
         directory = local_model_dir(model.path, self.cache_dir)
         if directory is None or self.loaded(model) is None:
@@ -101,14 +107,14 @@ class PromptLimits:
             self._templates[key] = AutoTokenizer.from_pretrained(str(directory))
         return self._templates[key]
 
-    def _load(self, model: ModelConfig) -> tuple[object, int] | None:
+    def _load(self, model: ModelConfig) -> Loaded | None:
         key = (model.name, model.path)
         if self._known(key):
             return self._loaded[key]
         with self._lock:
             if self._known(key):
                 return self._loaded[key]
-            found: tuple[object, int] | None = None
+            found: Loaded | None = None
             try:
                 directory = local_model_dir(model.path, self.cache_dir)
                 if directory is not None and (directory / "tokenizer.json").is_file():
@@ -170,9 +176,10 @@ class PromptLimits:
         return Measured(problem, tuple(prefix_keys(ids, model.framework_config.cache_block_size)), len(ids))
 
     def _has_template(self, model: ModelConfig) -> bool:
-        return ("chat", model.name, model.path) in self._templates or (model.name, model.path) in self._no_template
+        key = (model.name, model.path)
+        return ("chat", *key) in self._templates or key in self._no_template
 
-    def _template(self, model: ModelConfig) -> object | None:
+    def _template(self, model: ModelConfig) -> PreTrainedTokenizerBase | None:
         """`chat_template`, or None when the model's files have none that transformers can read
         (remembered: a chat row then gets no prefix key, and the engine renders it or refuses)."""
         if (model.name, model.path) in self._no_template:
@@ -191,8 +198,8 @@ class PromptLimits:
         if chat is None:
             return None
         try:
-            return chat.apply_chat_template(list(row["messages"]), tools=row.get("tools"),  # type: ignore[attr-defined]
-                                            tokenize=False, add_generation_prompt=True)
+            return chat.apply_chat_template(list(row["messages"]), tools=row.get("tools"), tokenize=False,
+                                            add_generation_prompt=True)
         except Exception:  # noqa: BLE001 - a template refusing the messages: the engine reports it
             return None
 
@@ -208,10 +215,10 @@ def _is_chat(row: Mapping[str, Any]) -> bool:
     return "messages" in row and not row.get("prompt")
 
 
-def _token_ids(tokenizer: object, text: str) -> list[int]:
+def _token_ids(tokenizer: Tokenizer, text: str) -> list[int]:
     # encode_batch lets go of the GIL while it works (encode holds it: tokenizing 1.5 M
     # characters stalled every other thread, the event loop included, for 10 s here).
-    return tokenizer.encode_batch_fast([text])[0].ids  # type: ignore[attr-defined, no-any-return]
+    return tokenizer.encode_batch_fast([text])[0].ids
 
 
 def _too_long(n: int, max_tokens: int, context: int) -> str | None:

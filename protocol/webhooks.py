@@ -78,7 +78,7 @@ def resolve(host: str, port: int, *, allow_private: bool) -> str:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except (socket.gaierror, UnicodeError) as err:
         raise UnsafeUrl(f"webhook host {host!r} does not resolve: {err}") from None
-    addresses = [ipaddress.ip_address(info[4][0].split("%")[0]) for info in infos]
+    addresses = [ipaddress.ip_address(str(info[4][0]).split("%")[0]) for info in infos]
     if not allow_private:
         bad = [str(a) for a in addresses if _private(a)]
         if bad:

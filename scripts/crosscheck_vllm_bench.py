@@ -30,7 +30,8 @@ FIGURES = ["completed", "duration", "output_throughput", "mean_ttft_ms", "median
 
 def vllm_bench(url: str, name: str, tokenizer: str, out: Path, args: argparse.Namespace) -> dict:
     subprocess.run([sys.executable, "-m", "sluice.bench.vllm_server", "bench", "serve", "--backend", "openai",
-                    "--base-url", url, "--endpoint", "/v1/completions", "--model", name, "--tokenizer", tokenizer,
+                    "--base-url", url, "--endpoint", "/v1/completions", "--model", name,
+                    "--tokenizer", tokenizer,
                     "--dataset-name", "random", "--random-input-len", "64", "--random-output-len", "64",
                     "--ignore-eos", "--num-prompts", str(args.num_prompts), "--max-concurrency",
                     str(args.max_concurrency), "--seed", "0", "--percentile-metrics", "ttft,tpot,itl,e2el",

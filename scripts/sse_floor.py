@@ -53,7 +53,8 @@ def _events(n: int, ms: float):
 
 async def bare(scope, receive, send) -> None:  # noqa: ANN001 - ASGI
     q = dict(p.split("=") for p in scope["query_string"].decode().split("&"))
-    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
+    await send({"type": "http.response.start", "status": 200,
+                "headers": [(b"content-type", b"text/event-stream")]})
     async for data in _events(int(q["n"]), float(q["ms"])):
         await send({"type": "http.response.body", "body": f"event: delta\r\ndata: {data}\r\n\r\n".encode(),
                     "more_body": True})
@@ -111,7 +112,8 @@ def main() -> None:
     parser.add_argument("--token-ms", type=float, default=5.0)
     parser.add_argument("--max-tokens", type=int, default=200)
     parser.add_argument("--seconds", type=float, default=10.0)
-    parser.add_argument("--serve", help=argparse.SUPPRESS)  # (the server's own process: bare or fastapi, port)
+    # (the server's own process: bare or fastapi, port)
+    parser.add_argument("--serve", help=argparse.SUPPRESS)
     a = parser.parse_args()
     if a.serve:
         import uvicorn
@@ -131,8 +133,8 @@ def main() -> None:
         finally:
             server.terminate()
             server.wait()
-        print(f"{app:8s} {a.streams} x {a.token_ms:g} ms: {tokens} tokens, server CPU {used * 1e6 / tokens:.1f} ms "
-              f"per 1,000 tokens")
+        print(f"{app:8s} {a.streams} x {a.token_ms:g} ms: {tokens} tokens, "
+              f"server CPU {used * 1e6 / tokens:.1f} ms per 1,000 tokens")
 
 
 if __name__ == "__main__":

@@ -1,1 +1,2 @@
-"""Sluice's processes (Redis, apis, workers) as children of this one: `sluice up`, the benchmarks and the tests."""
+"""Sluice's processes (Redis, apis, workers) as children of this one: `sluice up`, the benchmarks
+and the tests."""

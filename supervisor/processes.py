@@ -101,7 +101,8 @@ class EmbeddedRedis:
         self.process = subprocess.Popen(
             [redis_server_binary(), *self._listen(), "--bind", "127.0.0.1",
              "--dir", str(self.data_dir), "--appendonly", "yes" if self.appendonly else "no",
-             "--appendfsync", "always" if self.strict else "everysec", "--maxmemory-policy", "noeviction", "--save", "",
+             "--appendfsync", "always" if self.strict else "everysec",
+             "--maxmemory-policy", "noeviction", "--save", "",
              "--logfile", str(self.data_dir / "redis.log"),
              *(["--requirepass", self.password, "--masterauth", self.password] if self.password else []),
              *self.extra],
@@ -172,7 +173,8 @@ def wait_ready(url: str, procs: list[subprocess.Popen], timeout_s: float = 900,
             return False
         for p in procs:
             if p.poll() is not None:
-                raise RuntimeError(f"{p.args} exited with {p.returncode} before {url} was ready")
+                # !r: mypy's guard against str(bytes); the commands here are lists, which read the same
+                raise RuntimeError(f"{p.args!r} exited with {p.returncode} before {url} was ready")
         try:
             if httpx.get(f"{url}/{probe}", timeout=2).status_code == 200:
                 return True

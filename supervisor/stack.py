@@ -65,8 +65,9 @@ class LocalStack:
         """Start the local Redis unless a URL was given; returns the URL the children use."""
         if self.redis_url is None or self.redis is not None:
             if self.redis is None:
-                self.redis = EmbeddedRedis(self.data_dir / "redis", self.redis_port, appendonly=self.appendonly,
-                                           password=self.redis_password, tls=self.redis_tls, strict=self.strict,
+                self.redis = EmbeddedRedis(self.data_dir / "redis", self.redis_port,
+                                           appendonly=self.appendonly, password=self.redis_password,
+                                           tls=self.redis_tls, strict=self.strict,
                                            own_session=self.own_session)
             self.redis.start()
             self.redis_url = self.redis.url
@@ -100,15 +101,16 @@ class LocalStack:
             with open(logs / f"{log}.log", "ab") as out:
                 return subprocess.Popen([*CLI, *args], env={**self.child_env, **env}, stdout=out,
                                         stderr=subprocess.STDOUT, start_new_session=self.own_session)
-        quiet = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL} if self.output == "quiet" else {}
-        return subprocess.Popen([*CLI, *args], env={**self.child_env, **env}, start_new_session=self.own_session,
-                                **quiet)
+        # quiet: to /dev/null; inherit: to this process's own stdout and stderr (None)
+        sink = subprocess.DEVNULL if self.output == "quiet" else None
+        return subprocess.Popen([*CLI, *args], env={**self.child_env, **env}, stdout=sink, stderr=sink,
+                                start_new_session=self.own_session)
 
     def start_api(self, port: int | None = None, *args: str, log: str | None = None, **env: str) -> str:
         """One api process (on `port`, or a free one); returns its URL."""
         port = port or free_port()
-        self.apis[port] = self._spawn(["api", "--host", self.host, "--port", str(port), *args], log or f"api-{port}",
-                                      **env)
+        self.apis[port] = self._spawn(["api", "--host", self.host, "--port", str(port), *args],
+                                      log or f"api-{port}", **env)
         return self.api_url(port)
 
     def api_url(self, port: int | None = None) -> str:
@@ -121,8 +123,8 @@ class LocalStack:
         """The first api's URL."""
         return self.api_url()
 
-    def start_worker(self, model: str, name: str | None = None, *, engine: str | None = None, log: str | None = None,
-                     **env: str) -> subprocess.Popen:
+    def start_worker(self, model: str, name: str | None = None, *, engine: str | None = None,
+                     log: str | None = None, **env: str) -> subprocess.Popen:
         name = name or f"{model}-w{len(self.workers)}"
         args = ["worker", "--model", model, "--name", name, *(["--engine", engine] if engine else [])]
         self.workers[name] = self._spawn(args, log or name, **env)
@@ -149,7 +151,8 @@ class LocalStack:
         started without workers); raises if a child exits first."""
         live = [p for p in self.processes if p.poll() is None]  # not those a test killed earlier
         for port in self.apis:
-            if not wait_ready(self.api_url(port), live, timeout_s=timeout_s, cancelled=cancelled, probe=probe):
+            if not wait_ready(self.api_url(port), live, timeout_s=timeout_s, cancelled=cancelled,
+                              probe=probe):
                 return False
         return True
 
@@ -165,8 +168,9 @@ class LocalStack:
 
     # -- the common shape: one call ---------------------------------------------------------
 
-    def up(self, workers: list[str], *, engine: str | None = None, jobs: bool = False, api_port: int | None = None,
-           api_args: tuple[str, ...] = (), timeout_s: float = 600, names: list[str] | None = None) -> LocalStack:
+    def up(self, workers: list[str], *, engine: str | None = None, jobs: bool = False,
+           api_port: int | None = None, api_args: tuple[str, ...] = (), timeout_s: float = 600,
+           names: list[str] | None = None) -> LocalStack:
         """Redis, one worker per name in `workers` (a model name each), the jobs worker if asked,
         one api; returns once the api is ready. Stops what it started if that fails."""
         try:

@@ -30,10 +30,11 @@ class LocalCluster:
 
     def __init__(self, root: Path, primaries: int = 3, replicas: int = 1) -> None:
         self.root = root
-        self.nodes = [EmbeddedRedis(root / f"node{i}", extra=(
-            "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf", "--cluster-node-timeout", "2000",
-            "--cluster-allow-reads-when-down", "no", "--repl-diskless-sync-delay", "0"), below=CLUSTER_PORT_BOUND)
-            for i in range(primaries * (1 + replicas))]
+        options = ("--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
+                   "--cluster-node-timeout", "2000", "--cluster-allow-reads-when-down", "no",
+                   "--repl-diskless-sync-delay", "0")
+        self.nodes = [EmbeddedRedis(root / f"node{i}", extra=options, below=CLUSTER_PORT_BOUND)
+                      for i in range(primaries * (1 + replicas))]
         self.replicas = replicas
 
     @property
@@ -104,7 +105,8 @@ class LocalSentinel:
 
     @property
     def url(self) -> str:
-        return "redis+sentinel://" + ",".join(f"127.0.0.1:{p}" for p in self.sentinel_ports) + f"/{self.service}/0"
+        sentinels = ",".join(f"127.0.0.1:{p}" for p in self.sentinel_ports)
+        return f"redis+sentinel://{sentinels}/{self.service}/0"
 
     def start(self) -> LocalSentinel:
         binary = shutil.which("redis-sentinel")

@@ -270,3 +270,13 @@ def test_no_import_circle_in_broker() -> None:
         if node not in state:
             visit(node)
     assert not circles, report("import circles in broker/", circles)
+
+
+MAX_LINE = 110  # DESIGN's style: lines under 110 characters in the source (ruff allows the tests 120)
+
+
+def test_no_source_line_is_over_110_characters() -> None:
+    offenders = [f"{m.path.relative_to(ROOT)}:{n}: {len(line)} characters"
+                 for m in MODULES for n, line in enumerate(m.path.read_text().splitlines(), 1)
+                 if len(line) > MAX_LINE]
+    assert not offenders, report(f"source lines over {MAX_LINE} characters", offenders[:50])

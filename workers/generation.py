@@ -29,8 +29,8 @@ log = logging.getLogger(__name__)
 
 
 # SamplingSpec fields a GenerationRequest takes as they are (the others depend on the row and
-# on what an earlier attempt delivered); its sampling extras travel as one object.
-_AS_SAMPLED = ("temperature", "top_p", "stop", "logprobs", "structured")
+# on what an earlier attempt delivered); its sampling (Sampled's fields) travels as one object.
+_AS_SAMPLED = ("logprobs", "structured")
 
 
 @dataclass
@@ -125,7 +125,7 @@ class Generation:
                 **{name: getattr(s, name) for name in _AS_SAMPLED},
                 max_tokens=max_tokens - result.tokens,
                 seed=s.seed + row,
-                extras=s.sampling_extras(min_tokens=max(0, s.min_tokens - result.tokens)),
+                sampling=s.sampled(min_tokens=max(0, s.min_tokens - result.tokens)),
                 # Asked once: a resumed attempt's prompt holds the delivered tokens too.
                 prompt_logprobs=s.prompt_logprobs if result.prompt_logprobs is None else None,
                 priority=msg.priority,
@@ -134,7 +134,8 @@ class Generation:
         if result.tokens < result.replayed:
             # Stopped (a cancel, the deadline) before regenerating what the stream holds: that part
             # agreed so far (_check_replayed), and the row's output is what its clients streamed.
-            result.text, result.tokens, result.logprobs = list(held.text), len(held.token_ids), list(held.logprobs)
+            result.text, result.tokens = list(held.text), len(held.token_ids)
+            result.logprobs = list(held.logprobs)
         text = "".join(result.text)
         extra = self.engine.extra_outputs(values, text, result.tokens)
         run.prompt_tokens += result.prompt_tokens
@@ -161,7 +162,8 @@ class Generation:
                     if run.first_token is None and delta.token_ids:
                         run.first_token = time.time()
                     _check_replayed(result, delta, finish)
-                    if result.tokens + len(delta.token_ids) > result.replayed or finish:  # not on the stream yet
+                    # Written where it is not on the stream yet (or ends the row):
+                    if result.tokens + len(delta.token_ids) > result.replayed or finish:
                         self.replies.delta(run.delivery,
                                            _past_replayed(result, delta, row, run.delivery.attempt, finish))
                     result.text.append(delta.text)
@@ -190,7 +192,8 @@ def _check_replayed(result: RowResult, delta: TokenDelta, finish: str | None) ->
                        f"of {result.replayed} streamed")
 
 
-def _past_replayed(result: RowResult, delta: TokenDelta, row: int, attempt: int, finish: str | None) -> DeltaEvent:
+def _past_replayed(result: RowResult, delta: TokenDelta, row: int, attempt: int,
+                   finish: str | None) -> DeltaEvent:
     """The part of an engine delta the reply stream does not hold yet. A regenerated structured
     row replays the tokens an earlier attempt streamed; a delta that straddles the point that
     attempt reached is split there, so the stream goes on exactly where it ends (written whole,
@@ -199,21 +202,24 @@ def _past_replayed(result: RowResult, delta: TokenDelta, row: int, attempt: int,
     past the streamed one."""
     skip = min(max(0, result.replayed - result.tokens), len(delta.token_ids))
     if skip == 0:
-        return DeltaEvent(i=result.tokens, text=delta.text, token_ids=delta.token_ids, attempt=attempt, row=row,
-                          finish=finish, logprobs=delta.logprobs, prompt_logprobs=delta.prompt_logprobs)
+        return DeltaEvent(i=result.tokens, text=delta.text, token_ids=delta.token_ids, attempt=attempt,
+                          row=row, finish=finish, logprobs=delta.logprobs,
+                          prompt_logprobs=delta.prompt_logprobs)
     regenerated = "".join(result.text) + delta.text
     return DeltaEvent(i=result.tokens + skip, text=regenerated[len(result.replayed_text):],
                       token_ids=delta.token_ids[skip:], attempt=attempt, row=row, finish=finish,
                       logprobs=delta.logprobs[skip:] if delta.logprobs is not None else None)
 
 
-def _tool_calls(engine: Engine, row: dict[str, Any], text: str) -> tuple[list[dict[str, Any]] | None, str | None]:
+def _tool_calls(engine: Engine, row: dict[str, Any],
+                text: str) -> tuple[list[dict[str, Any]] | None, str | None]:
     """What the deployment's tool-call parser finds in the output; a parser that fails on it
     leaves the text as the answer (as an output without calls)."""
     try:
         found = engine.tool_calls(row, text)
     except Exception:  # noqa: BLE001 - a parser's bug must not fail a finished generation
-        log.exception("the tool-call parser %s failed on an output; answering with the text", row.get("tool_parser"))
+        log.exception("the tool-call parser %s failed on an output; answering with the text",
+                      row.get("tool_parser"))
         return None, None
     return found if found is not None else (None, None)
 
@@ -227,7 +233,8 @@ def final_result(run: Running, outputs: list[RowOutput], error: str | None) -> F
         outputs, error = [], run.failure
     timings = Timings(enqueued=msg.enqueued_at, started=run.started, first_token=run.first_token,
                       finished=time.time())
-    usage = Usage(prompt_tokens=run.prompt_tokens, completion_tokens=sum(o.num_output_tokens for o in outputs))
+    usage = Usage(prompt_tokens=run.prompt_tokens,
+                  completion_tokens=sum(o.num_output_tokens for o in outputs))
     if run.stop_reason is not None:
         status = run.stop_reason
         error = ("cancelled by the client" if status is State.CANCELLED

@@ -12,11 +12,13 @@ _TOKEN_TIME = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1, 2.
 
 COMPLETED = Counter("sluice_requests_completed", "Requests finished, by final status", ["model", "status"])
 RUNNING = Gauge("sluice_num_requests_running", "Requests in the engine now", ["model", "worker"])
-ADMITTED_CONCURRENCY = Gauge("sluice_admitted_concurrency", "Requests the worker admits to the engine at once "
-                             "(below capacity where the model's TPOT target holds it)", ["model", "worker"])
+ADMITTED_CONCURRENCY = Gauge("sluice_admitted_concurrency",
+                             "Requests the worker admits to the engine at once (below capacity where the "
+                             "model's TPOT target holds it)", ["model", "worker"])
 BATCH_SIZE = Histogram("sluice_batch_size", "Requests per batch handed to the engine", ["model", "mode"],
                        buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256))
-QUEUE_TIME = Histogram("sluice_request_queue_time_seconds", "Enqueued to started", ["model"], buckets=_LATENCY)
+QUEUE_TIME = Histogram("sluice_request_queue_time_seconds", "Enqueued to started", ["model"],
+                       buckets=_LATENCY)
 TTFT = Histogram("sluice_time_to_first_token_seconds", "Enqueued to first token", ["model"], buckets=_LATENCY)
 TPOT = Histogram("sluice_time_per_output_token_seconds", "Mean time per output token after the first",
                  ["model"], buckets=_TOKEN_TIME)
@@ -32,8 +34,8 @@ RECLAIMS = Counter("sluice_reclaims", "Entries taken over from workers whose lea
 DEAD_LETTERS = Counter("sluice_dead_letters", "Requests moved to the dead-letter stream", ["model"])
 # vLLM's vllm:prefix_cache_queries and vllm:prefix_cache_hits, per worker (each has its own cache):
 # the hit rate is hits / queries over a window.
-PREFIX_CACHE_QUERIES = Counter("sluice_prefix_cache_queries", "Prompt tokens looked up in the engine's prefix cache",
-                               ["model", "worker"])
+PREFIX_CACHE_QUERIES = Counter("sluice_prefix_cache_queries",
+                               "Prompt tokens looked up in the engine's prefix cache", ["model", "worker"])
 PREFIX_CACHE_HITS = Counter("sluice_prefix_cache_hits", "Prompt tokens found in the engine's prefix cache",
                             ["model", "worker"])
 
@@ -48,7 +50,8 @@ def observe_final(model: str, final: FinalResult, tenant: str = "default") -> No
     if final.usage:
         GENERATION_TOKENS.labels(model).inc(final.usage.completion_tokens)
         PROMPT_TOKENS.labels(model).inc(final.usage.prompt_tokens)
-        TENANT_SERVED_TOKENS.labels(tenant, model).inc(final.usage.prompt_tokens + final.usage.completion_tokens)
+        served = final.usage.prompt_tokens + final.usage.completion_tokens
+        TENANT_SERVED_TOKENS.labels(tenant, model).inc(served)
     if t.enqueued is None:
         return
     if t.started is not None:
@@ -78,6 +81,7 @@ class PrefixCacheExport:
 
     @staticmethod
     def heartbeat(counters: PrefixCacheCounters | None) -> dict[str, int | None]:
-        return {} if counters is None else {"prefix_cache_queries": counters.queries,
-                                            "prefix_cache_hits": counters.hits, "prefix_cache_blocks": counters.blocks,
-                                            "prefix_cache_block_size": counters.block_size}
+        if counters is None:
+            return {}
+        return {"prefix_cache_queries": counters.queries, "prefix_cache_hits": counters.hits,
+                "prefix_cache_blocks": counters.blocks, "prefix_cache_block_size": counters.block_size}

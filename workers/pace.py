@@ -41,7 +41,8 @@ class Pace:
         self.governor: ConcurrencyGovernor | None = None
         slo = model.slo
         if slo is not None and slo.tpot_ms is not None and isinstance(policy, ContinuousAdmission):
-            self.governor = ConcurrencyGovernor(slo.tpot_ms / 1000, policy.capacity, window=_GAP_WINDOW, quantile=0.5)
+            self.governor = ConcurrencyGovernor(slo.tpot_ms / 1000, policy.capacity, window=_GAP_WINDOW,
+                                                quantile=0.5)
             policy.limit = self.governor.limit
         self._gauge()
 
@@ -59,7 +60,8 @@ class Pace:
 
     def token_gap(self, gap_s: float, running: int) -> None:
         """The time one token took after the row's previous one, with `running` requests in the engine."""
-        self.gap_s = gap_s if self.gap_s is None else (1 - _GAP_SMOOTHING) * self.gap_s + _GAP_SMOOTHING * gap_s
+        before = self.gap_s
+        self.gap_s = gap_s if before is None else (1 - _GAP_SMOOTHING) * before + _GAP_SMOOTHING * gap_s
         if self.governor is not None:
             assert isinstance(self.policy, ContinuousAdmission)
             limit = self.governor.observe(gap_s, running)

@@ -32,16 +32,19 @@ async def serve(settings: Settings, model_name: str, name: str | None, engine: E
         else:
             found = await until_redis_answers(lambda: registry.get(model_name))
             if found is None:
-                raise ConfigError(f"model {model_name!r} is neither in {settings.models_file or 'the models file'} "
-                                  f"nor deployed ({', '.join(models) or 'none'} are known)")
+                where, known = settings.models_file or "the models file", ", ".join(models) or "none"
+                raise ConfigError(f"model {model_name!r} is neither in {where} nor deployed "
+                                  f"({known} are known)")
             model = found
         metrics_url = None
         if metrics_port is not None:
             metrics.serve(metrics_port, settings.worker_metrics_host)
-            metrics_url = settings.worker_metrics_url or f"http://{socket.gethostname()}:{metrics_port}/metrics"
+            metrics_url = (settings.worker_metrics_url
+                           or f"http://{socket.gethostname()}:{metrics_port}/metrics")
             log.info("metrics on %s", metrics_url)
         worker = Worker(settings, model, build_engine(model, settings, engine), redis,
-                        name or f"{socket.gethostname()}-{model.name}", metrics_url=metrics_url, freeze_gc=True)
+                        name or f"{socket.gethostname()}-{model.name}", metrics_url=metrics_url,
+                        freeze_gc=True)
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, _stop_handler(worker, sig))

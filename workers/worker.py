@@ -19,8 +19,11 @@ from redis.asyncio import Redis
 
 from sluice.batching.base import BatchingPolicy
 from sluice.batching.registry import make_policy
+from sluice.broker.delivery.affinity import PlacementRules
 from sluice.broker.delivery.consumer import Delivery, StreamConsumer
-from sluice.broker.delivery.housekeeping import LogBuffer, shards_in_use
+from sluice.broker.delivery.fair_share import SlotReserves
+from sluice.broker.delivery.lanes import shards_in_use
+from sluice.broker.inference_log import LogBuffer
 from sluice.broker.limits import ConsumerLimits
 from sluice.broker.plumbing.connection import until_redis_answers
 from sluice.broker.registry import ModelRegistry, WorkerInfo, WorkerRegistry
@@ -55,14 +58,16 @@ class Worker:
         self.replies = ReplyWriter(redis, model.name, reply_ttl_s=settings.status_ttl_s,
                                    on_call=metrics.REPLY_CALLS.labels(model.name).inc)
         self.inference_log = LogBuffer(self.consumer.append_log)
-        self.generation = Generation(engine, self.replies, lambda gap: self.pace.token_gap(gap, len(self.running)))
+        self.generation = Generation(engine, self.replies,
+                                     lambda gap: self.pace.token_gap(gap, len(self.running)))
         self.workers = WorkerRegistry(redis)
         self.models = ModelRegistry(redis)
         self.policy = self._policy(model)
         self.running: dict[str, Running] = {}
         self.stopping = asyncio.Event()
         self.started_at, self._batches = time.time(), 0
-        self._switch, self._closing = asyncio.Event(), asyncio.Event()  # a policy's end; the background duties' end
+        # a policy's end; the background duties' end
+        self._switch, self._closing = asyncio.Event(), asyncio.Event()
         # the consumer's reclaims and dead letters already in the metrics; when the next heartbeat is due
         self._counted, self._next_beat = (0, 0), 0.0
         self._prefix_cache = metrics.PrefixCacheExport()
@@ -70,15 +75,15 @@ class Worker:
 
     async def _read_shards(self) -> None:
         """Read the model's shards, and those a smaller `shards` left with entries (they drain)."""
-        self.consumer.shards = await shards_in_use(self.redis, self.consumer.keys, self.model.shards)
+        self.consumer.configure(shards=await shards_in_use(self.redis, self.consumer.keys, self.model.shards))
         await self.consumer.ensure_groups()
 
     def _policy(self, model: ModelConfig) -> BatchingPolicy:
+        """The batching policy of `model`; the consumer reads for it (the slots its reads keep
+        free, placing by prefix where the deployment asks for it)."""
         policy = make_policy(model)
-        self.consumer.reserved_slots = min(self.settings.interactive_reserved_slots, max(0, policy.capacity - 1))
-        self.consumer.capacity = policy.capacity
-        self.consumer.tenant_reserved_slots = min(self.settings.tenant_reserved_slots, max(0, policy.capacity - 1))
-        self.consumer.affinity.configure(self.settings, model)
+        self.consumer.configure(reserves=SlotReserves.of(self.settings, policy.capacity),
+                                placement=PlacementRules.of(self.settings, model))
         self.pace = Pace(model, policy, self.name)
         self.serving = model  # what its heartbeat says it runs: a new version only once its policy does
         return policy
@@ -144,7 +149,8 @@ class Worker:
 
     async def _forward_stop(self) -> None:
         stop = asyncio.ensure_future(self.stopping.wait())
-        await asyncio.wait([stop, asyncio.ensure_future(self._closing.wait())], return_when=asyncio.FIRST_COMPLETED)
+        closing = asyncio.ensure_future(self._closing.wait())
+        await asyncio.wait([stop, closing], return_when=asyncio.FIRST_COMPLETED)
         self._switch.set()
 
     async def _drain(self) -> None:
@@ -243,7 +249,8 @@ class Worker:
     async def _heartbeat(self) -> None:
         if time.monotonic() < self._next_beat and self.pace.admitted > 0.75 * self.pace.told:
             return  # not due, and no fall of the limit that the api's TTFT bound must hear of at once
-        self._next_beat, self.pace.told = time.monotonic() + self.settings.heartbeat_interval_s, self.pace.admitted
+        self._next_beat = time.monotonic() + self.settings.heartbeat_interval_s
+        self.pace.told = self.pace.admitted
         self._sync_metrics()
         await self.workers.beat(WorkerInfo(
             name=self.name, model=self.model.name, version=self.serving.version,

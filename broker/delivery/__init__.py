@@ -1,5 +1,6 @@
 """Delivery, the worker's side of a lane: the consumer (fetch, guard, lease, commit), the entries
-it holds, fair share, prefix affinity, quarantine, dead letters, consumer names, housekeeping."""
+it holds, fair share, prefix affinity, quarantine, dead letters, consumer names, the lanes and
+shards read, the inference log, and the expiry of overdue entries."""
 
 from sluice.broker.delivery.affinity import group_of
 from sluice.broker.delivery.deliveries import Delivery, Sent, StartDecision

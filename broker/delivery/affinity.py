@@ -14,15 +14,17 @@ the same with `redis.sha1hex` for a group the table does not name yet.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from redis.asyncio import Redis
 
+from sluice.broker.delivery.calls import AffinityBeat, AffinityOwners
 from sluice.broker.keys import AFFINITY_GROUPS_MAX, WORKERS, affinity_wake
 from sluice.protocol.prefix import prefix_group
 
@@ -50,8 +52,9 @@ def rendezvous_ranks(group: str, workers: list[str], k: int | None = None) -> li
     return sorted(workers, key=lambda w: _score(group, w), reverse=True)[:k]
 
 
-def bounded_owners(counts: dict[str, float], workers: list[str], bound: float, ranks: Callable[[str], list[str]],
-                   before: dict[str, list[str]] | None = None, *, sizes: dict[str, float] | None = None,
+def bounded_owners(counts: dict[str, float], workers: list[str], bound: float,
+                   ranks: Callable[[str], list[str]], before: dict[str, list[str]] | None = None, *,
+                   sizes: dict[str, float] | None = None,
                    room: dict[str, float] | None = None) -> dict[str, list[str]]:
     """Each group's owners: its owners `before` that are still live, then the highest-ranked
     workers, as long as they have room, where a worker's room is `bound` times the mean of the
@@ -96,46 +99,58 @@ def _take(n: float, order: list[str], load: dict[str, float], cap: float) -> lis
     return mine
 
 
-@dataclass
-class Placement:
-    """A worker's side of prefix affinity, kept by its consumer: the bound (`wait_ms`, None when
-    the worker does not place by prefix), who counts as live (seen within `live_ms`), where each
-    lane's doorbell was read to (`wake`, set by each dispatch), and the heartbeat's part: its
-    free slots recorded and, once per `interval_ms` on one worker of a shard, the owners."""
+@dataclass(frozen=True)
+class PlacementRules:
+    """Whether and how a worker places by prefix: the bound another worker's group waits for
+    its owners (`wait_ms`, None when the worker does not place by prefix), who counts as live
+    (seen within `live_ms`), and how often one worker of a shard recomputes the owners."""
 
-    scripts: Scripts
-    lanes: Callable[[], list[str]]  # the interactive streams its worker reads (a sharded model's every shard)
-    redis: Redis  # where the workers' heartbeats say how large their prefix caches are
     wait_ms: int | None = None
     live_ms: int = 10_000
     interval_ms: int = 2_000
+
+    @classmethod
+    def of(cls, settings: Settings, model: ModelConfig) -> PlacementRules:
+        """Placing by prefix where the deployment asks for it and fair share stages requests."""
+        placing = model.prefix_affinity and settings.fair_share
+        return cls(wait_ms=round(settings.prefix_affinity_wait_ms) if placing else None,
+                   live_ms=round(settings.worker_ttl_s * 1000),
+                   interval_ms=round(settings.heartbeat_interval_s * 1000))
+
+
+@dataclass
+class Placement:
+    """A worker's side of prefix affinity, kept by its consumer: its rules, the interactive
+    streams it reads (`lanes`: a sharded model's every shard), where each lane's doorbell was
+    read to (`wake`, set by each dispatch), and the heartbeat's part: its free slots recorded
+    and, once per `interval_ms` on one worker of a shard, the owners."""
+
+    scripts: Scripts
+    redis: Redis  # where the workers' heartbeats say how large their prefix caches are
+    rules: PlacementRules = field(default_factory=PlacementRules)
+    lanes: list[str] = field(default_factory=list)
     wake: dict[str, tuple[str, int]] = field(default_factory=dict)
     placing: bool = False  # its last heartbeat recorded it: a worker that stops placing leaves
 
-    def configure(self, settings: Settings, model: ModelConfig) -> None:
-        """Placing by prefix where the deployment asks for it and fair share stages requests."""
-        placing = model.prefix_affinity and settings.fair_share
-        self.wait_ms = round(settings.prefix_affinity_wait_ms) if placing else None
-        self.live_ms = round(settings.worker_ttl_s * 1000)
-        self.interval_ms = round(settings.heartbeat_interval_s * 1000)
-
     async def stop(self, consumer: str) -> None:
         """A stopping worker's groups go to their next ranks at once."""
-        self.wait_ms = None
+        self.rules = dataclasses.replace(self.rules, wait_ms=None)
         await self.heartbeat(consumer, 0)
 
     async def heartbeat(self, consumer: str, free: int) -> None:
         """Each interactive stream's: `free` recorded (or, no longer placing, the worker leaves)."""
-        for stream in self.lanes():
-            if self.wait_ms is not None:
+        placing = self.rules.wait_ms is not None
+        for stream in self.lanes:
+            if placing:
                 await self.beat(stream, consumer, free)
             elif self.placing:
                 await self.leave(stream, consumer)
-        self.placing = self.wait_ms is not None
+        self.placing = placing
 
     async def beat(self, stream: str, consumer: str, free: int) -> dict[str, list[str]] | None:
         """Record `free` for `consumer`; the owners written when this call recomputed them."""
-        got = await self.scripts.affinity_beat(keys=[stream], args=[consumer, free, self.live_ms, self.interval_ms])
+        got = await self.scripts(AffinityBeat(tag=stream, consumer=consumer, free=free,
+                                              live_ms=self.rules.live_ms, interval_ms=self.rules.interval_ms))
         if not got:
             return None
         live, counts, before, sizes = got[0], _pairs(got[1]), _pairs(got[2]), _pairs(got[3])
@@ -159,29 +174,30 @@ class Placement:
             still = [w for w in was.split(",") if w in live]
             if group not in owners and still and len(owners) < AFFINITY_GROUPS_MAX:
                 owners[group] = still
-        pairs = (x for g, o in owners.items() for x in (g, ",".join(o)))
-        await self.scripts.affinity_owners(keys=[stream], args=[4 * self.interval_ms, *pairs])
+        pairs = tuple(x for g, o in owners.items() for x in (g, ",".join(o)))
+        await self.scripts(AffinityOwners(owners=stream, ttl_ms=4 * self.rules.interval_ms, groups=pairs))
         return owners
 
     async def leave(self, stream: str, consumer: str) -> None:
         """A worker stopping (or no longer placing by prefix): its groups go to their next ranks at once."""
-        await self.scripts.affinity_beat(keys=[stream], args=[consumer, -1, self.live_ms, 0])
+        await self.scripts(AffinityBeat(tag=stream, consumer=consumer, free=-1, live_ms=self.rules.live_ms,
+                                        interval_ms=0))
 
-    async def wait(self, redis: Redis, stream: str, block_ms: int) -> None:
+    async def wait(self, stream: str, block_ms: int) -> None:
         """Block on the lane's doorbell from where the last dispatch read it, at most `block_ms`,
         and no longer than until the entry that dispatch looked at first falls due."""
         wake_id, due_ms = self.wake.pop(stream)
-        await redis.xread({affinity_wake(stream): wake_id}, count=1,
-                          block=max(1, min(block_ms, due_ms)) if due_ms >= 0 else block_ms)
+        await self.redis.xread({affinity_wake(stream): wake_id}, count=1,
+                               block=max(1, min(block_ms, due_ms)) if due_ms >= 0 else block_ms)
 
 
-def cache_room(infos: list[dict], live: list[str]) -> tuple[dict[str, float] | None, int]:
+def cache_room(infos: list[dict[str, Any]], live: list[str]) -> tuple[dict[str, float] | None, int]:
     """Each live worker's room for the prompts it owns, in tokens, from its heartbeat (`infos`,
     in the order of `live`): its prefix cache less one block for each request the workers run
     on average (a running request holds its last, partial block alone), and the cache's block
     size; (None, 0) while a worker's cache size is not known (no room bound then)."""
-    blocks = [info.get("prefix_cache_blocks") for info in infos]
-    sizes = [info.get("prefix_cache_block_size") for info in infos]
+    blocks = [int(info.get("prefix_cache_blocks") or 0) for info in infos]
+    sizes = [int(info.get("prefix_cache_block_size") or 0) for info in infos]
     if not all(blocks) or not all(sizes):
         return None, 0
     running = math.ceil(sum(info.get("in_flight") or 0 for info in infos) / len(infos))
@@ -193,5 +209,5 @@ def full_blocks(tokens: int, block: int) -> float:
     return float(tokens // block * block)
 
 
-def _pairs(flat: list) -> dict[str, str]:
+def _pairs(flat: list[str]) -> dict[str, str]:
     return dict(zip(flat[::2], flat[1::2]))

@@ -1,50 +1,82 @@
-"""The worker side of a stream: one stable consumer that fetches, guards, leases and commits."""
+"""The worker side of a stream: one stable consumer that fetches, guards, leases and commits.
+
+Its helpers are objects it makes and hands what they need: the fair-share reads of new entries
+(fair_share.py), prefix placement (affinity.py), the dead-letter writer (dead_letters.py) and the
+inference log (broker/inference_log.py). Its worker sets how it reads through `configure`."""
 
 from __future__ import annotations
 
 import logging
 import time
 import uuid
+from collections.abc import Sequence
+from typing import Any
 
 from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
 from sluice.broker.delivery import consumer_names
-from sluice.broker.delivery.affinity import Placement
-from sluice.broker.delivery.calls import Start
-from sluice.broker.delivery.dead_letters import unreadable
-from sluice.broker.delivery.deliveries import Delivery, StartDecision
-from sluice.broker.delivery.fair_share import actual_cost, blocking_read, dispatch
-from sluice.broker.delivery.housekeeping import append_log, cancel_flags, prune_consumers
+from sluice.broker.delivery.affinity import Placement, PlacementRules
+from sluice.broker.delivery.calls import Commit, Lease, Settle, Start
+from sluice.broker.delivery.dead_letters import DeadLetterWriter
+from sluice.broker.delivery.deliveries import Delivery, Read, StartDecision, entries_read
+from sluice.broker.delivery.fair_share import FairShareReads, SlotReserves, actual_cost
+from sluice.broker.delivery.lanes import lanes_by_slot
 from sluice.broker.delivery.quarantine import Quarantine, group_cap, history
+from sluice.broker.inference_log import InferenceLog
 from sluice.broker.keys import GROUP, ModelKeys
 from sluice.broker.limits import ConsumerLimits
 from sluice.broker.plumbing import Scripts, copied
-from sluice.broker.webhooks import outbox as webhooks
+from sluice.protocol.ids import request_shard
 from sluice.protocol.messages import FinalResult, RequestMessage
 
 log = logging.getLogger(__name__)
 
+LEASED_PER_CALL = 500  # entry ids per lease.lua call
+
+
 class StreamConsumer:
-    def __init__(self, redis: Redis, model: str, consumer: str, limits: ConsumerLimits):
-        self.redis = redis
-        self.limits = limits
+    def __init__(self, redis: Redis, model: str, consumer: str, limits: ConsumerLimits, *,
+                 scripts: Scripts | None = None) -> None:
+        """`scripts`: how it runs the Lua scripts (by default its own, pipelined: the calls of
+        one turn of the event loop share a round trip)."""
+        self.redis, self.limits, self.keys, self.consumer = redis, limits, ModelKeys(model), consumer
+        self.scripts = Scripts(redis, pipelined=True) if scripts is None else scripts
         self.shards = limits.shards  # interactive streams read (a sharded model's; more while old ones drain)
         self._blocked = 0  # the interactive stream the next blocking read waits on (they take turns)
-        self.keys, self.consumer, self.scripts = ModelKeys(model), consumer, Scripts.register(redis, pipelined=True)
         self._token = uuid.uuid4().hex
         self.held: dict[tuple[str, str], Delivery] = {}
         self.quarantine = Quarantine()  # suspects held until the engine is empty
-        self.reserved_slots = 0  # of a fetch's count, what the bulk lane leaves to interactive work
-        self.tenant_reserved_slots, self.capacity = 0, 0  # fair share: dispatch.lua's tenant reserve
-        self.affinity = Placement(self.scripts, lambda: self.streams[:-1], redis)  # prefix affinity: off until set
-        self.reclaimed = self.dead_lettered = 0  # running totals, for the worker's metrics
-        self.webhook_owners = webhooks.SubscribedOwners(redis)  # a dead letter whose status expired keeps its event
+        # prefix affinity: off until configured
+        self.affinity = Placement(self.scripts, redis, lanes=self.streams[:-1])
+        self.reads = FairShareReads(redis, self.scripts, self.affinity, self.held, bulk=self.keys.bulk)
+        self.dead_letters = DeadLetterWriter(redis, self.scripts, self.keys, limits)
+        self.inference_log = InferenceLog(redis, self.keys.log, limits.log_max_len,
+                                          limits.log_max_record_bytes)
+        self.reclaimed = 0  # a running total, for the worker's metrics
         # Own pending entries are re-read once after a (re)start, following a cursor.
         self._pending_cursor: dict[str, str] = {s: "0" for s in self.streams}
         # Entries idle past the lease: looked for at every read while some are found, else this often.
         self.reclaim_scan_s = min(limits.lease_timeout_s / 4, 1.0)
         self._quiet_until: dict[str, float] = {}
+
+    def configure(self, *, shards: int | None = None, reserves: SlotReserves | None = None,
+                  placement: PlacementRules | None = None) -> None:
+        """How it reads, as its worker's deployment and batching policy say (a part not given
+        stays): the interactive `shards` it reads, the slots its reads keep free, and whether
+        and how it places by prefix."""
+        if shards is not None:
+            self.shards = shards
+            self.affinity.lanes = self.streams[:-1]
+        if reserves is not None:
+            self.reads.reserves = reserves
+        if placement is not None:
+            self.affinity.rules = placement
+
+    @property
+    def dead_lettered(self) -> int:
+        """A running total, for the worker's metrics."""
+        return self.dead_letters.written
 
     async def claim_name(self, ttl_s: float) -> str:
         """Take the consumer name, or the first free `<name>-<k>` if a live worker holds it. A
@@ -82,7 +114,8 @@ class StreamConsumer:
         except ResponseError as err:
             if "NOGROUP" not in str(err):
                 raise
-            log.warning("the consumer group of %s is gone (Redis lost its data): re-creating it", self.keys.model)
+            log.warning("the consumer group of %s is gone (Redis lost its data): re-creating it",
+                        self.keys.model)
             await self.ensure_groups()
             return []
 
@@ -94,19 +127,21 @@ class StreamConsumer:
             return handed
         # Interactive first, then bulk, without blocking; then block on the interactive lane
         # alone (one stream: COUNT bounds the whole read, so nothing is taken that cannot start;
-        # a bulk row arriving meanwhile waits at most block_ms). Each read first moves the tenants'
-        # staged requests onto the lane in fair order (dispatch.lua; see blocking_read for the rest).
+        # a bulk row arriving meanwhile waits at most block_ms). Each read first moves the
+        # tenants' staged requests onto the lane in fair order (FairShareReads).
         for stream in self.streams:
-            n = count if stream != self.keys.bulk else count - self.reserved_slots
+            n = self.reads.room(stream, count)
             if n <= 0:
                 continue
-            entries = await dispatch(self, stream, n)
+            entries = await self.reads.dispatch(self.consumer, stream, n)
             if entries:
                 return self._hold(await self._deliveries(stream, entries, redelivered=False))
-        # Shards are slots of their own (no read spans them): the blocking read takes turns.
+        # Shards are slots of their own (no read spans them): the blocking read takes turns, each
+        # its part of block_ms.
         self._blocked = (self._blocked + 1) % self.shards
         stream = self.keys.at(self._blocked).requests
-        entries = await blocking_read(self, stream, count, block_ms)
+        block = block_ms if self.shards == 1 else max(block_ms // self.shards, 10)
+        entries = await self.reads.blocking_read(self.consumer, stream, count, block)
         return self._hold(await self._deliveries(stream, entries, redelivered=False))
 
     def _hold(self, deliveries: list[Delivery]) -> list[Delivery]:
@@ -127,8 +162,8 @@ class StreamConsumer:
         for stream, cursor in list(self._pending_cursor.items()):
             if len(out) >= count:
                 return out
-            pending = await self.redis.xreadgroup(GROUP, self.consumer, {stream: cursor}, count=count - len(out))
-            entries = pending[0][1] if pending else []
+            entries = entries_read(await self.redis.xreadgroup(GROUP, self.consumer, {stream: cursor},
+                                                               count=count - len(out)))
             if not entries:
                 del self._pending_cursor[stream]
                 continue
@@ -160,21 +195,11 @@ class StreamConsumer:
 
     async def dead_letter(self, stream: str, entry_id: str, rid: str, data: str, error: str, attempts: int,
                           message: RequestMessage | None = None) -> bool:
-        """`message`: the request (None: its entry cannot be read), whose owner, model, lane, age
-        and webhook mark a status that expired meanwhile gets back with its failed final."""
-        about = [message.model, message.lane, message.owner or "", message.enqueued_at,
-                 await self.webhook_owners.mark(message.owner, message.lane)] if message else [""] * 5
-        written = await self.scripts.dead_letter(
-            keys=[stream, self.keys.for_request(rid).dead_letters, self.keys.status(rid), self.keys.reply(rid)],
-            args=[GROUP, self.consumer, entry_id, rid, data, error, attempts, time.time(), self.limits.result_ttl_s,
-                  self.limits.reply_ttl_s, self.keys.for_request(rid).done, self.limits.dlq_max_len, *about],
-        )
-        if written == 1:
-            self.dead_lettered += 1
-            log.error("request %s moved to the dead-letter stream: %s", rid, error)
-        return written == 1
+        """Move the entry to the dead-letter stream (DeadLetterWriter.write)."""
+        return await self.dead_letters.write(self.consumer, stream, entry_id, rid, data, error, attempts,
+                                             message)
 
-    async def _deliveries(self, stream: str, entries: list, *, redelivered: bool) -> list[Delivery]:
+    async def _deliveries(self, stream: str, entries: Sequence[Read], *, redelivered: bool) -> list[Delivery]:
         out = []
         for entry_id, fields in entries:
             if not fields:  # deleted after delivery: nothing to run
@@ -185,7 +210,7 @@ class StreamConsumer:
             try:
                 message = RequestMessage.from_fields(fields)
             except (ValueError, KeyError) as err:
-                await unreadable(self, stream, entry_id, fields, err)
+                await self.dead_letters.unreadable(self.consumer, stream, entry_id, fields, err)
                 continue
             attempt, charges, last = 1, 0, 0
             if redelivered:
@@ -194,8 +219,8 @@ class StreamConsumer:
             if redelivered and charges >= self.limits.max_deliveries - 1:
                 error = (f"no result after {attempt} deliveries: the worker running it stopped or crashed "
                          f"each time, {charges + 1} of them in a quarantine group of one")
-                await self.dead_letter(stream, entry_id, message.id, message.model_dump_json(), error, attempt,
-                                       message)
+                await self.dead_letter(stream, entry_id, message.id, message.model_dump_json(), error,
+                                       attempt, message)
                 continue
             out.append(Delivery(stream, entry_id, message, self.consumer, attempt, group_cap(last)))
         return out
@@ -205,11 +230,13 @@ class StreamConsumer:
         write of this run carries it, and any later start fences them out."""
         rid = d.message.id
         decision = await self.scripts(Start(
-            stream=d.stream, status=self.keys.status(rid), cancel=self.keys.cancel(rid), reply=self.keys.reply(rid),
-            group=GROUP, consumer=self.consumer, entry_id=d.entry_id, now=time.time(), deadline=d.message.deadline,
-            attempt=d.attempt, status_ttl=self.limits.status_ttl_s, reply_ttl=self.limits.reply_ttl_s,
-            done_channel=self.keys.for_request(rid).done, rid=rid, quarantined=int(d.quarantined and d.group == 1),
-            result_ttl=self.limits.result_ttl_s, nonce=uuid.uuid4().hex[:16]))
+            stream=d.stream, status=self.keys.status(rid), cancel=self.keys.cancel(rid),
+            reply=self.keys.reply(rid), group=GROUP, consumer=self.consumer, entry_id=d.entry_id,
+            now=time.time(), deadline=d.message.deadline, attempt=d.attempt,
+            status_ttl=self.limits.status_ttl_s, reply_ttl=self.limits.reply_ttl_s,
+            done_channel=self.keys.for_request(rid).done, rid=rid,
+            quarantined=int(d.quarantined and d.group == 1), result_ttl=self.limits.result_ttl_s,
+            nonce=uuid.uuid4().hex[:16]))
         if isinstance(decision, list):  # ['run', fencing token]
             decision, d.fence = decision
         if decision == "run" and d.quarantined:  # the group its members' next crash halves
@@ -224,8 +251,10 @@ class StreamConsumer:
             by_stream.setdefault(stream, []).append(entry_id)
         fenced: list[Delivery] = []
         for stream, ids in by_stream.items():
-            for i in range(0, len(ids), 500):
-                for entry_id in await self.scripts.lease(keys=[stream], args=[GROUP, self.consumer, *ids[i:i + 500]]):
+            for i in range(0, len(ids), LEASED_PER_CALL):
+                lost = await self.scripts(Lease(stream=stream, group=GROUP, consumer=self.consumer,
+                                                entry_ids=tuple(ids[i:i + LEASED_PER_CALL])))
+                for entry_id in lost:
                     d = self.held.pop((stream, entry_id), None)
                     if d is not None:
                         self.quarantine.drop(d)
@@ -234,35 +263,47 @@ class StreamConsumer:
 
     async def commit(self, d: Delivery, result: FinalResult, streamed: list[int] | None = None,
                      deltas: list[str] | tuple = ()) -> bool | list[int]:
-        """Last deltas + final + status + XACK + XDEL at once; False if fenced, [row, index, ...] if refused."""
+        """Last deltas + final + status + XACK + XDEL at once; False if fenced, [row, index, ...]
+        if refused."""
         rid = d.message.id
-        written = await self.scripts.commit(
-            keys=[d.stream, self.keys.status(rid), self.keys.reply(rid)],
-            args=[GROUP, self.consumer, d.entry_id, result.status.value, result.model_dump_json(exclude_none=True),
-                  time.time(), self.limits.result_ttl_s, self.limits.reply_ttl_s, self.keys.for_request(rid).done, rid,
-                  d.rows, len(streamed or ()), *(streamed or ()), d.fence, *deltas],
-        )
+        written = await self.scripts(Commit(
+            stream=d.stream, status=self.keys.status(rid), reply=self.keys.reply(rid), group=GROUP,
+            consumer=self.consumer, entry_id=d.entry_id, state=result.status.value,
+            final=result.model_dump_json(exclude_none=True), now=time.time(),
+            result_ttl=self.limits.result_ttl_s, reply_ttl=self.limits.reply_ttl_s,
+            done_channel=self.keys.for_request(rid).done, rid=rid, rows=d.rows,
+            counts=tuple(streamed or ()), fence=d.fence, deltas=tuple(deltas)))
         if isinstance(written, list):
             return written
         self.release(d)
         if written == 1 and result.usage is not None:  # its tenant's counter: what it really cost
-            await self.scripts.settle(keys=[self.keys.status(rid)], args=[actual_cost(result.usage), d.stream])
+            await self.scripts(Settle(status=self.keys.status(rid), actual=actual_cost(result.usage),
+                                      stream=d.stream))
         if written and self.limits.wait_replicas:  # before the worker counts it done: on the replicas too
             await copied(self.redis, d.stream, self.limits.wait_replicas, f"the final of request {rid}")
         if not written:
-            log.warning("request %s: entry %s was reclaimed by another worker; result dropped", rid, d.entry_id)
+            log.warning("request %s: entry %s was reclaimed by another worker; result dropped", rid,
+                        d.entry_id)
         elif written == 2:
             log.info("request %s was final already (cancelled or expired meanwhile): acknowledged", rid)
         return written == 1
 
-    async def append_log(self, records: list[dict]) -> None:
+    async def append_log(self, records: list[dict[str, Any]]) -> None:
         """The inference log, in batched order; capped in records (approximate MAXLEN) and bytes each."""
-        await append_log(self.redis, self.keys.log, records, self.limits.log_max_len, self.limits.log_max_record_bytes)
+        await self.inference_log.append(records)
 
-    async def prune_consumers(self) -> list[str]:  # dead workers' consumers holding nothing
-        shards = self.keys.shards(self.shards)
-        groups = [(k, [k.requests] + ([k.bulk] if k.shard == 0 else [])) for k in shards]
-        return await prune_consumers(self.redis, self.scripts, self.keys, groups)
+    async def prune_consumers(self) -> list[str]:
+        """Remove dead workers' consumers holding nothing (consumer_names.prune)."""
+        lanes = lanes_by_slot(self.keys, self.shards)
+        return await consumer_names.prune(self.redis, self.scripts, self.keys, lanes)
 
-    async def cancelled(self, rids: list[str]) -> set[str]:  # which have their cancel flag set
-        return await cancel_flags(self.redis, self.keys, rids)
+    async def cancelled(self, rids: list[str]) -> set[str]:
+        """Which of these requests have their cancel flag set: one MGET per shard (one slot each)."""
+        by_shard: dict[int, list[str]] = {}
+        for rid in rids:
+            by_shard.setdefault(request_shard(rid), []).append(rid)
+        out: set[str] = set()
+        for group in by_shard.values():
+            flags = await self.redis.mget([self.keys.cancel(r) for r in group])
+            out.update(r for r, f in zip(group, flags) if f is not None)
+        return out

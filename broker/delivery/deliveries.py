@@ -1,14 +1,25 @@
-"""A fetched stream entry as the worker holds it, and what its attempt sent (kept for a resend)."""
+"""A fetched stream entry as the worker holds it, what its attempt sent (kept for a resend), and
+the entries a group read answers."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Literal
 
+from redis.typing import XReadGroupResponse
+
 from sluice.broker.delivery.quarantine import SUSPECT_ATTEMPT
+from sluice.broker.plumbing import Fields, streams_read
 from sluice.protocol.messages import RequestMessage
 
 StartDecision = Literal["run", "final", "duplicate", "cancelled", "expired", "fenced"]
+Read = tuple[str, Fields | None]  # an entry read from a group (None: deleted since it was delivered)
+
+
+def entries_read(reply: XReadGroupResponse | None) -> list[Read]:
+    """The entries an XREADGROUP of one stream read."""
+    read = streams_read(reply)
+    return list(read[0][1]) if read else []
 
 
 @dataclass

@@ -14,16 +14,21 @@ from __future__ import annotations
 import json
 import time
 from collections import Counter
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from redis.asyncio import Redis
 
 from sluice.broker import keys
-from sluice.broker.delivery.affinity import WINDOW
+from sluice.broker.delivery.affinity import WINDOW, Placement
+from sluice.broker.delivery.calls import Dispatch
+from sluice.broker.delivery.deliveries import Delivery, Read, entries_read
+from sluice.broker.plumbing import Scripts, members
 from sluice.protocol.messages import RequestMessage, Usage
 
 if TYPE_CHECKING:
-    from sluice.broker.delivery.consumer import StreamConsumer
+    from sluice.config.settings import Settings
 
 OUTPUT_WEIGHT = 2  # an output token costs two prompt tokens (the VTC paper's weights)
 CHARS_PER_TOKEN = 4  # a prompt's estimated tokens, until its final counts them
@@ -35,8 +40,9 @@ def prompt_tokens(row: dict[str, Any]) -> int:
     prompt = row.get("prompt")
     if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
         return len(prompt)
-    text = prompt if isinstance(prompt, str) else json.dumps(prompt if prompt is not None else row.get("messages", ""))
-    return -(-len(text) // CHARS_PER_TOKEN)
+    if not isinstance(prompt, str):
+        prompt = json.dumps(prompt if prompt is not None else row.get("messages", ""))
+    return -(-len(prompt) // CHARS_PER_TOKEN)
 
 
 def expected_cost(message: RequestMessage) -> int:
@@ -52,44 +58,79 @@ def actual_cost(usage: Usage) -> int:
 
 async def staged_streams(redis: Redis, stream: str) -> list[str]:
     """The staging streams of a lane's backlogged tenants (one slot: the lane's)."""
-    return [keys.staged(stream, tenant) for tenant in await redis.zrange(keys.backlog(stream), 0, -1)]
+    tenants = members(await redis.zrange(keys.backlog(stream), 0, -1))
+    return [keys.staged(stream, tenant) for tenant in tenants]
 
 
-async def dispatch(c: StreamConsumer, stream: str, count: int) -> list[tuple[str, dict[str, str]]]:
-    """dispatch.lua for consumer `c`: staged requests onto the lane in fair order (keeping `c`'s
-    tenant reserve, told what it runs by tenant), then its read of at most `count` new entries.
-    With prefix affinity on the interactive lane, by prefix group within each tenant's turn
-    (docs/prefix-affinity.md), and `c.affinity.wake[stream]` keeps where its blocking read waits from."""
-    running = Counter(d.message.tenant for d in c.held.values())
-    placing = c.affinity.wait_ms is not None and stream != c.keys.bulk
-    got = await c.scripts.dispatch(keys=[stream], args=[c.consumer, count, c.tenant_reserved_slots, c.capacity,
-                                                       time.time(), c.affinity.wait_ms if placing else "",
-                                                       c.affinity.live_ms, WINDOW,
-                                                       *(x for item in running.items() for x in item)])
-    if placing:
-        wake_id, due_ms, got = got
-        c.affinity.wake[stream] = (wake_id, int(due_ms))
-    return [(entry_id, dict(zip(fields[::2], fields[1::2]))) for entry_id, fields in got[0][1]] if got else []
+@dataclass(frozen=True)
+class SlotReserves:
+    """What a worker's reads keep free of its batching policy's `capacity`: of a fetch's count,
+    the slots a bulk read leaves to interactive work (`interactive`), and dispatch.lua's tenant
+    reserve (`tenant`): its last free slots, kept for a tenant running fewer than its part."""
+
+    capacity: int = 0
+    interactive: int = 0
+    tenant: int = 0
+
+    @classmethod
+    def of(cls, settings: Settings, capacity: int) -> SlotReserves:
+        """The settings' reserves, each at most capacity - 1."""
+        most = max(0, capacity - 1)
+        return cls(capacity, interactive=min(settings.interactive_reserved_slots, most),
+                   tenant=min(settings.tenant_reserved_slots, most))
 
 
-def blocking_ms(c: StreamConsumer, count: int, block_ms: int) -> int:
-    """How long `c`'s blocking read of one interactive stream waits: its part of `block_ms`
-    (sharded streams take turns), and at most RESERVE_BLOCK_MS while its free slots are within
-    its tenant reserve. A worker that kept its reserve may have left a heavy tenant's requests
-    staged: a slot its own requests free meanwhile must not wait out a long read to be filled
-    (a light tenant's request, put straight onto the lane, wakes the read at once either way)."""
-    block = block_ms if c.shards == 1 else max(block_ms // c.shards, 10)
-    return min(block, RESERVE_BLOCK_MS) if 0 < count <= c.tenant_reserved_slots else block
+class FairShareReads:
+    """A worker's reads of new entries: each first moves the tenants' staged requests onto the
+    lane in fair order (dispatch.lua, keeping the worker's reserves, told what it runs by tenant:
+    the entries `held`), by prefix group where the worker places by prefix (`placement`,
+    docs/prefix-affinity.md); `bulk` is the bulk lane."""
 
+    def __init__(self, redis: Redis, scripts: Scripts, placement: Placement,
+                 held: Mapping[tuple[str, str], Delivery], *, bulk: str) -> None:
+        self.redis, self.scripts, self.placement, self.held, self.bulk = redis, scripts, placement, held, bulk
+        self.reserves = SlotReserves()
 
-async def blocking_read(c: StreamConsumer, stream: str, count: int, block_ms: int) -> list[tuple[str, dict[str, str]]]:
-    """`c`'s blocking read of the interactive `stream` once nothing was read without blocking:
-    `XREADGROUP` on the lane; a worker placing by prefix instead waits on the lane's doorbell
-    (admission rings it rather than add to the lane) or until a looked-at entry falls due, then
-    dispatches again."""
-    block = blocking_ms(c, count, block_ms)
-    if c.affinity.wait_ms is not None and stream in c.affinity.wake:
-        await c.affinity.wait(c.redis, stream, block)
-        return await dispatch(c, stream, count)
-    got = await c.redis.xreadgroup(keys.GROUP, c.consumer, {stream: ">"}, count=count, block=block)
-    return got[0][1] if got else []
+    def room(self, stream: str, count: int) -> int:
+        """What a read of `stream` may take of a fetch of `count`: a bulk read leaves the
+        interactive reserve."""
+        return count - self.reserves.interactive if stream == self.bulk else count
+
+    async def dispatch(self, consumer: str, stream: str, count: int) -> list[Read]:
+        """dispatch.lua for `consumer`: staged requests onto the lane in fair order, then its read
+        of at most `count` new entries. Placing by prefix on the interactive lane, it keeps where
+        its blocking read waits from."""
+        running = Counter(d.message.tenant for d in self.held.values())
+        rules = self.placement.rules
+        wait_ms = rules.wait_ms if stream != self.bulk else None  # None: not placing by prefix here
+        got = await self.scripts(Dispatch(
+            stream=stream, consumer=consumer, count=count, reserve=self.reserves.tenant,
+            capacity=self.reserves.capacity, now=time.time(), wait_ms="" if wait_ms is None else wait_ms,
+            live_ms=rules.live_ms, window=WINDOW, running=tuple(x for item in running.items() for x in item)))
+        if wait_ms is not None:
+            wake_id, due_ms, got = got
+            self.placement.wake[stream] = (wake_id, int(due_ms))
+        if not got:
+            return []
+        # answered as XREADGROUP answers, each entry's fields flat
+        return [(entry_id, dict(zip(fields[::2], fields[1::2]))) for entry_id, fields in got[0][1]]
+
+    def blocking_ms(self, count: int, block_ms: int) -> int:
+        """How long a blocking read of `count` waits, of `block_ms`: at most RESERVE_BLOCK_MS while
+        the free slots are within the tenant reserve. A worker that kept its reserve may have left
+        a heavy tenant's requests staged: a slot its own requests free meanwhile must not wait out
+        a long read to be filled (a light tenant's request, put straight onto the lane, wakes the
+        read at once either way)."""
+        return min(block_ms, RESERVE_BLOCK_MS) if 0 < count <= self.reserves.tenant else block_ms
+
+    async def blocking_read(self, consumer: str, stream: str, count: int, block_ms: int) -> list[Read]:
+        """The blocking read of the interactive `stream` once nothing was read without blocking:
+        XREADGROUP on the lane; a worker placing by prefix instead waits on the lane's doorbell
+        (admission rings it rather than add to the lane) or until a looked-at entry falls due,
+        then dispatches again."""
+        block = self.blocking_ms(count, block_ms)
+        if self.placement.rules.wait_ms is not None and stream in self.placement.wake:
+            await self.placement.wait(stream, block)
+            return await self.dispatch(consumer, stream, count)
+        return entries_read(await self.redis.xreadgroup(keys.GROUP, consumer, {stream: ">"}, count=count,
+                                                        block=block))

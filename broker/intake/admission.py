@@ -1,27 +1,21 @@
-"""The api side of a request: admit it onto the stream, cancel it, read its status."""
+"""The api side of a request: admit it onto its lane (bounded, idempotent, durable as configured);
+its idempotency key. Cancels and status reads are intake/cancels.py and intake/status_reads.py."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
-import logging
 import re
-import time
-from typing import Any
 
 from redis.asyncio import Redis
 
 from sluice.broker import keys
 from sluice.broker.delivery import expected_cost, group_of, staged_streams
-from sluice.broker.keys import GROUP, ModelKeys
+from sluice.broker.intake.calls import Admit, AdmittedRequest, Room
+from sluice.broker.keys import ModelKeys
 from sluice.broker.limits import AdmissionLimits, TenantShare
-from sluice.broker.plumbing import Scripts, has_replicas, read_copied, wait_for_copies
-from sluice.broker.status import RequestStatus
+from sluice.broker.plumbing import Scripts, wait_for_copies
 from sluice.broker.webhooks import SubscribedOwners
 from sluice.protocol.messages import RequestMessage
-from sluice.protocol.states import State
-
-log = logging.getLogger(__name__)
 
 
 class QueueFull(Exception):
@@ -54,10 +48,11 @@ class NotDurable(Exception):
 class Admission:
     def __init__(self, redis: Redis, limits: AdmissionLimits):
         self.redis = redis
-        self.scripts = Scripts.register(redis, pipelined=True)
+        self.scripts = Scripts(redis, pipelined=True)
         self.limits = limits
         self._waitaof: bool | None = None  # whether the server has WAITAOF (Redis 7.2+), once known
-        self.webhook_owners = SubscribedOwners(redis)  # an owner with an endpoint: its finals append events
+        # an owner with an endpoint: its finals append events
+        self.webhook_owners = SubscribedOwners(redis)
 
     async def submit(self, message: RequestMessage, *, max_queued: int, result_ttl_s: int | None = None,
                      slo_max: int | None = None, shards: int = 1, keyed: bool = False,
@@ -68,7 +63,8 @@ class Admission:
 
     async def submit_many(self, messages: list[RequestMessage], *, max_queued: int,
                           result_ttl_s: int | None = None, slo_max: int | None = None,
-                          shards: int = 1, keyed: bool = False, share: TenantShare = TenantShare()) -> list[str]:
+                          shards: int = 1, keyed: bool = False,
+                          share: TenantShare = TenantShare()) -> list[str]:
         """XADD all the requests (one model, one lane, one owner) or none of them: they count
         against max_queued, both lanes together, and bulk against its share of it; `slo_max`
         bounds this lane further (the entries that can start within the model's TTFT target;
@@ -88,35 +84,36 @@ class Admission:
             raise ValueError(f"tenant {first.tenant!r}: letters, digits, '.', '_' and '-', at most 64")
         keys = ModelKeys(first.model).for_request(first.id)  # one call's requests share a shard
         stream, other, lane_max, slo_max = self._bounds(keys, first.lane, max_queued, slo_max, shards)
-        bound = lane_max if slo_max is None else min(lane_max, slo_max)
-        marks = [keys.admitted(m.id) for m in messages] if keyed else []
         share_max = self._share_max(share, first.lane, max_queued, shards)
         # a job's rows have no event of their own: their batch has
         hook = first.lane != "bulk" and await self.webhook_owners.has(first.owner)
-        entries = await self.scripts.admit(
-            keys=[stream, other, *(keys.status(m.id) for m in messages), *marks],
-            args=[max_queued, bound, limits.status_ttl_s, first.enqueued_at, first.model, first.lane,
-                  first.owner or "", result_ttl_s or limits.result_ttl_s, limits.status_ttl_s if keyed else 0,
-                  "1" if hook else "", first.tenant, share_max, "1" if limits.fair_share else "",
-                  share.weight,
-                  *(x for m in messages
-                    for x in (m.id, m.model_dump_json(), expected_cost(m) / share.weight, group_of(m.prefix),
-                              m.prefix_tokens))],
-        )
+        entries = await self.scripts(Admit(
+            stream=stream, other=other, statuses=tuple(keys.status(m.id) for m in messages),
+            marks=tuple(keys.admitted(m.id) for m in messages) if keyed else (),
+            max_queued=max_queued, lane_max=lane_max if slo_max is None else min(lane_max, slo_max),
+            status_ttl=limits.status_ttl_s, now=first.enqueued_at, model=first.model, lane=first.lane,
+            owner=first.owner or "", retain_s=result_ttl_s or limits.result_ttl_s,
+            keep_s=limits.status_ttl_s if keyed else 0, hook="1" if hook else "", tenant=first.tenant,
+            share_max=share_max, fair="1" if limits.fair_share else "", weight=share.weight,
+            requests=tuple(AdmittedRequest(rid=m.id, data=m.model_dump_json(),
+                                           cost=expected_cost(m) / share.weight, group=group_of(m.prefix),
+                                           size=m.prefix_tokens) for m in messages)))
         if entries == "share":
             raise TenantQueueFull(first.model, first.tenant, share_max)
         if entries is None:
-            if slo_max is not None and slo_max < lane_max:  # which bound refused? (a refusal may cost a read)
+            # which bound refused? (a refusal may cost a read)
+            if slo_max is not None and slo_max < lane_max:
                 here, there = await self._queued(stream), await self._queued(other)
                 if here + len(messages) <= lane_max and here + there + len(messages) <= max_queued:
                     raise SloRefused(first.model, here, slo_max)
             raise QueueFull(first.model)
         aof = limits.strict and await self._has_waitaof()
         if aof or limits.wait_replicas:
-            local, copies = await wait_for_copies(self.redis, stream, replicas=limits.wait_replicas, aof=aof,
-                                                  timeout_ms=limits.fsync_timeout_ms)
+            local, copies = await wait_for_copies(self.redis, stream, replicas=limits.wait_replicas,
+                                                  aof=aof, timeout_ms=limits.fsync_timeout_ms)
             if aof and local < 1:
-                raise NotDurable(f"request {first.id} was not on disk within {limits.fsync_timeout_ms} ms")
+                raise NotDurable(f"request {first.id} was not on disk within "
+                                 f"{limits.fsync_timeout_ms} ms")
             if copies < limits.wait_replicas:
                 raise NotDurable(f"request {first.id} was on {copies} of {limits.wait_replicas} replicas "
                                  f"(redis_wait_replicas) after {limits.fsync_timeout_ms} ms")
@@ -126,7 +123,8 @@ class Admission:
                 shards: int) -> tuple[str, str, int, int | None]:
         """The lane's stream, the other lane's, the lane's bound and its SLO bound on this shard."""
         stream, other = (keys.bulk, keys.requests) if lane == "bulk" else (keys.requests, keys.bulk)
-        lane_max = max(int(max_queued * self.limits.bulk_queue_share), 1) if lane == "bulk" else max_queued
+        lane_max = (max(int(max_queued * self.limits.bulk_queue_share), 1) if lane == "bulk"
+                    else max_queued)
         if shards > 1 and lane != "bulk":  # each shard holds its part of the bounds (one slot each)
             lane_max = -(-max_queued // shards)
             slo_max = None if slo_max is None else -(-slo_max // shards)
@@ -151,9 +149,11 @@ class Admission:
         or 'share' (room.lua: admit.lua's own refusal, staged entries and the tenant's share
         counted), read before any per-row work, so that a call that cannot fit is refused at
         once. Only a hint: admit.lua decides again, atomically."""
-        stream, other, lane_max, _ = self._bounds(ModelKeys(model).at(shard), lane, max_queued, None, shards)
+        stream, other, lane_max, _ = self._bounds(ModelKeys(model).at(shard), lane, max_queued, None,
+                                                  shards)
         share_max = self._share_max(share, lane, max_queued, shards)
-        return await self.scripts.room(keys=[stream, other], args=[count, max_queued, lane_max, tenant, share_max])
+        return await self.scripts(Room(stream=stream, other=other, n=count, max_queued=max_queued,
+                                       lane_max=lane_max, tenant=tenant, share_max=share_max))
 
     async def _has_waitaof(self) -> bool:
         if self._waitaof is None:
@@ -165,7 +165,8 @@ class Admission:
         """Bind an idempotency key to a new request; returns the (model, id) it is already bound
         to, if it is. SET NX decides which of concurrent repeats enqueues."""
         claim = keys.idempotency(key)
-        if await self.redis.set(claim, json.dumps({"id": rid, "model": model}), nx=True, ex=self.limits.status_ttl_s):
+        bound = json.dumps({"id": rid, "model": model})
+        if await self.redis.set(claim, bound, nx=True, ex=self.limits.status_ttl_s):
             return None
         first = json.loads(await self.redis.get(claim) or "null")
         return (first["model"], first["id"]) if first else None
@@ -179,45 +180,3 @@ class Admission:
     async def release_idempotency(self, key: str) -> None:
         """Nothing was enqueued under this key: it may be used again."""
         await self.redis.delete(keys.idempotency(key))
-
-    async def cancel(self, model: str, rid: str) -> str | None:
-        """Returns the resulting state ('cancelled', 'cancelling', or the final one), None if unknown."""
-        keys = ModelKeys(model)
-        shard = keys.for_request(rid)  # its entry is on the shard's interactive stream, or on bulk
-        return await self.scripts.cancel(
-            keys=[keys.status(rid), keys.cancel(rid), keys.reply(rid), shard.requests, shard.bulk],
-            args=[time.time(), self.limits.cancel_ttl_s, self.limits.result_ttl_s, self.limits.reply_ttl_s, shard.done,
-                  rid, GROUP],
-        )
-
-    async def status(self, model: str, rid: str) -> RequestStatus | None:
-        """The request's status; None when Redis holds none (unknown, or expired)."""
-        return RequestStatus.from_hash(rid, model, await self.redis.hgetall(ModelKeys(model).status(rid)))
-
-    async def status_copied(self, model: str, rid: str) -> tuple[RequestStatus | None, bool]:
-        """The status as the replicas hold it (wait_replicas), and whether a final was held back.
-        A final read from the primary alone could be taken back by a failover (inside the
-        commit's own WAIT) and the request run again: it is shown once a replica has it, or at
-        once when the node has no replica (none could take over from it)."""
-        key = ModelKeys(model).status(rid)
-        raw, on_replicas = await read_copied(self.redis, key, self.limits.wait_replicas, self.limits.fsync_timeout_ms)
-        status = RequestStatus.from_hash(rid, model, raw)
-        if on_replicas or status is None or not status.final or not await has_replicas(self.redis, key):
-            return status, False
-        log.warning("the final of request %s is on its primary alone after %d ms: not shown yet", rid,
-                    self.limits.fsync_timeout_ms)
-        return dataclasses.replace(status, state=State.RUNNING, result=None), True
-
-    async def inference_log(self, model: str, limit: int) -> list[dict[str, Any]]:
-        """The newest `limit` records of the model's inference log, oldest first."""
-        entries = await self.redis.xrevrange(ModelKeys(model).log, count=limit)
-        return [json.loads(fields["data"]) for _, fields in reversed(entries)]
-
-    async def find_status(self, rid: str, models: list[str]) -> RequestStatus | None:
-        """The request's status, from whichever of `models` holds it (ids do not name their
-        model; its `model` says which): one round trip for them all. None when none does."""
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for m in models:
-                pipe.hgetall(ModelKeys(m).status(rid))
-            found = await pipe.execute()
-        return next((s for m, raw in zip(models, found) if (s := RequestStatus.from_hash(rid, m, raw))), None)

@@ -34,7 +34,8 @@ class LaneFigures:
 
     def view(self) -> dict[str, int | float]:
         """As the api shows it (dashboard, GET /v1/models/{model})."""
-        return {"waiting": self.waiting, "running": self.running, "oldest_waiting_s": round(self.oldest_waiting_s, 1)}
+        return {"waiting": self.waiting, "running": self.running,
+                "oldest_waiting_s": round(self.oldest_waiting_s, 1)}
 
 
 def _ms(entry_id: str) -> int:

@@ -18,8 +18,9 @@ from dataclasses import dataclass
 
 from redis.asyncio import Redis
 
+from sluice.broker.intake.calls import Quota, QuotaPeek, QuotaRelease
 from sluice.broker.keys import ModelKeys
-from sluice.broker.plumbing import PipelinedCalls, is_cluster, register_script
+from sluice.broker.plumbing import Scripts, text
 
 LIMITS = ("requests", "tokens")
 
@@ -56,13 +57,9 @@ class Quotas:
         request's status lives as long)."""
         self.redis = redis
         self.record_ttl_s = record_ttl_s
-        charge, release = register_script(redis, "quota"), register_script(redis, "quota_release")
-        self._peek = register_script(redis, "quota_peek")
-        if is_cluster(redis):
-            self._charge, self._release = charge, release
-        else:  # the charges of the calls that arrived together: one round trip
-            calls = PipelinedCalls(redis)
-            self._charge, self._release = calls.bind(charge), calls.bind(release)
+        # the charges (and releases) of the calls that arrived together: one round trip
+        self.charges = Scripts(redis, pipelined=True)
+        self.peeks = Scripts(redis)  # a look goes alone, as soon as asked
 
     @staticmethod
     def per_shard(limit: int | None, shards: int) -> int:
@@ -77,19 +74,21 @@ class Quotas:
         keys = ModelKeys(model).for_request(rids[0])
         rpm = self.per_shard(requests_per_minute, shards)
         tpm = self.per_shard(tokens_per_minute, shards)
-        answer = await self._charge(
-            keys=[keys.quota(tenant, "requests"), keys.quota(tenant, "tokens"), *(keys.charge(r) for r in rids)],
-            args=[rpm, tpm, self.record_ttl_s, *tokens])
+        answer = await self.charges(Quota(
+            requests_bucket=keys.quota(tenant, "requests"), tokens_bucket=keys.quota(tenant, "tokens"),
+            records=tuple(keys.charge(r) for r in rids), request_limit=rpm, token_limit=tpm,
+            record_ttl=self.record_ttl_s, tokens=tuple(tokens)))
         refused, wait_ms, rq_left, rq_reset, tk_left, tk_reset = answer
-        refused = refused.decode() if isinstance(refused, bytes) else str(refused)
-        return Charge(refused, int(wait_ms) / 1000,
+        return Charge(text(refused), int(wait_ms) / 1000,
                       Bucket(rpm, max(int(rq_left), 0), int(rq_reset) / 1000) if rpm else None,
                       Bucket(tpm, max(int(tk_left), 0), int(tk_reset) / 1000) if tpm else None)
 
-    async def requests_wait_s(self, model: str, tenant: str, *, requests_per_minute: int, shards: int = 1) -> float:
+    async def requests_wait_s(self, model: str, tenant: str, *, requests_per_minute: int,
+                              shards: int = 1) -> float:
         """A look, charging nothing: how long until the tenant's requests bucket on `model` (its
         first shard) takes one more request; 0 when it would now. Only a hint: the charge decides."""
-        tat, (seconds, micros) = await self._peek(keys=[ModelKeys(model).quota(tenant, "requests")])
+        bucket = ModelKeys(model).quota(tenant, "requests")
+        tat, (seconds, micros) = await self.peeks(QuotaPeek(bucket=bucket))
         now_ms = int(seconds) * 1000 + int(micros) // 1000
         interval = 60_000 / self.per_shard(requests_per_minute, shards)
         return max(0.0, (max(int(tat or 0), now_ms) + interval - now_ms - 60_000) / 1000)
@@ -98,5 +97,6 @@ class Quotas:
                       shards: int = 1) -> None:
         """Give back a charged call whose admission was refused."""
         keys = ModelKeys(model).for_request(rids[0])
-        await self._release(keys=[keys.quota(tenant, "requests"), *(keys.charge(r) for r in rids)],
-                            args=[self.per_shard(requests_per_minute, shards)])
+        await self.charges(QuotaRelease(requests_bucket=keys.quota(tenant, "requests"),
+                                        records=tuple(keys.charge(r) for r in rids),
+                                        request_limit=self.per_shard(requests_per_minute, shards)))

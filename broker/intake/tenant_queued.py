@@ -14,10 +14,10 @@ async def queued_by_tenant(redis: Redis, models: list[tuple[str, int]],
     out = {t: {m: 0 for m, _ in models} for t in tenants}
     if not tenants:
         return out
-    shards = [(m, ModelKeys(m).at(k).tag) for m, count in models for k in range(count)]
+    shards = [(m, ModelKeys(m).at(k).held) for m, count in models for k in range(count)]
     async with redis.pipeline(transaction=False) as pipe:
-        for _, tag in shards:
-            pipe.hmget(f"{tag}:held", tenants)
+        for _, held in shards:
+            pipe.hmget(held, tenants)
         read = await pipe.execute()
     for (model, _), counts in zip(shards, read):
         for tenant, count in zip(tenants, counts):

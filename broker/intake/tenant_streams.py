@@ -15,8 +15,9 @@ from collections import defaultdict
 
 from redis.asyncio import Redis
 
+from sluice.broker.intake.calls import TenantStream
 from sluice.broker.keys import tenant_streams
-from sluice.broker.plumbing import register_script
+from sluice.broker.plumbing import Scripts
 
 log = logging.getLogger(__name__)
 
@@ -25,7 +26,7 @@ class TenantStreams:
     def __init__(self, redis: Redis, *, lease_s: float = 30.0) -> None:
         self.redis = redis
         self.lease_ms = int(lease_s * 1000)
-        self._lease = register_script(redis, "tenant_stream")
+        self.scripts = Scripts(redis)
         self._process = uuid.uuid4().hex[:12]  # this api process: its streams' members start with it
         self._count = 0
         self.open: dict[str, set[str]] = defaultdict(set)  # tenant → members this process holds
@@ -36,7 +37,7 @@ class TenantStreams:
         """A lease on one more open stream of `tenant` (its member), or None at `limit`."""
         self._count += 1
         member = f"{self._process}:{self._count}"
-        if not await self._lease(keys=[tenant_streams(tenant)], args=[self.lease_ms, limit, member]):
+        if not await self._lease(tenant, limit, (member,)):
             return None
         self.open[tenant].add(member)
         return member
@@ -58,8 +59,13 @@ class TenantStreams:
 
     async def refresh(self) -> None:
         """Extend the leases of every stream this process holds open."""
-        await asyncio.gather(*(self._lease(keys=[tenant_streams(tenant)], args=[self.lease_ms, 0, *members])
+        await asyncio.gather(*(self._lease(tenant, 0, tuple(members))
                                for tenant, members in list(self.open.items()) if members))
+
+    async def _lease(self, tenant: str, limit: int, streams: tuple[str, ...]) -> bool:
+        """Take a lease on `streams` (one, under `limit`), or refresh theirs (`limit` 0)."""
+        return bool(await self.scripts(TenantStream(key=tenant_streams(tenant), lease_ms=self.lease_ms,
+                                                    limit=limit, streams=streams)))
 
     async def run(self) -> None:
         """Refresh every third of a lease until stopped."""

@@ -18,7 +18,7 @@ from redis.asyncio import Redis
 
 from sluice.broker.jobs.tenant_files import TenantFiles
 from sluice.broker.keys import PREFIX, tenant_index
-from sluice.broker.plumbing import newest_first
+from sluice.broker.plumbing import members, newest_first
 from sluice.protocol.ids import new_file_id
 
 PURPOSES = ("batch", "batch_output")
@@ -140,13 +140,13 @@ class FileStore:
         ttl = expires_after_s or self.ttl_s
         now = int(time.time())
         if upload and tenant and any(tenant_limits):
-            over = await self.tenant_files.record(tenant, file_id, size, now + ttl, max_files=tenant_limits[0],
-                                                  max_bytes=tenant_limits[1])
+            over = await self.tenant_files.record(tenant, file_id, size, now + ttl,
+                                                  max_files=tenant_limits[0], max_bytes=tenant_limits[1])
             if over:
                 await asyncio.to_thread(self.path(file_id).unlink, missing_ok=True)
                 limit = tenant_limits[0] if over == "max_files" else tenant_limits[1]
-                raise FileError(429, f"tenant {tenant!r} is over its {over} limit ({limit}): delete some of its "
-                                     "files first")
+                raise FileError(429, f"tenant {tenant!r} is over its {over} limit ({limit}): delete some "
+                                     "of its files first")
         meta = {"id": file_id, "object": "file", "bytes": size, "created_at": now, "expires_at": now + ttl,
                 "filename": filename, "purpose": purpose, "status": "processed", "owner": owner}
         if tenant:
@@ -198,7 +198,12 @@ class FileStore:
                 pipe.exists(_key(name))
             known = await pipe.execute()
         gone = [n for n, k in zip(names, known) if n.endswith(".part") or not k]
-        await asyncio.to_thread(lambda: [self.path(n).unlink(missing_ok=True) for n in gone])
+
+        def unlink_gone() -> None:
+            for name in gone:
+                self.path(name).unlink(missing_ok=True)
+
+        await asyncio.to_thread(unlink_gone)
         return gone
 
     def _idle_names(self) -> list[str]:
@@ -253,7 +258,8 @@ class FileStore:
         files that key made, read from its own index (a listing costs its page, not every
         file's metadata)."""
         index = _owned(owner) if owner else _INDEX
-        found, gone = await newest_first(self.redis, index, after, limit, lambda pipe, fid: pipe.get(_key(fid)),
+        found, gone = await newest_first(self.redis, index, after, limit,
+                                         lambda pipe, fid: pipe.get(_key(fid)),
                                          lambda raw: purpose in (None, json.loads(raw)["purpose"]))
         if gone:
             await self.redis.zrem(index, *gone)
@@ -266,7 +272,7 @@ class FileStore:
         count = await self.redis.zcard(index)
         if count < (self.max_files or 0):
             return count
-        ids = await self.redis.zrange(index, 0, -1)
+        ids = members(await self.redis.zrange(index, 0, -1))
         async with self.redis.pipeline(transaction=False) as pipe:
             for file_id in ids:
                 pipe.exists(_key(file_id))

@@ -9,15 +9,18 @@ writes nothing; every status change is conditional on the current status (job_mo
 from __future__ import annotations
 
 import asyncio
+import builtins
 import json
 import time
 from collections.abc import Iterable
 from typing import Any
 
 from redis.asyncio import Redis
+from redis.typing import EncodableT
 
+from sluice.broker.jobs.calls import HashField, Increment, JobCancel, JobMove, JobPut, JobRefresh, JobRelease
 from sluice.broker.keys import PREFIX, tenant_index
-from sluice.broker.plumbing import Scripts, newest_first
+from sluice.broker.plumbing import Scripts, hash_of, maybe_text, members, newest_first, texts
 from sluice.broker.webhooks import SubscribedOwners
 from sluice.broker.webhooks import outbox as webhooks
 from sluice.protocol.ids import new_batch_id
@@ -55,7 +58,7 @@ class JobStore:
 
     def __init__(self, redis: Redis, ttl_s: int = 30 * 86400, result_ttl_s: int = 3600):
         self.redis = redis
-        self.scripts = Scripts.register(redis)
+        self.scripts = Scripts(redis)
         self.ttl_s = ttl_s
         self.result_ttl_s = result_ttl_s
         self.lifetime_s = _WINDOW_S + ttl_s
@@ -69,10 +72,11 @@ class JobStore:
         owner's index and its tenant's (`tenant_index`: for a tenant whose keys share)."""
         job_id = new_batch_id()
         now = int(time.time())
-        fields = {"id": job_id, "endpoint": endpoint, "input_file_id": input_file_id,
-                  "completion_window": completion_window, "status": "validating", "created_at": now,
-                  "expires_at": now + 24 * 3600, "total": 0, "completed": 0, "failed": 0, "output_tokens": 0,
-                  "metadata": json.dumps(metadata or {}), "owner": owner or "", "tenant": tenant or ""}
+        fields: dict[EncodableT, EncodableT] = {
+            "id": job_id, "endpoint": endpoint, "input_file_id": input_file_id,
+            "completion_window": completion_window, "status": "validating", "created_at": now,
+            "expires_at": now + 24 * 3600, "total": 0, "completed": 0, "failed": 0, "output_tokens": 0,
+            "metadata": json.dumps(metadata or {}), "owner": owner or "", "tenant": tenant or ""}
         if await self.webhook_owners.has(owner):  # its final appends an event (job_move.lua)
             fields["hook"] = "1"
         # Not a transaction: the index is another slot. The hash is written first; a listing
@@ -92,17 +96,17 @@ class JobStore:
         return await self.get(job_id)  # type: ignore[return-value]
 
     async def get(self, job_id: str) -> dict[str, Any] | None:
-        raw = await self.redis.hgetall(_key(job_id))
+        raw = hash_of(await self.redis.hgetall(_key(job_id)))
         return _object(raw) if raw else None
 
     async def owner(self, job_id: str) -> str | None:
-        return await self.redis.hget(_key(job_id), "owner") or None
+        return maybe_text(await self.redis.hget(_key(job_id), "owner")) or None
 
     async def tenant(self, job_id: str) -> str | None:
-        return await self.redis.hget(_key(job_id), "tenant") or None
+        return maybe_text(await self.redis.hget(_key(job_id), "tenant")) or None
 
     async def list(self, limit: int = 20, after: str | None = None,
-                   owner: str | None = None) -> list[dict[str, Any]]:
+                   owner: str | None = None) -> builtins.list[dict[str, Any]]:
         """Newest first, at most `limit`, from after the batch `after` (from the top when it is
         not listed); with `owner`, only the batches that key made, read from its own index, so
         a listing costs its page, not everyone's batches."""
@@ -110,11 +114,11 @@ class JobStore:
                                       lambda pipe, job_id: pipe.hgetall(_key(job_id)))
         return [_object(raw) for raw in found]  # a batch gone with its TTL is skipped
 
-    async def active(self, limit: int = 20) -> list[dict[str, Any]]:
+    async def active(self, limit: int = 20) -> builtins.list[dict[str, Any]]:
         """Unfinished batches, newest first, for the dashboard: bounded reads (a batch is final
         by the end of its window, so only batches created within it are looked at)."""
         since = int(time.time()) - _WINDOW_S - 3600
-        ids = await self.redis.zrevrangebyscore(_INDEX, "+inf", since, start=0, num=1000)
+        ids = members(await self.redis.zrevrangebyscore(_INDEX, "+inf", since, start=0, num=1000))
         async with self.redis.pipeline(transaction=False) as pipe:
             for job_id in ids:
                 pipe.hget(_key(job_id), "status")
@@ -126,8 +130,8 @@ class JobStore:
             found = await pipe.execute()
         return [_object(raw) for raw in found if raw]
 
-    async def unfinished(self) -> list[str]:
-        ids = await self.redis.zrange(_INDEX, 0, -1)
+    async def unfinished(self) -> builtins.list[str]:
+        ids = members(await self.redis.zrange(_INDEX, 0, -1))
         states = [await self.redis.hget(_key(i), "status") for i in ids]
         return [i for i, s in zip(ids, states) if s and not BatchState(s).final]
 
@@ -136,12 +140,13 @@ class JobStore:
         """Move the batch to status `to` if its status is one of `expected`, with `fields`; returns
         the status it has afterwards ('' for no such batch). With a token, the move happens only
         while that token holds the job's lock, and LockLost is raised otherwise."""
-        pairs = [str(x) for k, v in fields.items() if v is not None for x in (k, v)]
         if BatchState(to).final:
             await self._announce(job_id)
-        moved, status = await self.scripts.job_move(
-            keys=[_key(job_id), _key(job_id, "lock"), _key(job_id, "out"), _key(job_id, "rids")],
-            args=[to, " ".join(expected), token or "", int(time.time()), self.ttl_s, self.result_ttl_s, *pairs])
+        moved, status = await self.scripts(JobMove(
+            batch=_key(job_id), lock=_key(job_id, "lock"), out=_key(job_id, "out"), rids=_key(job_id, "rids"),
+            to=to, expected_statuses=" ".join(expected), token=token or "", now=int(time.time()),
+            retention=self.ttl_s, result_retention=self.result_ttl_s,
+            fields=tuple(HashField(k, str(v)) for k, v in fields.items() if v is not None)))
         if moved == -1:
             raise LockLost(job_id)
         return status
@@ -149,8 +154,9 @@ class JobStore:
     async def request_cancel(self, job_id: str) -> dict[str, Any] | None:
         """Cancel a batch that is being run; the answer is the batch, in its real status."""
         await self._announce(job_id)
-        if await self.scripts.job_cancel(keys=[_key(job_id), _key(job_id, "lock")],
-                                           args=[int(time.time()), self.ttl_s]) is None:
+        cancel = JobCancel(batch=_key(job_id), lock=_key(job_id, "lock"), now=int(time.time()),
+                           retention=self.ttl_s)
+        if await self.scripts(cancel) is None:
             return None
         return await self.get(job_id)
 
@@ -161,12 +167,13 @@ class JobStore:
         id without an event, which the senders drop, never an event nobody finds)."""
         if await self.redis.hget(_key(job_id), "hook"):
             async with self.redis.pipeline(transaction=True) as pipe:  # one slot: webhooks.TAG
-                pipe.zadd(webhooks.BATCHES, {job_id: time.time()}).expire(webhooks.BATCHES, self.lifetime_s)
+                pipe.zadd(webhooks.BATCHES, {job_id: time.time()})
+                pipe.expire(webhooks.BATCHES, self.lifetime_s)
                 await pipe.execute()
 
     # -- what a job needs to resume, written only by the runner holding the lock
     async def request_ids(self, job_id: str) -> dict[int, str]:
-        return {int(k): v for k, v in (await self.redis.hgetall(_key(job_id, "rids"))).items()}
+        return {int(k): v for k, v in hash_of(await self.redis.hgetall(_key(job_id, "rids"))).items()}
 
     async def bind(self, job_id: str, token: str, line: int, rid: str) -> None:
         """Bind a line to its request id (once: a line keeps the id it was first given)."""
@@ -174,15 +181,16 @@ class JobStore:
 
     async def recorded(self, job_id: str) -> set[int]:
         """The lines that have their output record."""
-        return {int(k) for k in await self.redis.hkeys(_key(job_id, "out"))}
+        return {int(k) for k in texts(await self.redis.hkeys(_key(job_id, "out")))}
 
-    async def records(self, job_id: str, lines: list[int]) -> list[dict[str, Any]]:
+    async def records(self, job_id: str, lines: builtins.list[int]) -> builtins.list[dict[str, Any]]:
         """The output records of these lines (each has one), in their order."""
         raws = await self.redis.hmget(_key(job_id, "out"), [str(i) for i in lines]) if lines else []
         return [json.loads(raw) for raw in raws if raw is not None]
 
     async def outputs(self, job_id: str) -> dict[int, dict[str, Any]]:
-        return {int(k): json.loads(v) for k, v in (await self.redis.hgetall(_key(job_id, "out"))).items()}
+        outputs = hash_of(await self.redis.hgetall(_key(job_id, "out")))
+        return {int(k): json.loads(v) for k, v in outputs.items()}
 
     async def record(self, job_id: str, token: str, line: int, record: dict[str, Any],
                      counts: dict[str, int]) -> bool:
@@ -192,9 +200,10 @@ class JobStore:
 
     async def _put(self, job_id: str, token: str, part: str, line: int, value: str,
                    counts: dict[str, int]) -> bool:
-        written = await self.scripts.job_put(
-            keys=[_key(job_id, "lock"), _key(job_id, part), _key(job_id)],
-            args=[token, str(line), value, self.lifetime_s, *[str(x) for pair in counts.items() for x in pair]])
+        written = await self.scripts(JobPut(
+            lock=_key(job_id, "lock"), hash=_key(job_id, part), batch=_key(job_id), token=token,
+            field=str(line), value=value, ttl=self.lifetime_s,
+            counters=tuple(Increment(counter, by) for counter, by in counts.items())))
         if written == -1:
             raise LockLost(job_id)
         return bool(written)
@@ -204,14 +213,14 @@ class JobStore:
         return bool(await self.redis.set(_key(job_id, "lock"), token, nx=True, px=int(ttl_s * 1000)))
 
     async def refresh_lock(self, job_id: str, token: str, ttl_s: float) -> bool:
-        return bool(await self.scripts.job_refresh(keys=[_key(job_id, "lock")],
-                                                     args=[token, int(ttl_s * 1000)]))
+        return bool(await self.scripts(JobRefresh(lock=_key(job_id, "lock"), token=token,
+                                                  ttl_ms=int(ttl_s * 1000))))
 
     async def holds_lock(self, job_id: str, token: str) -> bool:
         return await self.redis.get(_key(job_id, "lock")) == token
 
     async def unlock(self, job_id: str, token: str) -> None:
-        await self.scripts.job_release(keys=[_key(job_id, "lock")], args=[token])
+        await self.scripts(JobRelease(lock=_key(job_id, "lock"), token=token))
 
     async def runner_alive(self, job_id: str, poll_s: float = 0.1) -> bool:
         """Whether a live runner holds the job's lock.
@@ -249,8 +258,9 @@ class JobStore:
 def _object(raw: dict[str, str]) -> dict[str, Any]:
     """The OpenAI Batch object."""
     obj: dict[str, Any] = {"id": raw["id"], "object": "batch", "endpoint": raw["endpoint"], "errors": None,
-                           "input_file_id": raw["input_file_id"], "completion_window": raw["completion_window"],
-                           "status": raw["status"], "output_file_id": raw.get("output_file_id"),
+                           "input_file_id": raw["input_file_id"],
+                           "completion_window": raw["completion_window"], "status": raw["status"],
+                           "output_file_id": raw.get("output_file_id"),
                            "error_file_id": raw.get("error_file_id")}
     for t in _TIMES:
         obj[t] = int(raw[t]) if raw.get(t) else None

@@ -14,8 +14,9 @@ from collections.abc import Callable
 
 from redis.asyncio import Redis
 
+from sluice.broker.jobs.calls import TenantFile
 from sluice.broker.keys import tenant_files
-from sluice.broker.plumbing import register_script
+from sluice.broker.plumbing import Scripts, text, texts
 
 
 class TenantFiles:
@@ -23,23 +24,24 @@ class TenantFiles:
         """`meta_key`: the key of a file's metadata (FileStore's), to find files gone."""
         self.redis = redis
         self.meta_key = meta_key
-        self._record = register_script(redis, "tenant_file")
+        self.scripts = Scripts(redis)
 
     async def record(self, tenant: str, file_id: str, size: int, expires_at: int, *,
                      max_files: int | None, max_bytes: int | None) -> str:
         """Record the file; '' when it fits the tenant's limits, else the name of the one it
         would exceed (nothing recorded)."""
         for attempt in (1, 2):
-            refused, _, _ = await self._record(keys=[tenant_files(tenant)],
-                                               args=[file_id, size, expires_at, max_files or 0, max_bytes or 0])
-            refused = refused.decode() if isinstance(refused, bytes) else str(refused)
+            answer = await self.scripts(TenantFile(
+                key=tenant_files(tenant), file_id=file_id, size=size, expires_at=expires_at,
+                max_files=max_files or 0, max_bytes=max_bytes or 0))
+            refused = text(answer[0])  # {limit name or '', files, bytes}
             if not refused or attempt == 2 or not await self._drop_gone(tenant):
                 return refused
         return refused
 
     async def _drop_gone(self, tenant: str) -> int:
         """Drop the files whose metadata is gone; how many."""
-        ids = await self.redis.hkeys(tenant_files(tenant))
+        ids = texts(await self.redis.hkeys(tenant_files(tenant)))
         if not ids:
             return 0
         async with self.redis.pipeline(transaction=False) as pipe:

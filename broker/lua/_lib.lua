@@ -43,11 +43,14 @@ end
 local function lane_of(stream)  -- 'req' or 'bulk'
   return string.match(stream, ':(%a+)$')
 end
+local function is_interactive(stream)  -- the lane `<tag>:req` (not `<tag>:bulk`)
+  return string.sub(stream, -#SUFFIX.requests) == SUFFIX.requests
+end
 local function backlog_key(stream)
-  return tag_of(stream) .. ':backlog:' .. lane_of(stream)
+  return tag_of(stream) .. SUFFIX.backlog .. lane_of(stream)
 end
 local function staged_key(stream, tenant)
-  return tag_of(stream) .. ':staged:' .. lane_of(stream) .. ':' .. tenant
+  return tag_of(stream) .. SUFFIX.staged .. lane_of(stream) .. ':' .. tenant
 end
 
 -- Entries of a lane waiting in its tenants' staging streams.
@@ -74,15 +77,15 @@ end
 -- its share while another tenant's entries fill them (then up to share_max past them, so one
 -- tenant never refuses another); nil when they fit. Second: the entries the tenant holds.
 local function refusal(stream, other, n, max_queued, lane_max, tenant, share_max)
-  local held = tag_of(stream) .. ':held'
+  local held = tag_of(stream) .. SUFFIX.held
   local mine = tonumber(redis.call('HGET', held, tenant) or '0')
   local others = redis.call('HLEN', held) - (mine > 0 and 1 or 0)
   local within = mine + n <= share_max
   if not within and others > 0 then
     return 'share', mine
   end
-  if over_bound(stream, other, n, max_queued, lane_max) and
-      (not within or others == 0 or over_bound(stream, other, n, max_queued + share_max, lane_max + share_max)) then
+  if over_bound(stream, other, n, max_queued, lane_max) and (not within or others == 0 or
+      over_bound(stream, other, n, max_queued + share_max, lane_max + share_max)) then
     return 'bound', mine
   end
   return nil, mine
@@ -101,7 +104,7 @@ local function slots_field(value)
 end
 
 local function ring_doorbell(stream, n, ttl)
-  local wake = tag_of(stream) .. ':aff:wake'
+  local wake = tag_of(stream) .. SUFFIX.affinity_wake
   redis.call('XADD', wake, 'MAXLEN', '~', 64, '*', 'n', n)
   redis.call('EXPIRE', wake, ttl)
 end
@@ -110,7 +113,7 @@ end
 -- leaves the hash, so it holds only tenants with work queued. `ttl` (with an increment: the
 -- status TTL of the entries counted) keeps the hash no longer than they can live.
 local function count_held(key, tenant, by, ttl)
-  local held = tag_of(key) .. ':held'
+  local held = tag_of(key) .. SUFFIX.held
   if redis.call('HINCRBY', held, tenant, by) <= 0 then
     redis.call('HDEL', held, tenant)
   elseif ttl then
@@ -125,12 +128,12 @@ local function unstage_if_empty(staged)
     return
   end
   redis.call('DEL', staged)
-  local tag, lane, tenant = string.match(staged, '^(.-}):staged:(%a+):(.*)$')
-  local backlog = tag .. ':backlog:' .. lane
+  local tag, lane, tenant = string.match(staged, '^(.-})' .. SUFFIX.staged .. '(%a+):(.*)$')
+  local backlog = tag .. SUFFIX.backlog .. lane
   local score = redis.call('ZSCORE', backlog, tenant)
   if score then
     redis.call('ZREM', backlog, tenant)
-    local vtc = tag .. ':vtc:' .. lane
+    local vtc = tag .. SUFFIX.counters .. lane
     if tonumber(score) > tonumber(redis.call('HGET', vtc, ':floor') or '0') then
       redis.call('HSET', vtc, ':floor', score)
     end
@@ -151,7 +154,7 @@ local function delete_entry(stream, id)
       count_held(stream, fields[i + 1], -1)
     end
   end
-  if string.find(stream, ':staged:', 1, true) then
+  if string.find(stream, SUFFIX.staged, 1, true) then
     unstage_if_empty(stream)
   end
 end
@@ -160,6 +163,10 @@ end
 -- lost it changes nothing).
 local function holds_lock(lock, token)
   return redis.call('GET', lock) == token
+end
+-- A batch's webhook outbox, beside its lock: `{sluice:batch:<id>}:outbox` of `{sluice:batch:<id>}:lock`.
+local function batch_outbox(lock)
+  return string.sub(lock, 1, -#SUFFIX.batch_lock - 1) .. SUFFIX.outbox
 end
 
 -- HSET the field, value pairs whose value is known (not ''): `hset_known(key, f1, v1, ...)`.
@@ -195,7 +202,7 @@ end
 -- status's own hash tag: cluster-safe), bounded by OUTBOX_MAX_LEN (the prelude's), for the
 -- sender group to deliver. Called only for a request that carries the `hook` mark.
 local function append_event(status, rid, state, now)
-  local outbox = string.match(status, '^(.*):status:') .. ':outbox'
+  local outbox = string.match(status, '^(.*)' .. SUFFIX.status) .. SUFFIX.outbox
   local got = redis.call('HMGET', status, 'owner', 'model')
   redis.call('XADD', outbox, 'MAXLEN', '~', OUTBOX_MAX_LEN, '*', 'id', rid, 'state', state,
              'owner', got[1] or '', 'model', got[2] or '', 'at', now)
@@ -231,8 +238,8 @@ local function settle_charge(record, used)
 end
 -- At the final (write_final): the tokens used, from the final's usage (none: nothing ran).
 local function settle_final_charge(status, final)
-  local prefix, rid = string.match(status, '^(.*):status:(.*)$')
-  local record = prefix .. ':charge:' .. rid
+  local prefix, rid = string.match(status, '^(.*)' .. SUFFIX.status .. '(.*)$')
+  local record = prefix .. SUFFIX.charge .. rid
   if redis.call('EXISTS', record) == 1 then
     local usage = cjson.decode(final).usage
     local used = 0

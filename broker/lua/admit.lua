@@ -35,7 +35,8 @@
 local stream, other = KEYS[1], KEYS[2]
 local max_queued, lane_max, status_ttl, now = tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3], ARGV[4]
 local model, lane, owner, retain_s, keep_s = ARGV[5], ARGV[6], ARGV[7], ARGV[8], tonumber(ARGV[9])
-local hook, tenant, share_max, fair, weight = ARGV[10], ARGV[11], tonumber(ARGV[12]), ARGV[13] == '1', ARGV[14]
+local hook, tenant, share_max = ARGV[10], ARGV[11], tonumber(ARGV[12])
+local fair, weight = ARGV[13] == '1', ARGV[14]
 local n = (#ARGV - 14) / 5
 local FIRST_STATUS, FIRST_MARK = 3, 3 + n  -- KEYS[3 .. 2 + n]: statuses; KEYS[3 + n ...]: marks
 local function rid_of(i) return ARGV[10 + 5 * i] end  -- ARGV[15...]: rid, data, cost, group, size fives
@@ -58,7 +59,7 @@ elseif refused then
   return false
 end
 
-local backlog, vtc = backlog_key(stream), tag_of(stream) .. ':vtc:' .. lane_of(stream)
+local backlog, vtc = backlog_key(stream), tag_of(stream) .. SUFFIX.counters .. lane_of(stream)
 -- Whether work waits on this lane: a tenant's staged entries, or entries no worker has read
 -- (a lane without its group yet: no worker has read any).
 local function undelivered()
@@ -89,7 +90,7 @@ local function waiting(held)
     return false
   end
   for _, other in ipairs(redis.call('ZRANGE', backlog, 0, -1)) do
-    if tonumber(redis.call('HGET', tag_of(stream) .. ':held', other) or '0') <= held then
+    if tonumber(redis.call('HGET', tag_of(stream) .. SUFFIX.held, other) or '0') <= held then
       return true
     end
   end
@@ -104,8 +105,9 @@ local function lifted()
   return math.max(own, floor)
 end
 
-local placing = fair and lane_of(stream) == 'req' and redis.call('HLEN', tag_of(stream) .. ':aff:slots') or 0
-local groups, sizes = tag_of(stream) .. ':aff:groups', tag_of(stream) .. ':aff:sizes'
+local placing = fair and is_interactive(stream) and
+  redis.call('HLEN', tag_of(stream) .. SUFFIX.affinity_slots) or 0
+local groups, sizes = tag_of(stream) .. SUFFIX.affinity_groups, tag_of(stream) .. SUFFIX.affinity_sizes
 for i = 1, n do
   local status = KEYS[FIRST_STATUS + i - 1]
   local staged, entry = nil, nil

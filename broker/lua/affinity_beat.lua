@@ -9,8 +9,9 @@
 -- Returns {live workers, {group, count, ...}, {group, owners, ...}, {group, prompt tokens, ...}}
 -- when this call is the interval's recompute, else false.
 local tag = tag_of(KEYS[1])
-local slots, groups, owners = tag .. ':aff:slots', tag .. ':aff:groups', tag .. ':aff:owners'
-local sizes = tag .. ':aff:sizes'
+local slots, groups = tag .. SUFFIX.affinity_slots, tag .. SUFFIX.affinity_groups
+local owners = tag .. SUFFIX.affinity_owners
+local sizes, lock = tag .. SUFFIX.affinity_sizes, tag .. SUFFIX.affinity_lock
 local consumer, free, live_ms, interval_ms = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
 local now = now_ms()
 if free < 0 then
@@ -29,7 +30,7 @@ for i = 1, #all, 2 do
     live[#live + 1] = all[i]
   end
 end
-if interval_ms <= 0 or not redis.call('SET', tag .. ':aff:lock', consumer, 'NX', 'PX', interval_ms) then
+if interval_ms <= 0 or not redis.call('SET', lock, consumer, 'NX', 'PX', interval_ms) then
   return false
 end
 -- The counts decay by COUNT_DECAY at each recompute (halved every 8 intervals: a moving sum

@@ -5,7 +5,7 @@
 -- KEYS: the interactive lane stream (its tag names the affinity keys)
 -- ARGV: ttl_ms (the table outlives a few intervals without a recompute, then goes), then
 --       group, owners (comma-separated consumers, best first) pairs
-local owners, ttl_ms = tag_of(KEYS[1]) .. ':aff:owners', tonumber(ARGV[1])
+local owners, ttl_ms = tag_of(KEYS[1]) .. SUFFIX.affinity_owners, tonumber(ARGV[1])
 redis.call('DEL', owners)
 for i = 2, #ARGV, 2 do
   redis.call('HSET', owners, ARGV[i], ARGV[i + 1])

@@ -24,7 +24,7 @@ if state == 'queued' then
   if known[2] and (stream == interactive or stream == bulk) then
     redis.pcall('XACK', stream, group, known[2])  -- no group yet: no worker of the model ever started
     delete_entry(stream, known[2])
-  elseif known[2] and stream and string.find(stream, tag_of(interactive) .. ':staged:', 1, true) == 1 then
+  elseif known[2] and stream and string.find(stream, tag_of(interactive) .. SUFFIX.staged, 1, true) == 1 then
     delete_entry(stream, known[2])  -- staged (fair share): it leaves its tenant's staging stream
   end
   return 'cancelled'

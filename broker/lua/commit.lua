@@ -8,9 +8,10 @@
 -- its owner free, not full until the owner's next fetch says otherwise.
 -- KEYS: stream, status, reply
 -- ARGV: group, consumer, entry_id, state, final_json, now, result_ttl, reply_ttl,
---       done_channel, rid, rows (the request's row count), n (how many counts follow), then n counts (per row, the tokens the worker sent to the
---       reply stream; none: not checked), then fence (the worker's fencing token), then the
---       deltas to write first (JSON, as reply.lua's)
+--       done_channel, rid, rows (the request's row count), n (how many counts follow), then n
+--       counts (per row, the tokens the worker sent to the reply stream; none: not checked),
+--       then fence (the worker's fencing token), then the deltas to write first (JSON, as
+--       reply.lua's)
 -- Returns 1 (committed), 2 (acknowledged; the request was final already), 0 (fenced), or
 -- {row, next index, ...} when the reply stream holds fewer tokens of a row than were sent (a
 -- failover lost its tail) or a delta was refused past a hole: the final is not written, the
@@ -65,7 +66,7 @@ end
 local written = write_final(status, reply, state, final, now, result_ttl, reply_ttl, done_channel, rid,
                             rows, {known.state, known.retain_s, got[5]})
 ack_and_delete(stream, group, entry_id)
-local slots = tag_of(stream) .. ':aff:slots'
+local slots = tag_of(stream) .. SUFFIX.affinity_slots
 local free, seen = slots_field(redis.call('HGET', slots, consumer))
 if free then
   redis.call('HSET', slots, consumer, (free + 1) .. '|' .. seen)

@@ -11,7 +11,8 @@ if redis.call('EXISTS', name_lock) == 1 then
   return 0
 end
 for i = FIRST_STREAM, #KEYS do
-  if redis.call('EXISTS', KEYS[i]) == 1 and #redis.call('XPENDING', KEYS[i], group, '-', '+', 1, consumer) > 0 then
+  if redis.call('EXISTS', KEYS[i]) == 1 and
+      #redis.call('XPENDING', KEYS[i], group, '-', '+', 1, consumer) > 0 then
     return 0
   end
 end

@@ -9,9 +9,9 @@
 -- data, tenant): from here on it is an ordinary lane entry (leases, reclaim, fencing, commit).
 -- The tenant reserve: a worker's last `reserve` free slots go only to a tenant running fewer
 -- than its part of the worker (the capacity shared by weight among the tenants active on the
--- lane: admitted within ACTIVE_S), while more than one is active: a light tenant's request then starts at once instead
--- of waiting for a heavy tenant's to end (no request is ever preempted). With one tenant active
--- it takes every slot.
+-- lane: admitted within ACTIVE_S), while more than one is active: a light tenant's request
+-- then starts at once instead of waiting for a heavy tenant's to end (no request is ever
+-- preempted). With one tenant active it takes every slot.
 -- Prefix affinity (docs/prefix-affinity.md; `wait_ms` given, the interactive lane, more than one
 -- live worker): which staged entry of a tenant is moved, and when, follows the entry's prefix
 -- `group`. Of a tenant's first `window` staged entries the oldest is moved that (1) has no group
@@ -30,7 +30,7 @@
 local stream = KEYS[1]
 local consumer, count, reserve = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
 local capacity, now = tonumber(ARGV[4]), tonumber(ARGV[5])
-local asked = ARGV[6] ~= '' and lane_of(stream) == 'req'
+local asked = ARGV[6] ~= '' and is_interactive(stream)
 local wait_ms, live_ms, window = tonumber(ARGV[6]), tonumber(ARGV[7]), tonumber(ARGV[8])
 local FIRST_RUNNING = 9  -- ARGV[9 ...]: tenant, running pairs
 local running = {}
@@ -38,7 +38,7 @@ for i = FIRST_RUNNING, #ARGV, 2 do
   running[ARGV[i]] = tonumber(ARGV[i + 1])
 end
 local tag, backlog = tag_of(stream), backlog_key(stream)
-local vtc = tag .. ':vtc:' .. lane_of(stream)
+local vtc = tag .. SUFFIX.counters .. lane_of(stream)
 
 -- The tenants admitted within ACTIVE_S and their weights (`@<tenant>`: its last admission,
 -- `~<tenant>`: its weight, both kept by admit.lua), read once, when the reserve is reached.
@@ -84,7 +84,7 @@ end
 
 -- Prefix affinity: the live workers (seen within live_ms) and their free slots.
 local aff, clock, live, free_of = false, 0, {}, {}
-local slots, wake = tag .. ':aff:slots', tag .. ':aff:wake'
+local slots, wake = tag .. SUFFIX.affinity_slots, tag .. SUFFIX.affinity_wake
 if asked then
   clock = now_ms()
   redis.call('HSET', slots, consumer, count .. '|' .. clock)
@@ -119,7 +119,7 @@ end
 local function owners(group)  -- its live owners in the table, else its rank-1 live worker
   if not owned[group] then
     local o = {}
-    for w in string.gmatch(redis.call('HGET', tag .. ':aff:owners', group) or '', '[^,]+') do
+    for w in string.gmatch(redis.call('HGET', tag .. SUFFIX.affinity_owners, group) or '', '[^,]+') do
       if free_of[w] then
         o[#o + 1] = w
       end
@@ -225,7 +225,7 @@ while room > 0 do
     end
     local entry = redis.call('XADD', stream, '*', 'id', f.id, 'data', f.data, 'tenant', tenant)
     redis.call('XDEL', staged, staged_id)  -- still counted: the tenant holds it on the lane now
-    local status = tag .. ':status:' .. f.id
+    local status = tag .. SUFFIX.status .. f.id
     if redis.call('HGET', status, 'entry') == staged_id then
       redis.call('HSET', status, 'entry', entry, 'stream', stream)
     end

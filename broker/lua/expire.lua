@@ -1,5 +1,5 @@
 -- Expire an entry past its deadline that no worker will start in time (the housekeeping sweep,
--- broker/delivery/housekeeping.py: a model without a live worker, or one whose worker died holding it).
+-- broker/delivery/expiry.py: a model without a live worker, or one whose worker died holding it).
 -- It decides atomically against start.lua: a queued request gets its `expired` final and its
 -- entry is acknowledged and deleted (a worker that fetched it and starts it later finds it final
 -- and runs nothing); a running one only when its worker stopped renewing its lease (the entry

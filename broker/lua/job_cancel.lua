@@ -17,7 +17,7 @@ if status == 'validating' and redis.call('EXISTS', lock) == 0 then
   redis.call('EXPIRE', batch, retention)
   local got = redis.call('HMGET', batch, 'hook', 'owner', 'id')
   if got[1] then
-    local outbox = string.sub(lock, 1, -6) .. ':outbox'  -- `{sluice:batch:<id>}:lock`
+    local outbox = batch_outbox(lock)
     redis.call('XADD', outbox, 'MAXLEN', '~', OUTBOX_MAX_LEN, '*', 'id', got[3], 'state', 'cancelled',
                'owner', got[2] or '', 'at', now)
     redis.call('EXPIRE', outbox, retention)

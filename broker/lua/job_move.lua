@@ -39,7 +39,7 @@ if BATCH_FINAL[to] then
   redis.call('EXPIRE', out, result_retention)
   redis.call('EXPIRE', rids, result_retention)
   if got[2] then
-    local outbox = string.sub(lock, 1, -6) .. ':outbox'  -- `{sluice:batch:<id>}:lock`
+    local outbox = batch_outbox(lock)
     redis.call('XADD', outbox, 'MAXLEN', '~', OUTBOX_MAX_LEN, '*', 'id', redis.call('HGET', batch, 'id'),
                'state', to, 'owner', got[3] or '', 'at', now)
     redis.call('EXPIRE', outbox, retention)

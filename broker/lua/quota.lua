@@ -31,7 +31,8 @@ local function look(bucket, limit, units)
   if over <= 0 then
     tat = tat + units * interval
   end
-  return over <= 0, math.max(over, 0), math.floor((MINUTE - (tat - now)) / interval + 1e-9), math.ceil(tat - now)
+  return over <= 0, math.max(over, 0), math.floor((MINUTE - (tat - now)) / interval + 1e-9),
+    math.ceil(tat - now)
 end
 
 local charged = first_record ~= nil and redis.call('EXISTS', first_record) == 1

@@ -14,7 +14,8 @@
 -- gone (retried or dropped already, by another call).
 local stream, status, reply, dlq, other = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 local max_queued, rid, data, now, status_ttl = tonumber(ARGV[1]), ARGV[2], ARGV[3], ARGV[4], ARGV[5]
-local letter, lane_max, model, lane, owner, retain_s = ARGV[6], tonumber(ARGV[7]), ARGV[8], ARGV[9], ARGV[10], ARGV[11]
+local letter, lane_max, model = ARGV[6], tonumber(ARGV[7]), ARGV[8]
+local lane, owner, retain_s = ARGV[9], ARGV[10], ARGV[11]
 local nonce = ARGV[12] or ''
 
 if #redis.call('XRANGE', dlq, letter, letter) == 0 then
@@ -30,7 +31,8 @@ end
 -- Straight onto the lane (an operator's retry does not wait for its tenant's turn), counted to its
 -- tenant; workers placing by prefix hear of it by the doorbell
 local ok, request = pcall(cjson.decode, data)
-local tenant = ok and type(request) == 'table' and type(request.tenant) == 'string' and request.tenant or 'default'
+local tenant = ok and type(request) == 'table' and type(request.tenant) == 'string' and request.tenant
+  or 'default'
 local entry = redis.call('XADD', stream, '*', 'id', rid, 'data', data, 'tenant', tenant)
 count_held(stream, tenant, 1, status_ttl)
 redis.call('DEL', reply)
@@ -44,7 +46,7 @@ if owner ~= '' then
 end
 redis.call('EXPIRE', status, status_ttl)
 redis.call('XDEL', dlq, letter)
-if lane_of(stream) == 'req' and redis.call('HLEN', tag_of(stream) .. ':aff:slots') > 0 then
+if is_interactive(stream) and redis.call('HLEN', tag_of(stream) .. SUFFIX.affinity_slots) > 0 then
   ring_doorbell(stream, 1, status_ttl)  -- placing workers block on it, not on the lane
 end
 return entry

@@ -14,7 +14,7 @@ if not got[1] or not got[3] then
 end
 redis.call('HDEL', status, 'charged')
 local delta = actual / (tonumber(got[2]) or 1) - tonumber(got[1])
-local vtc = tag_of(stream) .. ':vtc:' .. lane_of(stream)
+local vtc = tag_of(stream) .. SUFFIX.counters .. lane_of(stream)
 if redis.call('HEXISTS', vtc, got[3]) == 0 then
   return 0
 end

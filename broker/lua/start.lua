@@ -15,7 +15,8 @@
 -- 'cancelled', 'expired'.
 local stream, status, reply = KEYS[1], KEYS[2], KEYS[4]
 local group, consumer, entry_id, now, deadline = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5]
-local attempt, status_ttl, reply_ttl, done_channel, rid = tonumber(ARGV[6]), ARGV[7], ARGV[8], ARGV[9], ARGV[10]
+local attempt, status_ttl, reply_ttl = tonumber(ARGV[6]), ARGV[7], ARGV[8]
+local done_channel, rid = ARGV[9], ARGV[10]
 local quarantined, result_ttl, nonce = ARGV[11] == '1', ARGV[12], ARGV[13]
 
 if attempt > 1 and not owns(stream, group, entry_id, consumer) then

@@ -20,16 +20,18 @@ import logging
 import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, TypeVar
+from typing import Any, TypeGuard, TypeVar, cast
 
 from redis.asyncio import BlockingConnectionPool, Redis
-from redis.asyncio.cluster import ClusterNode, RedisCluster
+from redis.asyncio.cluster import ClusterNode, ClusterPipeline, RedisCluster
 from redis.asyncio.connection import SSLConnection
 from redis.asyncio.retry import Retry  # the asyncio one: redis.retry.Retry cannot await
 from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
 from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisClusterException
 from redis.exceptions import TimeoutError as RedisTimeoutError
+from redis.typing import EncodableT
 
 import sluice.broker.plumbing.wire  # noqa: F401 - how every asyncio connection writes (hiredis; a lost one)
 from sluice.broker.plumbing.urls import parse_url
@@ -66,7 +68,7 @@ class _BoundedCluster(RedisCluster):
     per-node pools only raise past their bound, as redis-py's plain pool did (a worker running
     256 requests at once lost one to a whole lease that way)."""
 
-    def __init__(self, *args: object, bound: int, **kwargs: object) -> None:
+    def __init__(self, *args: Any, bound: int, **kwargs: Any) -> None:  # RedisCluster's, passed on
         super().__init__(*args, **kwargs)
         self._bound = asyncio.Semaphore(bound)
         self._ready = False
@@ -87,21 +89,15 @@ class _BoundedCluster(RedisCluster):
             if token:
                 _HOLDING.reset(token)
 
-    async def execute_command(self, *args: object, **kwargs: object) -> object:
+    async def execute_command(self, *args: EncodableT, **kwargs: Any) -> Any:  # RedisCluster's
         async with self._place():
             return await super().execute_command(*args, **kwargs)
 
-    def pipeline(self, *args: object, **kwargs: object):  # type: ignore[override]
+    def pipeline(self, transaction: Any | None = None, shard_hint: Any | None = None) -> ClusterPipeline:
         """A pipeline whose execution takes one of the bound's places, as a command does."""
-        pipe = super().pipeline(*args, **kwargs)
-        execute = pipe.execute
-
-        async def bounded(*a: object, **kw: object) -> object:
-            async with self._place():
-                return await execute(*a, **kw)
-
-        pipe.execute = bounded  # type: ignore[method-assign]
-        return pipe
+        if shard_hint:  # as RedisCluster.pipeline
+            raise RedisClusterException("shard_hint is deprecated in cluster mode")
+        return _BoundedPipeline(self, transaction)  # type: ignore[abstract]  # see _BoundedPipeline
 
     async def ready(self) -> None:
         """Learn the slots once before any command: many first commands at once on a new
@@ -131,13 +127,33 @@ class _BoundedCluster(RedisCluster):
             await self.nodes_manager.initialize()
 
 
+class _BoundedPipeline(ClusterPipeline):
+    """A pipeline of a _BoundedCluster. (mypy takes ClusterPipeline for abstract: redis-py's
+    types declare `_event_dispatcher` on a protocol it inherits and never sets; RedisCluster's
+    own pipeline() makes one just as this does.)"""
+
+    def __init__(self, client: _BoundedCluster, transaction: bool | None = None) -> None:
+        super().__init__(client, transaction)
+        self._bounded = client
+
+    async def execute(self, raise_on_error: bool = True, allow_redirections: bool = True) -> list[Any]:
+        async with self._bounded._place():
+            return await super().execute(raise_on_error, allow_redirections)
+
+
 class _SentinelBlockingPool(SentinelConnectionPool, BlockingConnectionPool):
     """Sentinel's pool (the primary's address asked of Sentinel, a failover followed) with the
     blocking bound of BlockingConnectionPool."""
 
 
-def is_cluster(client: object) -> bool:
+def is_cluster(client: object) -> TypeGuard[RedisCluster]:
     return isinstance(client, RedisCluster)
+
+
+async def refresh_slots(client: Redis) -> None:
+    """A cluster client of connect()'s learns the slots again (after a failover)."""
+    if isinstance(client, _BoundedCluster):
+        await client.refresh_slots()
 
 
 def connect(url: str, *, name: str = "sluice", max_connections: int = 64, single: bool = False) -> Redis:
@@ -151,10 +167,14 @@ def connect(url: str, *, name: str = "sluice", max_connections: int = 64, single
     if target.kind == "cluster":
         if single:
             raise ValueError("a cluster has no single connection: use node_client for the node of a key")
-        return _BoundedCluster(startup_nodes=[ClusterNode(h, p) for h, p in target.nodes], password=target.password,
-                            username=target.username, ssl=target.tls, **dict(target.tls_options),
-                            max_connections=max_connections * _CLUSTER_POOL_FACTOR, bound=max_connections,
-                            **_cluster_options(options))
+        cluster = _BoundedCluster(startup_nodes=[ClusterNode(h, p) for h, p in target.nodes],
+                                  password=target.password, username=target.username, ssl=target.tls,
+                                  **dict(target.tls_options), bound=max_connections,
+                                  max_connections=max_connections * _CLUSTER_POOL_FACTOR,
+                                  **_cluster_options(options))
+        # Typed as the plain client it stands in for: it serves the same commands, and the few
+        # places where a cluster differs ask is_cluster.
+        return cast(Redis, cluster)
     if target.kind == "sentinel":
         sentinel = Sentinel(list(target.nodes), sentinel_kwargs={"password": target.password,
                                                                  "socket_connect_timeout": 5},
@@ -167,7 +187,8 @@ def connect(url: str, *, name: str = "sluice", max_connections: int = 64, single
                                    max_connections=max_connections, timeout=POOL_WAIT_S)
     if single:
         return Redis.from_url(url, single_connection_client=True, **options)
-    pool = BlockingConnectionPool.from_url(url, max_connections=max_connections, timeout=POOL_WAIT_S, **options)
+    pool = BlockingConnectionPool.from_url(url, max_connections=max_connections, timeout=POOL_WAIT_S,
+                                           **options)
     return Redis.from_pool(pool)
 
 
@@ -176,10 +197,11 @@ def node_client(cluster: RedisCluster, key: str, *, name: str, single: bool = Tr
     slot's keys, or a control connection beside one). After a failover it is stale: its
     commands fail (connection refused, or MOVED), and the caller asks again."""
     node = cluster.get_node_from_key(key)
+    assert node is not None  # (None is for a replica asked for)
     kw = node.connection_kwargs
     options = client_options(name, single)
-    return Redis(host=node.host, port=node.port, password=kw.get("password"), username=kw.get("username"),
-                 single_connection_client=single, **tls_settings(kw), **options)
+    return Redis(host=node.host, port=int(node.port), password=kw.get("password"),
+                 username=kw.get("username"), single_connection_client=single, **tls_settings(kw), **options)
 
 
 _TLS_PARAMS = frozenset(p for p in inspect.signature(Redis.__init__).parameters if p.startswith("ssl_"))
@@ -240,7 +262,8 @@ async def wait_for_copies(redis: Redis, key: str, *, replicas: int, aof: bool = 
     return -1, int(got)
 
 
-async def read_copied(redis: Redis, key: str, replicas: int, timeout_ms: int = 1000) -> tuple[dict[str, str], bool]:
+async def read_copied(redis: Redis, key: str, replicas: int,
+                      timeout_ms: int = 1000) -> tuple[dict[str, str], bool]:
     """Hash `key` as its replicas hold it: read on its node, then WAIT there behind a marker, in
     one pipeline (one connection), so what was read is on `replicas` replicas (True) or on the
     primary alone after the timeout (False). A read that is shown to a client once it survives

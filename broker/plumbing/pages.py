@@ -9,6 +9,8 @@ from typing import Any
 from redis.asyncio import Redis
 from redis.asyncio.client import Pipeline
 
+from sluice.broker.plumbing.decoded import members
+
 
 async def newest_first(redis: Redis, index: str, after: str | None, limit: int,
                        read: Callable[[Pipeline, str], Any],
@@ -17,12 +19,12 @@ async def newest_first(redis: Redis, index: str, after: str | None, limit: int,
     index does not hold it): `read(pipe, id)` queues the read of one id's value (one command
     a key, each its own slot on a cluster), `keep(value)` says whether it is listed. Also
     returns the ids whose value is gone (expired), for the caller to drop from the index."""
-    start = await redis.zrevrank(index, after) if after else None
-    start = 0 if start is None else start + 1
+    rank = await redis.zrevrank(index, after) if after else None
+    start = rank + 1 if isinstance(rank, int) else 0  # (a rank without its score: an int, or None)
     out: list[Any] = []
     gone: list[str] = []
     while len(out) < limit:
-        ids = await redis.zrevrange(index, start, start + max(limit - len(out), 16) - 1)
+        ids = members(await redis.zrevrange(index, start, start + max(limit - len(out), 16) - 1))
         if not ids:
             break
         start += len(ids)

@@ -7,7 +7,7 @@ import logging
 import random
 
 from redis.asyncio import BlockingConnectionPool, Redis
-from redis.asyncio.connection import SSLConnection
+from redis.asyncio.connection import AbstractConnection, SSLConnection
 from redis.exceptions import RedisError
 
 from sluice.broker.plumbing.connection import (
@@ -16,6 +16,7 @@ from sluice.broker.plumbing.connection import (
     connect,
     is_cluster,
     node_client,
+    refresh_slots,
     tls_settings,
 )
 
@@ -27,9 +28,10 @@ class Readers:
     (or Sentinel's primary), or in a cluster to the primary that serves a key's slot now, with
     the CLIENT UNBLOCK that interrupts one sent to that same node.
 
-    With `replicas` (the deployment waits for a replica before answering: SLUICE_REDIS_WAIT_REPLICAS),
-    a reader reads from a replica of its node, so that a client is shown only what a failover
-    keeps: replication is asynchronous, and a token read from a primary that dies before its
+    With `replicas` (the deployment waits for a replica before answering:
+    SLUICE_REDIS_WAIT_REPLICAS), a reader reads from a replica of its node, so that a client is
+    shown only what a failover keeps: replication is asynchronous, and a token read from a
+    primary that dies before its
     replica has it would be generated again, maybe differently, by the retry. `visible()` says
     whether what a reader has just read may be shown."""
 
@@ -42,7 +44,7 @@ class Readers:
         self._controls: dict[tuple[str, int], Redis] = {}
 
     async def open(self, key: str) -> Redis:
-        if self.cluster:
+        if is_cluster(self.client):
             await self.client.initialize()  # the slots, before the first command has learnt them
             reader = node_client(self.client, key, name=self.name)
         else:
@@ -65,9 +67,9 @@ class Readers:
         options = client_options(self.name, True)
         if self.cluster:  # a cluster's replica answers for its slots only after READONLY
             options["redis_connect_func"] = _readonly
+        tls = tls_settings(kw, primary.connection_pool.connection_class)
         replica = Redis(host=host, port=int(port), password=kw.get("password"), username=kw.get("username"),
-                        single_connection_client=True, **tls_settings(kw, primary.connection_pool.connection_class),
-                        **options)
+                        single_connection_client=True, **tls, **options)
         try:
             await replica.ping()
         except RedisError as err:
@@ -88,23 +90,26 @@ class Readers:
 
     async def unblock(self, reader: Redis, client_id: int) -> None:
         kw = reader.connection_pool.connection_kwargs
-        if "host" not in kw or (not self.cluster and not self.replicas):  # Sentinel's primary: the client's own
+        # Sentinel's primary: the client's own
+        if "host" not in kw or (not self.cluster and not self.replicas):
             await self.client.client_unblock(client_id)
             return
         address = (kw["host"], kw["port"])
         control = self._controls.get(address)
         if control is None:
             tls = tls_settings(kw, reader.connection_pool.connection_class)
-            tls = {"connection_class": SSLConnection, **{k: v for k, v in tls.items() if k != "ssl"}} if tls else {}
+            if tls:
+                tls = {"connection_class": SSLConnection, **{k: v for k, v in tls.items() if k != "ssl"}}
             control = self._controls[address] = Redis.from_pool(BlockingConnectionPool(  # few: many wait
                 host=address[0], port=address[1], password=kw.get("password"), username=kw.get("username"),
-                max_connections=2, timeout=POOL_WAIT_S, **tls, **client_options(f"{self.name}-unblock", False)))
+                max_connections=2, timeout=POOL_WAIT_S, **tls,
+                **client_options(f"{self.name}-unblock", False)))
         await control.client_unblock(client_id)
 
     async def refresh(self) -> None:
         """After a reader's node failed: learn the cluster's slots again (a replica took over)."""
         if self.cluster:
-            await self.client.refresh_slots()
+            await refresh_slots(self.client)
 
     async def aclose(self) -> None:
         for control in self._controls.values():
@@ -112,7 +117,7 @@ class Readers:
         self._controls.clear()
 
 
-async def _readonly(connection: object) -> None:
-    await connection.on_connect()  # type: ignore[attr-defined]
-    await connection.send_command("READONLY")  # type: ignore[attr-defined]
-    await connection.read_response()  # type: ignore[attr-defined]
+async def _readonly(connection: AbstractConnection) -> None:
+    await connection.on_connect()
+    await connection.send_command("READONLY")
+    await connection.read_response()

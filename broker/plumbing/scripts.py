@@ -19,8 +19,9 @@ from typing import Annotated, Any, ClassVar
 from redis.asyncio import Redis
 from redis.commands.core import AsyncScript
 from redis.exceptions import NoScriptError
+from redis.typing import EncodableT
 
-from sluice.broker.keys import ACTIVE_S, AFFINITY_GROUPS_MAX, COUNT_DECAY, GROUP, OUTBOX_MAX_LEN, VTC_TTL_S
+from sluice.broker import keys
 from sluice.broker.plumbing.connection import is_cluster
 from sluice.protocol.states import FINAL_BATCH_STATES, FINAL_STATES
 
@@ -31,23 +32,23 @@ Counted = Annotated[tuple[object, ...], "counted"]  # in ARGV: how many, then ea
 Spread = Annotated[tuple[object, ...], "spread"]  # in ARGV: each (the last field)
 
 
-class ScriptCall:
-    """A call of lua/<script>.lua. Subclasses are frozen dataclasses whose fields are its KEYS
-    (annotated Key or KeyList), then its ARGV (plain fields, or Counted and Spread tuples)."""
-
-    script: ClassVar[str]
+class CallPart:
+    """Fields laid out as a script takes them (ScriptCall's), for a part of a call that carries
+    many of its kind: one request's KEYS and ARGV in reply.lua's, one request's ARGV in admit.lua's.
+    A ScriptCall holds them in a `Parts` field."""
 
     @classmethod
     @functools.cache
     def layout(cls) -> tuple[tuple[str, str], ...]:
-        """(field, how) per field, in order: how is "key", "keys", "counted", "spread" or "arg"."""
+        """(field, how) per field, in order: how is "key", "keys", "counted", "spread", "parts"
+        or "arg"."""
         hints = typing.get_type_hints(cls, include_extras=True)
         return tuple((f.name, getattr(hints[f.name], "__metadata__", ("arg",))[0])
                      for f in dataclasses.fields(cls))  # type: ignore[arg-type]
 
-    def keys_and_args(self) -> tuple[list[str], list[object]]:
+    def keys_and_args(self) -> tuple[list[str], list[EncodableT]]:
         keys: list[str] = []
-        args: list[object] = []
+        args: list[EncodableT] = []
         for name, how in self.layout():
             value = getattr(self, name)
             if how == "key":
@@ -58,9 +59,25 @@ class ScriptCall:
                 args += [len(value), *value]
             elif how == "spread":
                 args.extend(value)
+            elif how == "parts":
+                for part in value:
+                    part_keys, part_args = part.keys_and_args()
+                    keys += part_keys
+                    args += part_args
             else:
                 args.append(value)
         return keys, args
+
+
+Parts = Annotated[tuple[CallPart, ...], "parts"]  # each part's KEYS and ARGV, part by part (the last field)
+
+
+class ScriptCall(CallPart):
+    """A call of lua/<script>.lua. Subclasses are frozen dataclasses whose fields are its KEYS
+    (annotated Key or KeyList), then its ARGV (plain fields, or Counted and Spread tuples), or
+    its parts (Parts)."""
+
+    script: ClassVar[str]
 
 
 def _read(name: str) -> str:
@@ -74,15 +91,18 @@ def _lua_set(states: Iterable[enum.Enum]) -> str:
 def prelude() -> str:
     """What every script shares with the Python side, defined once: protocol/states.py's final
     states as the Lua tables that lua/_lib.lua's is_final_state (a request) and job_move.lua (a
-    batch) ask, and the figures of broker/keys.py."""
+    batch) ask, and the figures and key suffixes of broker/keys.py (a script builds a key it is not
+    handed as `tag .. SUFFIX.held`)."""
+    suffixes = ", ".join(f"{suffix.name.lower()} = '{suffix.value}'" for suffix in keys.Suffix)
     return (f"local FINAL_STATES = {_lua_set(FINAL_STATES)}  -- protocol/states.py\n"
             f"local BATCH_FINAL = {_lua_set(FINAL_BATCH_STATES)}  -- protocol/states.py\n"
-            f"local OUTBOX_MAX_LEN = {OUTBOX_MAX_LEN}  -- broker/keys.py\n"
-            f"local GROUP = '{GROUP}'  -- broker/keys.py\n"
-            f"local VTC_TTL_S = {VTC_TTL_S}  -- broker/keys.py\n"
-            f"local ACTIVE_S = {ACTIVE_S}  -- broker/keys.py\n"
-            f"local AFFINITY_GROUPS_MAX = {AFFINITY_GROUPS_MAX}  -- broker/keys.py\n"
-            f"local COUNT_DECAY = {COUNT_DECAY!r}  -- broker/keys.py\n")
+            f"local OUTBOX_MAX_LEN = {keys.OUTBOX_MAX_LEN}  -- broker/keys.py\n"
+            f"local GROUP = '{keys.GROUP}'  -- broker/keys.py\n"
+            f"local VTC_TTL_S = {keys.VTC_TTL_S}  -- broker/keys.py\n"
+            f"local ACTIVE_S = {keys.ACTIVE_S}  -- broker/keys.py\n"
+            f"local AFFINITY_GROUPS_MAX = {keys.AFFINITY_GROUPS_MAX}  -- broker/keys.py\n"
+            f"local COUNT_DECAY = {keys.COUNT_DECAY!r}  -- broker/keys.py\n"
+            f"local SUFFIX = {{{suffixes}}}  -- broker/keys.py Suffix\n")
 
 
 def source(name: str) -> str:
@@ -116,26 +136,14 @@ class Scripts:
         run = self._calls.get(call.script)
         if run is None:
             script = self.script(call.script)
-            run = self._calls[call.script] = self.pipelined.bind(script) if self.pipelined else script
+            # (on this client: a script object calls the one that registered it, which a client
+            # wrapping another, as tests do, would pass over)
+            run = self._calls[call.script] = (self.pipelined.bind(script) if self.pipelined
+                                              else functools.partial(script, client=self.redis))
         return await run(keys=keys, args=args)
 
-    # TRANSITIONAL (removed once every call site passes a ScriptCall): the old positional calls.
-    @classmethod
-    def register(cls, redis: Redis, *, pipelined: bool = False) -> Scripts:
-        return cls(redis, pipelined=pipelined)
 
-    def __getattr__(self, name: str) -> Callable[..., Awaitable[Any]]:
-        if name.startswith("_"):
-            raise AttributeError(name)
-        script = self.script(name)
-        return self.pipelined.bind(script) if self.pipelined else script
-
-
-def register_script(redis: Redis, name: str) -> AsyncScript:  # TRANSITIONAL, as above
-    return redis.register_script(source(name))
-
-
-Call = tuple[AsyncScript, Sequence[object], Sequence[object], asyncio.Future]
+Call = tuple[AsyncScript, Sequence[EncodableT], Sequence[EncodableT], asyncio.Future]
 
 
 class PipelinedCalls:
@@ -152,7 +160,7 @@ class PipelinedCalls:
         self._sending: set[asyncio.Task] = set()
 
     def bind(self, script: AsyncScript) -> Callable[..., Awaitable[object]]:
-        async def call(keys: Sequence[object] = (), args: Sequence[object] = ()) -> object:
+        async def call(keys: Sequence[EncodableT] = (), args: Sequence[EncodableT] = ()) -> object:
             fut = asyncio.get_running_loop().create_future()
             self._pending.append((script, keys, args, fut))
             if len(self._pending) == 1:

@@ -5,6 +5,7 @@ probe). The asyncio clients of the processes are broker/plumbing/connection.py's
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, cast
 from urllib.parse import parse_qs, unquote, urlsplit
 
 import redis as redis_sync
@@ -32,7 +33,8 @@ def parse_url(url: str) -> RedisTarget:
     if not kind:
         return RedisTarget("single", url)
     if kind not in ("cluster", "sentinel") or base not in ("redis", "rediss"):
-        raise ValueError(f"redis url: unknown scheme {scheme!r} (redis, rediss, redis+cluster, redis+sentinel)")
+        raise ValueError(f"redis url: unknown scheme {scheme!r} "
+                         "(redis, rediss, redis+cluster, redis+sentinel)")
     parts = urlsplit(f"{base}://{rest}")
     auth, _, hosts = parts.netloc.rpartition("@")
     user, _, password = auth.partition(":")
@@ -72,16 +74,19 @@ def celery_broker(redis_url: str, jobs_broker_url: str | None) -> tuple[str, dic
     return redis_url, {}
 
 
-def sync_connect(url: str, **options: object) -> redis_sync.Redis:
+def sync_connect(url: str, **options: Any) -> redis_sync.Redis:  # (redis-py's client options)
     """A synchronous client for `url`, answers decoded."""
     target = parse_url(url)
     options = {"decode_responses": True, **options}
+    tls: dict[str, Any] = dict(target.tls_options)  # (its ssl_* options, for a constructor)
     if target.kind == "cluster":
-        return redis_sync.RedisCluster(startup_nodes=[ClusterNode(h, p) for h, p in target.nodes],
-                                       password=target.password, username=target.username, ssl=target.tls,
-                                       **dict(target.tls_options), **options)
+        cluster = redis_sync.RedisCluster(startup_nodes=[ClusterNode(h, p) for h, p in target.nodes],
+                                          password=target.password, username=target.username, ssl=target.tls,
+                                          **tls, **options)
+        # typed as the plain client it stands in for (connect's, likewise)
+        return cast(redis_sync.Redis, cluster)
     if target.kind == "sentinel":
         sentinel = Sentinel(list(target.nodes), sentinel_kwargs={"password": target.password})
         return sentinel.master_for(target.service, password=target.password, username=target.username,
-                                   db=target.db, ssl=target.tls, **dict(target.tls_options), **options)
+                                   db=target.db, ssl=target.tls, **tls, **options)
     return redis_sync.Redis.from_url(url, **options)

@@ -33,7 +33,8 @@ _PACKER = HiredisRespSerializer()  # hiredis is a dependency already: replies ar
 
 
 def _pack_command(self: AbstractConnection, *args: object) -> list[bytes]:
-    return _PACKER.pack(*args)
+    # redis-py annotates pack's arguments as lists: they are the command's parts
+    return _PACKER.pack(*args)  # type: ignore[arg-type]
 
 
 def lost_mid_write(err: BaseException) -> bool:
@@ -57,11 +58,14 @@ async def _send_packed_command(self: AbstractConnection, command: bytes | str | 
             command = command.encode()
         if isinstance(command, bytes):
             command = [command]
-        self._writer.writelines(command)
-        transport = self._writer.transport
+        writer = self._writer
+        if writer is None:  # a disconnect meanwhile dropped it
+            raise RedisConnectionError("the connection to Redis was lost mid-command (its writer is gone)")
+        writer.writelines(command)
+        transport = writer.transport
         if transport.get_write_buffer_size() or transport.is_closing():  # (drain raises if it closed)
             async with asyncio.timeout(self.socket_timeout or None):
-                await self._writer.drain()
+                await writer.drain()
     except TimeoutError:
         await self.disconnect(nowait=True)
         raise RedisTimeoutError("Timeout writing to socket") from None

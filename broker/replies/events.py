@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from redis.asyncio import Redis
 
 from sluice.broker.keys import ModelKeys
+from sluice.broker.plumbing import stream_entries
 from sluice.protocol.messages import DeltaEvent, FinalResult, TokenLogprob
 from sluice.protocol.states import FINAL_STATES
 
@@ -31,7 +32,7 @@ async def delivered(redis: Redis, model: str, rid: str) -> dict[int, Delivered]:
     rows: dict[int, Delivered] = {}
     after = "-"
     while True:
-        got = await redis.xrange(ModelKeys(model).reply(rid), min=after, count=1000)
+        got = stream_entries(await redis.xrange(ModelKeys(model).reply(rid), min=after, count=1000))
         for entry_id, fields in got:
             after = f"({entry_id}"
             if fields.get("kind") != "delta":
@@ -97,7 +98,7 @@ async def resume_index(redis: Redis, model: str, rid: str, last_id: str) -> dict
     key = ModelKeys(model).reply(rid)
     decoder, start = ReplyDecoder(), "-"
     while True:
-        got = await redis.xrange(key, min=start, max=last_id, count=1000)
+        got = stream_entries(await redis.xrange(key, min=start, max=last_id, count=1000))
         for entry_id, fields in got:
             decoder.event(entry_id, fields)
             start = f"({entry_id}"

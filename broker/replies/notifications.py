@@ -134,7 +134,8 @@ class DoneListener:
                             with contextlib.suppress(TimeoutError):
                                 await asyncio.wait_for(self._new_channel.wait(), _READ_S)
                             continue
-                        message = await read(ignore_subscribe_messages=True, timeout=0.0 if cluster else _READ_S)
+                        message = await read(ignore_subscribe_messages=True,
+                                             timeout=0.0 if cluster else _READ_S)
                         if message is None and cluster:
                             await asyncio.sleep(_POLL_S)
                         if message is None or message.get("type") != "smessage":

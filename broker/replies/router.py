@@ -22,7 +22,7 @@ import logging
 import math
 import random
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 
 from redis.asyncio import Redis
@@ -97,14 +97,16 @@ class ReplyRouter:
     async def follow(self, model: str, rid: str, *, after: str = "0", next_index: int | dict[int, int] = 0,
                      idle_timeout_s: float | None = None, fresh: bool = False) -> AsyncIterator[ReplyEvent]:
         """The request's reply events one by one (see follow_reads)."""
-        async with contextlib.aclosing(self.follow_reads(model, rid, after=after, next_index=next_index,
-                                                         idle_timeout_s=idle_timeout_s, fresh=fresh)) as reads:
+        reads = self.follow_reads(model, rid, after=after, next_index=next_index,
+                                  idle_timeout_s=idle_timeout_s, fresh=fresh)
+        async with contextlib.aclosing(reads):
             async for events in reads:
                 for event in events:
                     yield event
 
-    async def follow_reads(self, model: str, rid: str, *, after: str = "0", next_index: int | dict[int, int] = 0,
-                           idle_timeout_s: float | None = None, fresh: bool = False) -> AsyncIterator[list[ReplyEvent]]:
+    async def follow_reads(self, model: str, rid: str, *, after: str = "0",
+                           next_index: int | dict[int, int] = 0, idle_timeout_s: float | None = None,
+                           fresh: bool = False) -> AsyncGenerator[list[ReplyEvent], None]:
         """The request's reply events after entry `after` until the final, each token once
         (ReplyDecoder, from `next_index`: row 0's, or per row as `resume_index` gives it), as
         they came: one list per read of the shard (a reader sends them in one write); the final
@@ -121,7 +123,8 @@ class ReplyRouter:
         shard.add(follower)
         try:
             await self._taken_in(shard, follower)
-            lost = None if fresh else await self._lost_final(keys, rid, follower)  # final long ago: stream gone
+            # a final long ago: its stream is gone
+            lost = None if fresh else await self._lost_final(keys, rid, follower)
             if lost is not None:
                 yield [lost]
                 return

@@ -13,7 +13,7 @@ from redis.asyncio import Redis
 from redis.asyncio.connection import Connection
 from redis.exceptions import RedisError
 
-from sluice.broker.plumbing import Readers
+from sluice.broker.plumbing import Readers, streams_read
 
 log = logging.getLogger(__name__)
 
@@ -119,10 +119,15 @@ class Shard:
                 if self.reader is None:
                     self.reader = await self.readers.open(self.slot_key)
                     await self.reader.initialize()  # its one connection, made now
-                    self.reader.connection.register_connect_callback(self._connected)
+                    connection = self.reader.connection
+                    assert connection is not None  # (a client of a single connection: made by initialize)
+                    connection.register_connect_callback(self._connected)
                 if self.client_id is None:
                     self.client_id = await self.reader.client_id()
-                got = await self.reader.xread(streams, count=256, block=self.block_ms)
+                # (redis-py types XREAD's streams as a dict of its key and id unions: a dict is
+                # invariant, so no dict[str, str] passes, though that is what it sends)
+                got = streams_read(await self.reader.xread(streams,  # type: ignore[arg-type]
+                                                           count=256, block=self.block_ms))
                 if got and not await self.readers.visible(self.reader):  # a failover could take it back
                     log.info("the reply reader's node is a primary with replicas now: reading from a replica")
                     await self._reopen(refresh=False)
@@ -132,7 +137,7 @@ class Shard:
                 await self._reopen()
                 await asyncio.sleep(0.2)
                 continue
-            for key, entries in got or []:
+            for key, entries in got:
                 read_from = streams[key]
                 for f in list(self.followers.get(key, ())):
                     if f.after == read_from:  # (most often: the whole read is its next entries)
@@ -156,7 +161,8 @@ class Shard:
 
     async def _reopen(self, refresh: bool = True) -> None:
         self.client_id = None  # a new connection has another id
-        if (self.readers.cluster or self.readers.replicas) and self.reader is not None:  # its node may be gone
+        # its node may be gone
+        if (self.readers.cluster or self.readers.replicas) and self.reader is not None:
             reader, self.reader = self.reader, None
             await reader.aclose()
             try:

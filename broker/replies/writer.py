@@ -8,11 +8,11 @@ import time
 from collections.abc import Awaitable, Callable, Mapping
 
 from redis.asyncio import Redis
-from redis.exceptions import NoScriptError
 
 from sluice.broker.delivery import Delivery
 from sluice.broker.keys import ModelKeys
 from sluice.broker.plumbing import Scripts
+from sluice.broker.replies.calls import Reply, ReplyWrite
 from sluice.broker.replies.events import Delivered as Delivered
 from sluice.broker.replies.events import ReplyDecoder as ReplyDecoder
 from sluice.broker.replies.events import ReplyEvent as ReplyEvent
@@ -39,12 +39,13 @@ class ReplyWriter:
     of the call are written all the same.
     """
 
-    def __init__(self, redis: Redis, model: str, *, reply_ttl_s: int, on_call: Callable[[], object] | None = None):
+    def __init__(self, redis: Redis, model: str, *, reply_ttl_s: int,
+                 on_call: Callable[[], object] | None = None) -> None:
         """`on_call`: told of each reply.lua call (the worker's metrics)."""
         self.redis = redis
         self.on_call = on_call
         self.keys = ModelKeys(model)
-        self.scripts = Scripts.register(redis)
+        self.scripts = Scripts(redis)
         self.reply_ttl_s = reply_ttl_s
         self._buffer: list[tuple[Delivery, DeltaEvent]] = []
         self._ready = asyncio.Event()
@@ -80,9 +81,9 @@ class ReplyWriter:
                 sent_at = time.monotonic()
                 try:
                     answers = await self._write([
-                        ([self.keys.reply(d.message.id), self.keys.status(d.message.id)],
-                         [d.fence, 0 if d.sent.ttl_set else self.reply_ttl_s,
-                          *(ev.model_dump_json(exclude_none=True) for ev in events)])
+                        ReplyWrite(reply=self.keys.reply(d.message.id), status=self.keys.status(d.message.id),
+                                   fence=d.fence, reply_ttl=0 if d.sent.ttl_set else self.reply_ttl_s,
+                                   deltas=tuple(ev.model_dump_json(exclude_none=True) for ev in events))
                         for d, events in by_entry.values()])
                 except BaseException:
                     # Not known to be written (Redis away, or restarted without its scripts): keep
@@ -120,41 +121,37 @@ class ReplyWriter:
                 raise
             if not isinstance(answer, list):
                 return answer
-            log.warning("request %s: its reply stream lost tokens (%s): sending them again", d.message.id, answer)
+            log.warning("request %s: its reply stream lost tokens (%s): sending them again", d.message.id,
+                        answer)
             async with self._lock:
                 self._buffer[:0] = _refill(d, answer)
         log.warning("request %s: its reply stream has a hole this attempt cannot fill: not committed, "
                     "left for a retry (it resumes from where the stream ends)", d.message.id)
         return False
 
-    async def _write(self, requests: list[tuple[list[str], list[object]]]) -> list[object]:
-        """Each request's (keys, args) as reply.lua takes them for one request; its answer. The
-        requests of one slot go in one call, the slots' calls side by side."""
+    async def _write(self, requests: list[ReplyWrite]) -> list[object]:
+        """Each request's answer. The requests of one slot go in one call, the slots' calls side
+        by side."""
         slots: dict[str, list[int]] = {}
-        for n, (keys, _) in enumerate(requests):
-            slots.setdefault(_hash_tag(keys[0]), []).append(n)
-        calls = [_one_call([requests[n] for n in ns]) for ns in slots.values()]
+        for n, request in enumerate(requests):
+            slots.setdefault(_hash_tag(request.reply), []).append(n)
+        calls = [Reply(requests=tuple(requests[n] for n in ns)) for ns in slots.values()]
         if len(calls) == 1:
-            results = [await self._call(*calls[0])]
+            results = [await self._call(calls[0])]
         else:
-            results = list(await asyncio.gather(*(self._call(k, a) for k, a in calls)))
+            results = list(await asyncio.gather(*(self._call(call) for call in calls)))
         answers: list[object] = [None] * len(requests)
         for ns, got in zip(slots.values(), results):
             for n, answer in zip(ns, got):
                 answers[n] = answer
         return answers
 
-    async def _call(self, keys: list[str], args: list[object]) -> list[object]:
-        # EVALSHA itself, on the client (not the script object's retrying call): a Redis that
-        # restarted without the script ran none of the call, which then goes again.
-        script = self.scripts.reply
+    async def _call(self, call: Reply) -> list[object]:
+        # A Redis that restarted without the script ran none of the call (NOSCRIPT): Scripts
+        # loads it and sends the call again, through this writer's client.
         if self.on_call is not None:
             self.on_call()
-        try:
-            return await self.redis.evalsha(script.sha, len(keys), *keys, *args)
-        except NoScriptError:
-            await self.redis.script_load(script.script)
-            return await self.redis.evalsha(script.sha, len(keys), *keys, *args)
+        return await self.scripts(call)
 
     async def _run(self) -> None:
         while not self._closing:
@@ -181,16 +178,6 @@ class ReplyWriter:
 def _hash_tag(key: str) -> str:
     """The hash tag of a key (`{m:<model>}` or a shard's `{m:<model>:<k>}`): its slot."""
     return key[key.index("{"):key.index("}") + 1]
-
-
-def _one_call(requests: list[tuple[list[str], list[object]]]) -> tuple[list[str], list[object]]:
-    """Many requests' reply.lua keys and args as one call's (see reply.lua's header)."""
-    keys: list[str] = []
-    args: list[object] = []
-    for k, (fence, ttl, *deltas) in requests:
-        keys += k
-        args += [fence, ttl, len(deltas), *deltas]
-    return keys, args
 
 
 _KEPT = 2048  # deltas kept per row for a resend (a failover loses the last moments, not minutes)
@@ -249,14 +236,23 @@ def _coalesce(buffer: list[tuple[Delivery, DeltaEvent]]) -> list[tuple[Delivery,
     out: list[tuple[Delivery, DeltaEvent]] = []
     last: dict[tuple[str, int, int], int] = {}  # (entry, attempt, row) -> its latest position in out
     for d, ev in buffer:
-        at = last.get((d.entry_id, d.attempt, ev.row))
-        prev = out[at][1] if at is not None else None
-        if prev is not None and prev.finish is None and prev.i + len(prev.token_ids) == ev.i:
-            joined = {"text": prev.text + ev.text, "token_ids": prev.token_ids + ev.token_ids, "finish": ev.finish}
-            if prev.logprobs is not None or ev.logprobs is not None:
-                joined["logprobs"] = (prev.logprobs or []) + (ev.logprobs or [])
-            out[at] = (d, prev.model_copy(update=joined))
+        key = (d.entry_id, d.attempt, ev.row)
+        at = last.get(key)
+        joined = _joined(out[at][1], ev) if at is not None else None
+        if at is not None and joined is not None:
+            out[at] = (d, joined)
         else:
-            last[(d.entry_id, d.attempt, ev.row)] = len(out)
+            last[key] = len(out)
             out.append((d, ev))
     return out
+
+
+def _joined(prev: DeltaEvent, ev: DeltaEvent) -> DeltaEvent | None:
+    """`ev` joined to `prev` when it goes on from where `prev` ends (its row's next index)."""
+    if prev.finish is not None or prev.i + len(prev.token_ids) != ev.i:
+        return None
+    update: dict[str, object] = {"text": prev.text + ev.text, "token_ids": prev.token_ids + ev.token_ids,
+                                 "finish": ev.finish}
+    if prev.logprobs is not None or ev.logprobs is not None:
+        update["logprobs"] = (prev.logprobs or []) + (ev.logprobs or [])
+    return prev.model_copy(update=update)

@@ -10,9 +10,9 @@ import time
 from dataclasses import dataclass
 
 from redis.asyncio import Redis
-from redis.commands.core import AsyncScript
 
-from sluice.broker.plumbing.scripts import _read  # TRANSITIONAL
+from sluice.broker.plumbing import Scripts
+from sluice.broker.webhooks.calls import WebhookBreaker
 from sluice.broker.webhooks.outbox import TAG
 
 BREAKER_FAILURES, BREAKER_MAX_S = 5, 600.0
@@ -36,17 +36,21 @@ class Breakers:
         self.redis = redis
         self.base_s = base_s  # the first opening's length (doubled at each further failure)
         self.probe_s = probe_s  # how long the others wait for a probe (its attempt's timeout)
-        self._script: AsyncScript = redis.register_script(_read("webhook_breaker"))
+        self.scripts = Scripts(redis)
 
     async def check(self, endpoint_id: str) -> Verdict:
-        waits, value = await self._script(keys=[breaker(endpoint_id)],
-                                          args=["check", time.time(), BREAKER_FAILURES, self.probe_s])
+        waits, value = await self.scripts(self._op(endpoint_id, "check", self.probe_s))
         return Verdict(go=False, until=float(value)) if waits else Verdict(go=True, probe=bool(value))
 
     async def record(self, endpoint_id: str, delivered: bool, was_probe: bool = False) -> int:
         """Returns the failures in a row now (0 after a success, or a failure not counted)."""
         if delivered:
-            return int(await self._script(keys=[breaker(endpoint_id)], args=["ok", time.time(), BREAKER_FAILURES]))
-        return int(await self._script(keys=[breaker(endpoint_id)],
-                                      args=["fail", time.time(), BREAKER_FAILURES, "1" if was_probe else "",
-                                            self.base_s, BREAKER_MAX_S, BREAKER_TTL_S]))
+            return int(await self.scripts(self._op(endpoint_id, "ok", "")))
+        return int(await self.scripts(self._op(endpoint_id, "fail", "1" if was_probe else "")))
+
+    def _op(self, endpoint_id: str, op: str, arg4: float | str) -> WebhookBreaker:
+        """webhook_breaker.lua's `op` on the endpoint's breaker (`arg4`: probe_s for a check,
+        was_probe for a failure; an op reads only the arguments it needs)."""
+        return WebhookBreaker(
+            key=breaker(endpoint_id), op=op, now=time.time(), threshold=BREAKER_FAILURES, arg4=arg4,
+            base_s=self.base_s, max_s=BREAKER_MAX_S, ttl=BREAKER_TTL_S)

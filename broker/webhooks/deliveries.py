@@ -11,9 +11,9 @@ import time
 from dataclasses import dataclass
 
 from redis.asyncio import Redis
-from redis.commands.core import AsyncScript
 
-from sluice.broker.plumbing.scripts import _read  # TRANSITIONAL
+from sluice.broker.plumbing import Scripts, members, texts
+from sluice.broker.webhooks.calls import NewDelivery, WebhookClaim, WebhookEnqueue, WebhookSettle
 from sluice.broker.webhooks.outbox import DEAD, DUE, delivery, outcomes
 
 DEAD_MAX = 10_000  # dead deliveries kept for `sluice webhooks dead`
@@ -40,9 +40,7 @@ class Delivery:
 class Deliveries:
     def __init__(self, redis: Redis) -> None:
         self.redis = redis
-        self._enqueue: AsyncScript = redis.register_script(_read("webhook_enqueue"))
-        self._claim: AsyncScript = redis.register_script(_read("webhook_claim"))
-        self._settle: AsyncScript = redis.register_script(_read("webhook_settle"))
+        self.scripts = Scripts(redis)
 
     async def enqueue(self, deliveries: list[tuple[str, str, str]], lease_s: float) -> list[str]:
         """(endpoint id, event id, body) for each endpoint of one event; returns the ids of those
@@ -50,12 +48,14 @@ class Deliveries:
         if not deliveries:
             return []
         now = time.time()
-        return await self._enqueue(keys=[DUE, *(delivery(f"{e}:{ev}") for e, ev, _ in deliveries)],
-                                   args=[now + lease_s, now, *(x for d in deliveries for x in d)])
+        return await self.scripts(WebhookEnqueue(
+            due=DUE, lease_until=now + lease_s, now=now,
+            deliveries=tuple(NewDelivery(delivery=delivery(f"{endpoint}:{event}"), endpoint=endpoint,
+                                         event_id=event, body=body) for endpoint, event, body in deliveries)))
 
     async def claim(self, count: int, lease_s: float) -> list[Delivery]:
         now = time.time()
-        ids = await self._claim(keys=[DUE], args=[now, now + lease_s, count])
+        ids = await self.scripts(WebhookClaim(due=DUE, now=now, lease_until=now + lease_s, count=count))
         return await self.get(ids)
 
     async def get(self, ids: list[str]) -> list[Delivery]:
@@ -74,9 +74,10 @@ class Deliveries:
         retried, dead; 'dropped' for a delivery whose endpoint was deleted)."""
         now = time.time()
         counted = COUNTED.get(outcome, "") if counted is None else counted
-        return bool(await self._settle(keys=[DUE, d.id, DEAD, outcomes(int(now // 60))],
-                                       args=[outcome, next_at, error[:500], now, DEAD_MAX, counted,
-                                             (OUTCOME_MINUTES + 1) * 60]))
+        return bool(await self.scripts(WebhookSettle(
+            due=DUE, delivery=d.id, dead=DEAD, counts=outcomes(int(now // 60)), outcome=outcome,
+            next_at=next_at, err=error[:500], now=now, dead_max=DEAD_MAX, counted=counted,
+            counts_ttl=(OUTCOME_MINUTES + 1) * 60)))
 
     async def outcomes(self) -> dict[str, int]:
         """Deliveries settled over the last OUTCOME_MINUTES minutes, by outcome."""
@@ -97,7 +98,7 @@ class Deliveries:
         count = await self.redis.zcard(DUE)
         oldest = 0.0
         if count:
-            ids = await self.redis.zrange(DUE, 0, 99)
+            ids = members(await self.redis.zrange(DUE, 0, 99))
             async with self.redis.pipeline(transaction=False) as pipe:
                 for i in ids:
                     pipe.hget(i, "first_at")
@@ -112,14 +113,15 @@ class Deliveries:
         """Put dead deliveries (all, or those named) back as due now, with a fresh retry period;
         returns how many."""
         replayed = 0
-        for raw in await self.redis.lrange(DEAD, 0, -1):
+        for raw in texts(await self.redis.lrange(DEAD, 0, -1)):
             letter = json.loads(raw)
             if ids is not None and letter["id"] not in ids and letter.get("event_id") not in ids:
                 continue
             now = time.time()
             async with self.redis.pipeline(transaction=True) as pipe:
-                pipe.hset(letter["id"], mapping={"endpoint": letter["endpoint"], "event_id": letter["event_id"],
-                                                 "body": letter["body"], "attempts": 0, "first_at": now})
+                pipe.hset(letter["id"], mapping={"endpoint": letter["endpoint"],
+                                                 "event_id": letter["event_id"], "body": letter["body"],
+                                                 "attempts": 0, "first_at": now})
                 pipe.zadd(DUE, {letter["id"]: now})
                 pipe.lrem(DEAD, 1, raw)
                 await pipe.execute()

@@ -74,13 +74,15 @@ class EndpointStore:
 
     async def list(self, owner: str | None = None) -> list[Endpoint]:
         found = [Endpoint(**json.loads(v)) for v in (await self.redis.hgetall(ENDPOINTS)).values()]
-        return sorted((e for e in found if owner is None or e.owner == owner), key=lambda e: (e.created_at, e.id))
+        return sorted((e for e in found if owner is None or e.owner == owner),
+                      key=lambda e: (e.created_at, e.id))
 
     async def rotate(self, endpoint_id: str) -> Endpoint | None:
         endpoint = await self.get(endpoint_id)
         if endpoint is None:
             return None
-        endpoint.previous_secret, endpoint.previous_until = endpoint.secret, int(time.time()) + ROTATION_GRACE_S
+        endpoint.previous_secret = endpoint.secret
+        endpoint.previous_until = int(time.time()) + ROTATION_GRACE_S
         endpoint.secret = new_secret()
         await self._save(endpoint)
         return endpoint

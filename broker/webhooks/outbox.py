@@ -9,6 +9,7 @@ import time
 from redis.asyncio import Redis
 
 from sluice.broker.keys import PREFIX, ModelKeys
+from sluice.broker.plumbing import hash_of
 
 GROUP = "senders"
 # Every webhook key but the outboxes shares one hash tag: the delivery scripts touch one slot.
@@ -64,7 +65,7 @@ class SubscribedOwners:
     async def has(self, owner: str | None) -> bool:
         if time.monotonic() - self._read_at > self.refresh_s:
             sent_at = time.monotonic()
-            counts = await self.redis.hgetall(OWNERS)
+            counts = hash_of(await self.redis.hgetall(OWNERS))
             self._owners = frozenset(o for o, n in counts.items() if int(n) > 0)
             self._read_at = sent_at
         return (owner or "") in self._owners

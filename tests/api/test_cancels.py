@@ -13,8 +13,8 @@ from tests.api.conftest import StartApi, http_client
 from tests.broker.helpers import KEYS
 
 
-class SlowAdmission:
-    """Stands for Admission: each cancel waits for `release`, or for ever."""
+class SlowCancels:
+    """Stands for Cancels: each cancel waits for `release`, or for ever."""
 
     def __init__(self) -> None:
         self.release = asyncio.Event()
@@ -27,18 +27,18 @@ class SlowAdmission:
 
 
 async def test_drain_waits_for_the_cancels_under_way() -> None:
-    admission = SlowAdmission()
-    cancels = BackgroundCancels(admission)  # type: ignore[arg-type]
+    slow = SlowCancels()
+    cancels = BackgroundCancels(slow)  # type: ignore[arg-type]
     cancels.soon("m", "req-1")
     cancels.soon("m", "req-2")
     assert cancels.pending == 2
-    asyncio.get_running_loop().call_soon(admission.release.set)
+    asyncio.get_running_loop().call_soon(slow.release.set)
     await cancels.drain(timeout_s=30)
-    assert sorted(admission.cancelled) == ["req-1", "req-2"] and cancels.pending == 0
+    assert sorted(slow.cancelled) == ["req-1", "req-2"] and cancels.pending == 0
 
 
 async def test_drain_gives_up_on_a_cancel_that_never_ends() -> None:
-    cancels = BackgroundCancels(SlowAdmission())  # type: ignore[arg-type]
+    cancels = BackgroundCancels(SlowCancels())  # type: ignore[arg-type]
     cancels.soon("m", "req-stuck")
     await cancels.drain(timeout_s=0.01)  # returns, with the stuck cancel itself cancelled
     assert cancels.pending == 0

@@ -53,14 +53,14 @@ async def test_a_plain_poll_reads_the_status_once(
     """The route's own read (which finds the request's model and owner) is the answer: a poll
     without `wait` reads nothing more; a long-poll reads again while it waits."""
     rid = await submit(api)
-    admission = app.state.sluice.admission
-    reads, read = [], admission.status
+    statuses = app.state.sluice.statuses
+    reads, read = [], statuses.status
 
     async def counted(model: str, request_id: str) -> object:
         reads.append(request_id)
         return await read(model, request_id)
 
-    monkeypatch.setattr(admission, "status", counted)
+    monkeypatch.setattr(statuses, "status", counted)
     polled = await api.get(f"/v1/requests/{rid}")
     assert polled.status_code == 200 and polled.json()["status"] == "queued" and reads == []
     waited = await api.get(f"/v1/requests/{rid}", params={"wait": 0.1})
@@ -115,10 +115,10 @@ async def test_events_whose_status_read_saw_the_request_unfinished_end_with_its_
     after that read (staged: the read is served the status as it was while queued) still streams
     every token, then its final, from its reply stream."""
     rid = await submit(api, max_tokens=3)
-    admission, router = app.state.sluice.admission, app.state.sluice.replies
+    statuses, router = app.state.sluice.statuses, app.state.sluice.replies
     done = (await api.get(f"/v1/requests/{rid}", params={"wait": WAIT_S})).json()
-    final = await admission.status(MODEL, rid)
-    stale, read = [dataclasses.replace(final, state=State.QUEUED, result=None)], admission.find_status
+    final = await statuses.status(MODEL, rid)
+    stale, read = [dataclasses.replace(final, state=State.QUEUED, result=None)], statuses.find_status
 
     async def find_status(request_id: str, models: list[str]) -> object:
         return stale.pop() if stale else await read(request_id, models)
@@ -130,7 +130,7 @@ async def test_events_whose_status_read_saw_the_request_unfinished_end_with_its_
         looked.append(request_id)
         return await lost_final(keys, request_id, follower)
 
-    monkeypatch.setattr(admission, "find_status", find_status)
+    monkeypatch.setattr(statuses, "find_status", find_status)
     monkeypatch.setattr(router, "_lost_final", counted)
     events = [e async for e in sse_events(await api.get(f"/v1/requests/{rid}/events"))]
     assert not stale and looked == []  # one status read, the staged one; none by the follower
@@ -162,22 +162,22 @@ async def test_a_cancel_that_read_the_request_running_before_its_cancelled_final
     cancelled final (staged: that read is served the status as it was), finds it final: 409 as
     any later one (its script answers 'cancelled' for a cancelled request: not a cancel of its own)."""
     rid = await submit(api, max_tokens=8000)
-    admission = app.state.sluice.admission
+    statuses = app.state.sluice.statuses
 
     async def running() -> bool:
         return (await api.get(f"/v1/requests/{rid}")).json()["status"] == "running"
 
     await eventually(running, what="the request to start")
-    was_running = await admission.status(MODEL, rid)
+    was_running = await statuses.status(MODEL, rid)
     assert (await api.delete(f"/v1/requests/{rid}")).status_code == 202
     final = (await api.get(f"/v1/requests/{rid}", params={"wait": WAIT_S})).json()
     assert final["status"] == "cancelled", final
-    stale, read = [was_running], admission.find_status
+    stale, read = [was_running], statuses.find_status
 
     async def find_status(request_id: str, models: list[str]) -> object:
         return stale.pop() if stale else await read(request_id, models)
 
-    monkeypatch.setattr(admission, "find_status", find_status)
+    monkeypatch.setattr(statuses, "find_status", find_status)
     again = await api.delete(f"/v1/requests/{rid}")
     assert not stale, "the staged read was not made"
     assert again.status_code == 409 and again.json()["error"]["code"] == "already_final", again.text

@@ -16,9 +16,12 @@ import pytest
 import redis as redis_sync
 from redis.asyncio import Redis
 
+from sluice.broker.delivery.affinity import PlacementRules
 from sluice.broker.delivery.consumer import Delivery, StreamConsumer
 from sluice.broker.delivery.fair_share import staged_streams
 from sluice.broker.intake.admission import Admission
+from sluice.broker.intake.cancels import Cancels
+from sluice.broker.intake.status_reads import StatusReads
 from sluice.broker.keys import GROUP, ModelKeys
 from sluice.broker.limits import AdmissionLimits, ConsumerLimits
 from sluice.broker.plumbing.connection import is_cluster
@@ -82,10 +85,18 @@ def admission(redis: Redis, settings: Settings) -> Admission:
     return Admission(redis, AdmissionLimits.of(settings))
 
 
+def cancels(redis: Redis, settings: Settings) -> Cancels:
+    return Cancels(redis, AdmissionLimits.of(settings))
+
+
+def statuses(redis: Redis, settings: Settings) -> StatusReads:
+    return StatusReads(redis, AdmissionLimits.of(settings))
+
+
 def consumer(redis: Redis, settings: Settings, name: str = "w1") -> StreamConsumer:
     c = StreamConsumer(redis, MODEL, name, ConsumerLimits.of(settings, lease_timeout_s=30.0))
     if AFFINITY:  # placing by prefix group: another worker's group waits up to the bound for it
-        c.affinity.wait_ms = 20
+        c.configure(placement=PlacementRules(wait_ms=20))
     return c
 
 

@@ -23,6 +23,7 @@ from tests.broker.helpers import (
     MODEL,
     admission,
     assert_request_keys_expire,
+    cancels,
     done_result,
     fetch_one,
     message,
@@ -31,6 +32,7 @@ from tests.broker.helpers import (
     ready_consumer,
     replies,
     running_request,
+    statuses,
     submit_n,
 )
 
@@ -46,13 +48,13 @@ async def test_submit_enqueues_and_creates_a_queued_status(redis: Redis, setting
     (got_id, fields), = await redis.xrange(KEYS.requests)
     assert got_id == entry
     assert RequestMessage.from_fields(fields) == m
-    status = await adm.status(MODEL, m.id)
+    status = await statuses(redis, settings).status(MODEL, m.id)
     assert status is not None and status.state is State.QUEUED
     assert status.entry == entry
     assert 0 < await redis.ttl(KEYS.status(m.id)) <= settings.status_ttl_s
-    found = await adm.find_status(m.id, ["other", MODEL])
+    found = await statuses(redis, settings).find_status(m.id, ["other", MODEL])
     assert found is not None and (found.model, found.entry) == (MODEL, entry)
-    assert await adm.find_status("req-unknown", ["other", MODEL]) is None
+    assert await statuses(redis, settings).find_status("req-unknown", ["other", MODEL]) is None
 
 
 async def test_bulk_requests_go_to_the_bulk_stream(redis: Redis, settings: Settings) -> None:
@@ -70,7 +72,7 @@ async def test_submit_refuses_at_the_bound(redis: Redis, settings: Settings) -> 
     with pytest.raises(QueueFull):
         await adm.submit(refused, max_queued=3)
     assert await queued_len(redis) == 3
-    assert await adm.status(MODEL, refused.id) is None
+    assert await statuses(redis, settings).status(MODEL, refused.id) is None
 
 
 async def test_pending_entries_count_toward_the_bound_until_committed(
@@ -92,8 +94,8 @@ async def test_pending_entries_count_toward_the_bound_until_committed(
 async def test_cancel_of_a_queued_request_ends_it_at_once(redis: Redis, settings: Settings) -> None:
     adm = admission(redis, settings)
     (m,) = await submit_n(adm, 1)
-    assert await adm.cancel(MODEL, m.id) == "cancelled"
-    status = await adm.status(MODEL, m.id)
+    assert await cancels(redis, settings).cancel(MODEL, m.id) == "cancelled"
+    status = await statuses(redis, settings).status(MODEL, m.id)
     assert status is not None and status.state is State.CANCELLED
     events = await replies(redis, m.id)
     assert [f["kind"] for _, f in events] == ["final"]
@@ -107,7 +109,7 @@ async def test_cancel_of_a_queued_request_ends_it_at_once(redis: Redis, settings
     assert await pending(redis) == []
     assert len(await replies(redis, m.id)) == 1
     # a second cancel reports the final state and changes nothing
-    assert await adm.cancel(MODEL, m.id) == "cancelled"
+    assert await cancels(redis, settings).cancel(MODEL, m.id) == "cancelled"
     assert len(await replies(redis, m.id)) == 1
 
 
@@ -118,7 +120,7 @@ async def test_a_cancel_between_a_fetch_and_the_start_runs_nothing(redis: Redis,
     (m,) = await submit_n(adm, 1)
     c = await ready_consumer(redis, settings)
     d = await fetch_one(c)
-    assert await adm.cancel(MODEL, m.id) == "cancelled"
+    assert await cancels(redis, settings).cancel(MODEL, m.id) == "cancelled"
     assert await redis.xlen(KEYS.requests) == 0 and await pending(redis) == []
     assert await c.start(d) == "final"
     assert len(await replies(redis, m.id)) == 1
@@ -150,7 +152,7 @@ async def test_cancelled_requests_stop_counting_against_the_bound(
                     await adm.submit(m, max_queued=bound)
         elif step == "cancel" and live:
             m = rng.choice(live)
-            state = await adm.cancel(MODEL, m.id)
+            state = await cancels(redis, settings).cancel(MODEL, m.id)
             if m.id not in running:
                 assert state == "cancelled"
                 live.remove(m)
@@ -169,8 +171,8 @@ async def test_cancelled_requests_stop_counting_against_the_bound(
 
 async def test_cancel_of_a_running_request_sets_the_flag(redis: Redis, settings: Settings) -> None:
     adm, m, c, d = await running_request(redis, settings)
-    assert await adm.cancel(MODEL, m.id) == "cancelling"
-    assert (await adm.status(MODEL, m.id)).state is State.RUNNING  # type: ignore[union-attr]
+    assert await cancels(redis, settings).cancel(MODEL, m.id) == "cancelling"
+    assert (await statuses(redis, settings).status(MODEL, m.id)).state is State.RUNNING  # type: ignore[union-attr]
     assert 0 < await redis.ttl(KEYS.cancel(m.id)) <= settings.cancel_ttl_s
     assert await c.cancelled([m.id, "req-other"]) == {m.id}
     assert await replies(redis, m.id) == []
@@ -179,9 +181,9 @@ async def test_cancel_of_a_running_request_sets_the_flag(redis: Redis, settings:
 async def test_cancel_of_a_finished_or_unknown_request(redis: Redis, settings: Settings) -> None:
     adm, m, c, d = await running_request(redis, settings)
     assert await c.commit(d, done_result())
-    assert await adm.cancel(MODEL, m.id) == "done"
+    assert await cancels(redis, settings).cancel(MODEL, m.id) == "done"
     assert await redis.exists(KEYS.cancel(m.id)) == 0
-    assert await adm.cancel(MODEL, "req-unknown") is None
+    assert await cancels(redis, settings).cancel(MODEL, "req-unknown") is None
 
 
 # -- model registry ---------------------------------------------------------------------------

@@ -14,10 +14,16 @@ from collections import Counter
 
 from redis.asyncio import Redis
 
-from sluice.broker.delivery.affinity import BOUNDED_LOAD, GROUP_BLOCKS, bounded_owners, rendezvous_ranks
+from sluice.broker.delivery.affinity import (
+    BOUNDED_LOAD,
+    GROUP_BLOCKS,
+    PlacementRules,
+    bounded_owners,
+    rendezvous_ranks,
+)
 from sluice.broker.delivery.consumer import StreamConsumer
 from sluice.broker.delivery.dead_letters import DeadLetters
-from sluice.broker.delivery.fair_share import dispatch
+from sluice.broker.delivery.fair_share import SlotReserves
 from sluice.broker.keys import WORKERS
 from sluice.config.settings import Settings
 from sluice.protocol.messages import FinalResult, RequestMessage, RowOutput, SamplingSpec, State, Usage
@@ -44,9 +50,14 @@ def request(group: str, tenant: str = "default", prefix_tokens: int = 0) -> Requ
 async def placing(redis: Redis, settings: Settings, name: str, *, wait_ms: int = 600_000,
                   live_ms: int = 600_000) -> StreamConsumer:
     c = await ready_consumer(redis, settings, name)
-    c.capacity, c.affinity.wait_ms, c.affinity.live_ms = CAPACITY, wait_ms, live_ms
+    c.configure(reserves=SlotReserves(capacity=CAPACITY), placement=PlacementRules(wait_ms=wait_ms, live_ms=live_ms))
     assert await dispatch(c, LANE, CAPACITY) == []  # seen: live, CAPACITY free
     return c
+
+
+async def dispatch(c: StreamConsumer, stream: str, count: int) -> list[tuple[str, dict[str, str]]]:
+    """dispatch.lua as `c`'s fetch calls it, before its blocking read."""
+    return await c.reads.dispatch(c.consumer, stream, count)
 
 
 async def submit(redis: Redis, settings: Settings, groups: list[str], prefix_tokens: int = 0) -> list[RequestMessage]:
@@ -256,7 +267,8 @@ async def test_a_dead_letter_retried_wakes_a_blocked_worker(redis: Redis, settin
 
 async def test_off_nothing_of_it_is_written_and_the_pull_is_fifo(redis: Redis, settings: Settings) -> None:
     c = await ready_consumer(redis, settings, "wa")
-    c.capacity = CAPACITY  # affinity.wait_ms None: the deployment's prefix_affinity false
+    # not placing: the deployment's prefix_affinity false
+    c.configure(reserves=SlotReserves(capacity=CAPACITY), placement=PlacementRules())
     sent = await submit(redis, settings, GROUPS[:3])
     got = await c.fetch(CAPACITY, block_ms=10)
     assert [d.message.id for d in got] == [m.id for m in sent]

@@ -7,7 +7,8 @@ import time
 
 from redis.asyncio import Redis
 
-from sluice.broker.delivery.housekeeping import LogBuffer
+from sluice.broker.delivery.fair_share import SlotReserves
+from sluice.broker.inference_log import LogBuffer
 from sluice.broker.keys import GROUP
 from sluice.config.settings import Settings
 from sluice.protocol.messages import FinalResult
@@ -16,6 +17,7 @@ from tests.broker.helpers import (
     KEYS,
     admission,
     assert_request_keys_expire,
+    cancels,
     consumer,
     done_result,
     fetch_one,
@@ -96,7 +98,7 @@ async def test_the_bulk_lane_leaves_the_reserved_slots_to_interactive_work(redis
     adm = admission(redis, settings)
     await submit_n(adm, 10, lane="bulk")
     c = await ready_consumer(redis, settings)
-    c.reserved_slots = 1
+    c.configure(reserves=SlotReserves(interactive=1))
     assert await c.fetch(1, 50) == []  # the one free slot is the reserved one
     assert len(await c.fetch(4, 50)) == 3
     interactive = [m.id for m in await submit_n(adm, 2)]
@@ -170,7 +172,7 @@ async def test_start_skips_a_request_cancelled_while_it_ran_elsewhere(redis: Red
     dead = await ready_consumer(redis, settings, "dead")
     d = await fetch_one(dead)
     assert await dead.start(d) == "run"
-    assert await adm.cancel(KEYS.model, m.id) == "cancelling"
+    assert await cancels(redis, settings).cancel(KEYS.model, m.id) == "cancelling"
     await redis.xclaim(d.stream, GROUP, "dead", 0, [d.entry_id], idle=10_000_000, justid=True)  # its lease lapses
     c = await ready_consumer(redis, settings, "live")
     (again,) = await c.fetch(1, 100)

@@ -3,16 +3,17 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import time
 
 from redis.asyncio import Redis
 
+from sluice.broker.delivery.calls import Requeue
 from sluice.broker.delivery.dead_letters import DeadLetters
+from sluice.broker.plumbing import ScriptCall
 from sluice.config.settings import Settings
 from sluice.protocol.messages import RequestMessage
-from tests.broker.helpers import KEYS, MODEL, admission, fetch_one, message, ready_consumer
+from tests.broker.helpers import KEYS, MODEL, admission, fetch_one, message, ready_consumer, statuses
 
 
 async def bury(redis: Redis, m: RequestMessage | None, *, stream: str = KEYS.requests, rid: str = "",
@@ -105,7 +106,7 @@ async def test_a_retry_after_the_result_expired_gives_the_status_back_whole(
     status = await redis.hgetall(KEYS.status(m.id))
     assert status["state"] == "queued"
     assert _whole(status) == ("sha256:abc", MODEL, "interactive", "555")
-    assert (await admission(redis, settings).status(MODEL, m.id)).owner == "sha256:abc"
+    assert (await statuses(redis, settings).status(MODEL, m.id)).owner == "sha256:abc"
 
 
 async def test_a_retry_keeps_the_retention_the_request_was_admitted_with(redis: Redis, settings: Settings) -> None:
@@ -159,14 +160,15 @@ async def test_a_retry_whose_answer_was_lost_and_re_sent_reports_the_letter_retr
     m = await _dead_lettered_with_an_owner(redis, settings)
     letters = DeadLetters(redis, MODEL)
     stale = await letters.list()
-    requeue = letters.scripts.requeue
+    scripts = letters.scripts
     answers = []
 
-    async def answer_lost(**kw):
-        answers.append(await requeue(**kw))  # ran; its answer never came back
-        return await requeue(**kw)  # the same call, sent again
+    async def answer_lost(call: ScriptCall):
+        assert isinstance(call, Requeue)
+        answers.append(await scripts(call))  # ran; its answer never came back
+        return await scripts(call)  # the same call, sent again
 
-    scripts, letters.scripts = letters.scripts, dataclasses.replace(letters.scripts, requeue=answer_lost)
+    letters.scripts = answer_lost
     assert await letters.retry(None, max_queued=10) == [m.id]
     entry = await redis.hget(KEYS.status(m.id), "entry")
     assert answers == [entry] and [e for e, _ in await redis.xrange(KEYS.requests)] == [entry]

@@ -21,6 +21,7 @@ from tests.broker.helpers import (
     KEYS,
     MODEL,
     admission,
+    cancels,
     done_result,
     fetch_one,
     message,
@@ -43,7 +44,7 @@ async def expire_lease(redis: Redis, d, to: str = "w1") -> None:
 
 async def test_dead_lettering_a_cancelled_request_writes_no_second_final(redis: Redis, settings: Settings) -> None:
     adm, m, c, d = await running_request(redis, settings)
-    assert await adm.cancel(KEYS.model, m.id) == "cancelling"
+    assert await cancels(redis, settings).cancel(KEYS.model, m.id) == "cancelling"
     assert await c.commit(d, FinalResult(status=State.CANCELLED, error="cancelled by the client"))
     # the same entry, pending again by hand (the state a late dead-letter decision meets)
     await redis.xadd(KEYS.requests, m.to_fields(), id=d.entry_id.replace("-0", "-1"))
@@ -61,7 +62,7 @@ async def test_no_script_overwrites_a_final(redis: Redis, settings: Settings) ->
     assert await redis.hget(KEYS.status(m.id), "state") == "expired"
     assert finals(await replies(redis, m.id)) == []
     assert await redis.xpending(KEYS.requests, GROUP) and (await redis.xpending(KEYS.requests, GROUP))["pending"] == 0
-    assert await adm.cancel(KEYS.model, m.id) == "expired"
+    assert await cancels(redis, settings).cancel(KEYS.model, m.id) == "expired"
     assert finals(await replies(redis, m.id)) == []
 
 
@@ -303,7 +304,7 @@ async def test_a_stale_fetched_entry_never_revives_a_request_whose_status_is_gon
     cancelled, other = await submit_n(adm, 2)
     c = await ready_consumer(redis, settings)
     got = {d.message.id: d for d in await c.fetch(2, 100)}
-    assert await adm.cancel(KEYS.model, cancelled.id) == "cancelled"
+    assert await cancels(redis, settings).cancel(KEYS.model, cancelled.id) == "cancelled"
     await redis.delete(KEYS.status(cancelled.id), KEYS.reply(cancelled.id))  # its result expired
     stale = got[cancelled.id]
     if deadline_passed:

@@ -1,4 +1,4 @@
-"""The housekeeping sweep (broker/delivery/housekeeping.py, lua/expire.lua): a request past its deadline
+"""The expiry sweep (broker/delivery/expiry.py, lua/expire.lua): a request past its deadline
 that no worker started ends `expired`, with one final, whatever a worker does at the same time."""
 
 from __future__ import annotations
@@ -10,16 +10,16 @@ import time
 import pytest
 from redis.asyncio import Redis
 
-from sluice.broker.delivery.housekeeping import expire_overdue
+from sluice.broker.delivery.expiry import expire_overdue
 from sluice.broker.plumbing.scripts import Scripts
 from sluice.config.settings import Settings
-from tests.broker.helpers import KEYS, admission, done_result, queued_len, ready_consumer, replies, submit_n
+from tests.broker.helpers import KEYS, admission, done_result, queued_len, ready_consumer, replies, statuses, submit_n
 
 LATER = 1000.0  # the sweep's clock, moved past every deadline (60 s) of the requests below
 
 
 async def sweep(redis: Redis, *, now: float, lease_timeout_s: float = 30.0) -> list[str]:
-    return await expire_overdue(redis, Scripts.register(redis), KEYS, [KEYS.requests, KEYS.bulk], now=now,
+    return await expire_overdue(redis, Scripts(redis), KEYS, [KEYS.requests, KEYS.bulk], now=now,
                                 lease_timeout_s=lease_timeout_s, result_ttl_s=3600, reply_ttl_s=60)
 
 
@@ -36,10 +36,10 @@ async def test_a_queued_request_of_a_model_without_workers_expires(redis: Redis,
     (fresh,) = await submit_n(adm, 1, deadline_in=60)
     assert sorted(await sweep(redis, now=time.time())) == sorted([late.id, bulk.id])
     for m in (late, bulk):
-        status = await adm.status(KEYS.model, m.id)
+        status = await statuses(redis, settings).status(KEYS.model, m.id)
         assert status.state.value == "expired" and "deadline" in status.result.error
         assert [f["status"] for f in await finals(redis, m.id)] == ["expired"]
-    assert (await adm.status(KEYS.model, fresh.id)).state.value == "queued"
+    assert (await statuses(redis, settings).status(KEYS.model, fresh.id)).state.value == "queued"
     assert await queued_len(redis) == 1 and await queued_len(redis, KEYS.bulk) == 0
     assert await sweep(redis, now=time.time()) == []  # once
 
@@ -91,7 +91,7 @@ async def test_a_sweep_racing_workers_leaves_one_final(redis: Redis, settings: S
             expected[d.message.id] = "done"
     for m in messages:
         assert [f["status"] for f in await finals(redis, m.id)] == [expected[m.id]], (seed, m.id)
-        assert (await adm.status(KEYS.model, m.id)).state.value == expected[m.id]
+        assert (await statuses(redis, settings).status(KEYS.model, m.id)).state.value == expected[m.id]
     assert await redis.xlen(KEYS.requests) == 0
     assert await redis.xpending(KEYS.requests, "workers") == {"pending": 0, "min": None, "max": None,
                                                               "consumers": []}
@@ -110,5 +110,5 @@ async def test_a_running_request_expires_only_once_its_worker_stopped_renewing(
     await c.commit(d, done_result())  # the worker comes back: refused once expired
     state = "expired" if lapsed else "done"
     assert [f["status"] for f in await finals(redis, m.id)] == [state]
-    assert (await adm.status(KEYS.model, m.id)).state.value == state
+    assert (await statuses(redis, settings).status(KEYS.model, m.id)).state.value == state
     assert await redis.xlen(KEYS.requests) == 0

@@ -14,14 +14,20 @@ from redis.asyncio import Redis
 
 from sluice.broker import keys
 from sluice.broker.delivery.consumer import Delivery, StreamConsumer
-from sluice.broker.delivery.fair_share import OUTPUT_WEIGHT, RESERVE_BLOCK_MS, blocking_ms, expected_cost, prompt_tokens
-from sluice.broker.delivery.housekeeping import expire_overdue
+from sluice.broker.delivery.expiry import expire_overdue
+from sluice.broker.delivery.fair_share import (
+    OUTPUT_WEIGHT,
+    RESERVE_BLOCK_MS,
+    SlotReserves,
+    expected_cost,
+    prompt_tokens,
+)
 from sluice.broker.intake.admission import Admission, QueueFull, TenantQueueFull
 from sluice.broker.limits import TenantShare
 from sluice.broker.plumbing.scripts import Scripts
 from sluice.config.settings import Settings
 from sluice.protocol.messages import FinalResult, RequestMessage, RowOutput, SamplingSpec, State, Usage
-from tests.broker.helpers import KEYS, MODEL, admission, queued_len, ready_consumer
+from tests.broker.helpers import KEYS, MODEL, admission, cancels, queued_len, ready_consumer, statuses
 
 LANE = KEYS.requests
 
@@ -266,14 +272,14 @@ async def staged_pair(redis: Redis, settings: Settings, **kw) -> tuple[Admission
     first, second = request("a"), request("a", **kw)
     await adm.submit(first, max_queued=10)
     await adm.submit(second, max_queued=10)
-    assert (await adm.status(MODEL, second.id)).state == State.QUEUED
+    assert (await statuses(redis, settings).status(MODEL, second.id)).state == State.QUEUED
     assert await redis.hget(KEYS.status(second.id), "stream") == keys.staged(LANE, "a")
     return adm, first, second
 
 
 async def test_a_staged_request_is_cancelled_at_once(redis: Redis, settings: Settings) -> None:
     adm, first, second = await staged_pair(redis, settings)
-    assert await adm.cancel(MODEL, second.id) == "cancelled"
+    assert await cancels(redis, settings).cancel(MODEL, second.id) == "cancelled"
     assert await redis.exists(keys.staged(LANE, "a")) == 0 and await backlog(redis) == {}
     assert await redis.hgetall(keys.held(LANE)) == {"a": "1"}
     c = await ready_consumer(redis, settings)
@@ -287,17 +293,17 @@ async def test_a_dispatched_request_is_cancelled_on_the_lane(redis: Redis, setti
     await run_and_commit(c, d1, 1)
     (d2,) = await c.fetch(1, 10)  # dispatched: its status names its lane entry now
     assert await redis.hmget(KEYS.status(second.id), "stream", "entry") == [LANE, d2.entry_id]
-    assert await adm.cancel(MODEL, second.id) == "cancelled"
+    assert await cancels(redis, settings).cancel(MODEL, second.id) == "cancelled"
     assert await c.start(d2) == "final"
     assert await redis.exists(keys.held(LANE)) == 0
 
 
 async def test_a_staged_request_past_its_deadline_expires(redis: Redis, settings: Settings) -> None:
     adm, first, second = await staged_pair(redis, settings, deadline_in=-1)
-    expired = await expire_overdue(redis, Scripts.register(redis), KEYS, [LANE, KEYS.bulk], now=time.time(),
+    expired = await expire_overdue(redis, Scripts(redis), KEYS, [LANE, KEYS.bulk], now=time.time(),
                                    lease_timeout_s=30.0, result_ttl_s=3600, reply_ttl_s=60)
     assert expired == [second.id]
-    assert (await adm.status(MODEL, second.id)).state == State.EXPIRED
+    assert (await statuses(redis, settings).status(MODEL, second.id)).state == State.EXPIRED
     assert await redis.exists(keys.staged(LANE, "a")) == 0 and await redis.hgetall(keys.held(LANE)) == {"a": "1"}
 
 
@@ -305,7 +311,7 @@ async def test_lanes_are_shared_out_on_their_own(redis: Redis, settings: Setting
     """Fairness is per lane: the bulk lane's tenants have counters of their own, and the
     interactive reserve still holds (bulk reads leave reserved slots)."""
     adm, c = admission(redis, settings), await ready_consumer(redis, settings)
-    c.reserved_slots = 1
+    c.configure(reserves=SlotReserves(interactive=1))
     for tenant in ("a", "b"):
         for _ in range(3):
             await adm.submit(request(tenant, lane="bulk"), max_queued=100)
@@ -345,7 +351,7 @@ async def test_the_tenant_reserve_keeps_a_slot_for_a_light_tenant(redis: Redis, 
     goes straight onto the lane and starts in the reserved slot at once. Once b is idle past
     ACTIVE_S, a takes every slot (work-conserving)."""
     adm, c = admission(redis, settings), await ready_consumer(redis, settings)
-    c.capacity, c.tenant_reserved_slots = 4, 1
+    c.configure(reserves=SlotReserves(capacity=4, tenant=1))
     await adm.submit(request("b"), max_queued=100)
     (d,) = await c.fetch(4, 10)
     await run_and_commit(c, d, 1)
@@ -369,17 +375,17 @@ async def test_a_worker_keeping_its_reserve_reads_again_soon(redis: Redis, setti
     """Its own requests ending free slots that a heavy tenant's staged requests may fill: its
     blocking read, while its free slots are within the reserve, is short (not the poll's 500 ms)."""
     c = await ready_consumer(redis, settings)
-    c.capacity, c.tenant_reserved_slots = 8, 2
-    assert blocking_ms(c, 2, 500) == RESERVE_BLOCK_MS and blocking_ms(c, 3, 500) == 500
-    c.tenant_reserved_slots = 0
-    assert blocking_ms(c, 1, 500) == 500
+    c.configure(reserves=SlotReserves(capacity=8, tenant=2))
+    assert c.reads.blocking_ms(2, 500) == RESERVE_BLOCK_MS and c.reads.blocking_ms(3, 500) == 500
+    c.configure(reserves=SlotReserves(capacity=8, tenant=0))
+    assert c.reads.blocking_ms(1, 500) == 500
 
 
 async def test_the_reserve_shares_a_worker_by_weight(redis: Redis, settings: Settings) -> None:
     """Two flooding tenants weighted 3 : 1 on a worker whose free slots are always within its
     reserve (one frees at a time): the reserve's parts follow the weights, so they run 3 : 1."""
     adm, c = admission(redis, settings), await ready_consumer(redis, settings)
-    c.capacity, c.tenant_reserved_slots = 8, 7
+    c.configure(reserves=SlotReserves(capacity=8, tenant=7))
     shares = {"heavy": TenantShare(weight=3.0), "light": TenantShare(weight=1.0)}
     for _ in range(60):
         for tenant, share in shares.items():

@@ -16,7 +16,7 @@ from sluice.broker.replies import notifications
 from sluice.broker.replies.notifications import DoneListener
 from sluice.config.settings import Settings
 from sluice.protocol.messages import FinalResult
-from tests.broker.helpers import KEYS, MODEL, admission, consumer, done_result, message
+from tests.broker.helpers import KEYS, MODEL, admission, consumer, done_result, message, statuses
 
 
 async def _until_live(done: DoneListener, rid: str) -> None:
@@ -45,7 +45,7 @@ async def _finish(redis: Redis, settings: Settings, m, **result) -> None:
 
 
 async def test_an_announcement_before_the_watch_is_remembered(redis: Redis, settings: Settings) -> None:
-    adm = admission(redis, settings)
+    adm, status_reads = admission(redis, settings), statuses(redis, settings)
     first, m = message(), message()
     await adm.submit(first, max_queued=100)
     await adm.submit(m, max_queued=100)
@@ -61,29 +61,29 @@ async def test_an_announcement_before_the_watch_is_remembered(redis: Redis, sett
             assert FinalResult.model_validate_json(fut.result()).status.value == "done"  # with its final
         with done.watch(MODEL, first.id) as fut:
             assert not fut.done()  # not announced: nothing remembered
-        lookup = RequestLookup(adm, done, None, settings.result_ttl_s)
+        lookup = RequestLookup(status_reads, done, None, settings.result_ttl_s)
         t0 = time.monotonic()
         status = await lookup.wait_final(MODEL, m.id, 20, fresh=True)
         assert status.final and time.monotonic() - t0 < 10  # not the 30 s re-check
 
 
 async def test_an_announcement_carries_a_small_final(redis: Redis, settings: Settings, monkeypatch) -> None:
-    adm = admission(redis, settings)
+    adm, status_reads = admission(redis, settings), statuses(redis, settings)
     m = message()
     await adm.submit(m, max_queued=100)
     async with _listening(redis) as done:
-        lookup = RequestLookup(adm, done, None, settings.result_ttl_s)
+        lookup = RequestLookup(status_reads, done, None, settings.result_ttl_s)
         with done.watch(MODEL, m.id) as fut:
             await _until_live(done, m.id)
             await _finish(redis, settings, m)
             final = await asyncio.wait_for(fut, 10)
-        stored = await adm.status(MODEL, m.id)
+        stored = await status_reads.status(MODEL, m.id)
         assert FinalResult.model_validate_json(final) == stored.result
 
         async def no_reads(*_):
             raise AssertionError("the status was read: the announcement carried the final")
 
-        monkeypatch.setattr(adm, "status", no_reads)  # (submit does not read it)
+        monkeypatch.setattr(status_reads, "status", no_reads)
         m2 = message()
         await adm.submit(m2, max_queued=100)
         waiting = asyncio.create_task(lookup.wait_final(MODEL, m2.id, 20, fresh=True))
@@ -94,7 +94,7 @@ async def test_an_announcement_carries_a_small_final(redis: Redis, settings: Set
 
 
 async def test_a_large_final_is_announced_by_id_alone(redis: Redis, settings: Settings) -> None:
-    adm = admission(redis, settings)
+    adm, status_reads = admission(redis, settings), statuses(redis, settings)
     m = message()
     await adm.submit(m, max_queued=100)
     async with _listening(redis) as done:
@@ -102,20 +102,20 @@ async def test_a_large_final_is_announced_by_id_alone(redis: Redis, settings: Se
             await _until_live(done, m.id)
             await _finish(redis, settings, m, text="x" * 5000)
             assert await asyncio.wait_for(fut, 10) is None  # the waiter reads the status instead
-        lookup = RequestLookup(adm, done, None, settings.result_ttl_s)
+        lookup = RequestLookup(status_reads, done, None, settings.result_ttl_s)
         status = await lookup.wait_final(MODEL, m.id, 20, fresh=True)
         assert status.result.output.text == "x" * 5000
 
 
 async def test_a_fresh_wait_reads_the_status_first_while_the_listener_is_not_subscribed(
         redis: Redis, settings: Settings) -> None:
-    adm = admission(redis, settings)
+    adm, status_reads = admission(redis, settings), statuses(redis, settings)
     m = message()
     await adm.submit(m, max_queued=100)
     await _finish(redis, settings, m)  # announced before any listener subscribed
     done = DoneListener(redis, recheck_s=30)  # never started: hears nothing
     assert not done.live(MODEL, m.id)
-    lookup = RequestLookup(adm, done, None, settings.result_ttl_s)
+    lookup = RequestLookup(status_reads, done, None, settings.result_ttl_s)
     t0 = time.monotonic()
     status = await asyncio.wait_for(lookup.wait_final(MODEL, m.id, 20, fresh=True), 10)
     assert status.final and time.monotonic() - t0 < 10
@@ -138,20 +138,20 @@ async def test_an_announced_request_that_is_not_final_is_not_read_in_a_loop(redi
                                                                            monkeypatch) -> None:
     """A dead letter retried under its id was announced before: its waiter's future is done while
     the status says queued. It re-reads every re-check interval, never in a tight loop."""
-    adm = admission(redis, settings)
+    adm, status_reads = admission(redis, settings), statuses(redis, settings)
     m = message()
     await adm.submit(m, max_queued=100)
     done = DoneListener(redis, recheck_s=0.2)
     done._remember(m.id, None)  # the old announcement
     reads = 0
-    status = adm.status
+    status = status_reads.status
 
     async def counted(*a):
         nonlocal reads
         reads += 1
         return await status(*a)
 
-    monkeypatch.setattr(adm, "status", counted)
-    lookup = RequestLookup(adm, done, None, settings.result_ttl_s)
+    monkeypatch.setattr(status_reads, "status", counted)
+    lookup = RequestLookup(status_reads, done, None, settings.result_ttl_s)
     result = await lookup.wait_final(MODEL, m.id, 1.0, fresh=True)
     assert not result.final and reads <= 8, reads

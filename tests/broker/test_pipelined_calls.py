@@ -82,13 +82,13 @@ async def test_a_cancelled_caller_leaves_the_others_their_answers(redis: Redis, 
 
 
 async def test_registered_scripts_are_pipelined_off_a_cluster_only(redis: Redis) -> None:
-    pipelined = Scripts.register(redis, pipelined=True)
-    plain = Scripts.register(redis)
-    assert not hasattr(plain.start, "__self__") and plain.start.sha
+    pipelined = Scripts(redis, pipelined=True)
+    plain = Scripts(redis)
+    assert plain.pipelined is None
     if is_cluster(redis):
-        assert hasattr(pipelined.start, "sha")  # the plain scripts: redis-py's cluster pipeline refuses them
+        assert pipelined.pipelined is None  # the plain scripts: redis-py's cluster pipeline refuses them
     else:
-        assert not hasattr(pipelined.start, "sha")
+        assert isinstance(pipelined.pipelined, PipelinedCalls)
 
 
 async def test_a_failed_reload_fails_only_the_calls_that_did_not_run(redis: Redis, calls: PipelinedCalls,

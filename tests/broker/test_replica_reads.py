@@ -130,7 +130,7 @@ async def test_a_poll_is_shown_a_final_only_once_a_replica_has_it(tmp_path: Path
     the request runs again, maybe to another text: two visible results. Where admissions wait
     for replicas, a final is shown once a replica holds it (read, then WAIT, on one connection)."""
     from sluice.api.lookup import RequestLookup
-    from sluice.broker.intake.admission import Admission
+    from sluice.broker.intake.status_reads import StatusReads
     from sluice.broker.replies.notifications import DoneListener
     from sluice.config.settings import Settings
     from tests.broker.helpers import done_result, running_request
@@ -138,8 +138,8 @@ async def test_a_poll_is_shown_a_final_only_once_a_replica_has_it(tmp_path: Path
     with staged_cluster(tmp_path) as cluster:
         client = connect(cluster.url, name="sluice-test")
         settings = Settings(redis_url=cluster.url, data_dir=tmp_path / "data", lease_timeout_s=120.0)
-        adm = Admission(client, AdmissionLimits.of(settings, wait_replicas=1))
-        lookup = RequestLookup(adm, DoneListener(client), None, 3600)  # type: ignore[arg-type]
+        reads = StatusReads(client, AdmissionLimits.of(settings, wait_replicas=1))
+        lookup = RequestLookup(reads, DoneListener(client), None, 3600)  # type: ignore[arg-type]
         try:
             _, m, c, d = await running_request(client, settings)
             assert await c.commit(d, done_result(" kept"))
@@ -153,14 +153,14 @@ async def test_a_poll_is_shown_a_final_only_once_a_replica_has_it(tmp_path: Path
             os.kill(replica.process.pid, signal.SIGSTOP)
             await client.set(key[:key.index("}") + 1] + ":filler", "x" * (32 << 20))
             assert await c.commit(d, done_result(" lost"))  # on the primary alone
-            assert (await adm.status(MODEL, m.id)).final  # the control: the primary shows it
+            assert (await reads.status(MODEL, m.id)).final  # the control: the primary shows it
             shown = await lookup.wait_final(MODEL, m.id, 1.5)
             assert not shown.final and shown.result is None
 
             primary.stop(kill=True)
             os.kill(replica.process.pid, signal.SIGCONT)
             await asyncio.to_thread(cluster.wait_failover, primary, key)
-            after = await until_redis_answers(lambda: adm.status(MODEL, m.id))
+            after = await until_redis_answers(lambda: reads.status(MODEL, m.id))
             assert not after.final  # the failover took it back: the request runs again
 
             # The promoted node has no replica (its old primary is dead): no failover can take

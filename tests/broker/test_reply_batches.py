@@ -10,6 +10,7 @@ import time
 from redis.asyncio import Redis
 
 from sluice.broker.delivery.consumer import Delivery
+from sluice.broker.replies.calls import Reply
 from sluice.broker.replies.router import resume_index
 from sluice.broker.replies.writer import ReplyEvent, ReplyWriter, delivered, heard_cancel
 from sluice.config.settings import Settings
@@ -18,6 +19,7 @@ from tests.broker.helpers import (
     KEYS,
     MODEL,
     admission,
+    cancels,
     done_result,
     read_events,
     ready_consumer,
@@ -45,9 +47,9 @@ class _Calls:
         self.real, self.calls = writer._call, []
         writer._call = self  # type: ignore[method-assign]
 
-    async def __call__(self, keys: list[str], args: list[object]) -> list[object]:
-        self.calls.append(keys[::2])
-        return await self.real(keys, args)
+    async def __call__(self, call: Reply) -> list[object]:
+        self.calls.append([request.reply for request in call.requests])
+        return await self.real(call)
 
 
 def _token(d: Delivery, i: int, **kw) -> DeltaEvent:
@@ -96,12 +98,12 @@ async def test_a_batch_sent_again_after_a_dropped_connection_writes_no_delta_twi
     real = writer._call
     dropped: list[bool] = []
 
-    async def lands_unanswered(keys: list[str], args: list[object]) -> list[object]:
-        await real(keys, args)
+    async def lands_unanswered(call: Reply) -> list[object]:
+        await real(call)
         if not dropped:
             dropped.append(True)
             raise ConnectionError("the connection dropped with the answer on its way")
-        return await real(keys, args)  # (what redis-py's retry does: the same call again)
+        return await real(call)  # (what redis-py's retry does: the same call again)
 
     writer._call = lands_unanswered  # type: ignore[method-assign]
     for d in ds:
@@ -171,9 +173,9 @@ async def test_a_lone_token_is_written_at_once_and_what_comes_meanwhile_goes_in_
     calls = _Calls(writer)
     inner, release = calls.real, asyncio.Event()
 
-    async def held(keys: list[str], args: list[object]) -> list[object]:
+    async def held(call: Reply) -> list[object]:
         await release.wait()  # the round trip, under the test's control
-        return await inner(keys, args)
+        return await inner(call)
 
     calls.real = held
     writer.start()
@@ -208,7 +210,7 @@ async def test_a_flush_answers_which_requests_have_a_cancel(redis: Redis, settin
     as unheard once its answer is older than the watch's horizon, and its flag is read; a fenced
     request (nothing written) is never heard of."""
     c, ms, (a, b, fenced) = await _running(redis, settings, 3)
-    adm = admission(redis, settings)
+    cancel = cancels(redis, settings).cancel
     writer = ReplyWriter(redis, MODEL, reply_ttl_s=settings.status_ttl_s)
     runs = {d.message.id: d for d in (a, b, fenced)}
     assert heard_cancel(runs, float("-inf")) == (set(), list(runs))  # nothing written yet: every flag is read
@@ -217,7 +219,7 @@ async def test_a_flush_answers_which_requests_have_a_cancel(redis: Redis, settin
     await writer.flush()
     before_cancel = time.monotonic()
     await take_over(redis, settings, fenced)
-    assert await adm.cancel(MODEL, ms[1].id) == "cancelling"  # b: after its answer said no cancel
+    assert await cancel(MODEL, ms[1].id) == "cancelling"  # b: after its answer said no cancel
     assert heard_cancel(runs, before_cancel - 60) == (set(), [])
     assert heard_cancel(runs, before_cancel) == (set(), list(runs))  # all answers older: all read
     assert await c.cancelled(heard_cancel(runs, before_cancel)[1]) == {ms[1].id}

@@ -19,6 +19,7 @@ from tests.broker.helpers import (
     KEYS,
     MODEL,
     assert_request_keys_expire,
+    cancels,
     fetch_one,
     message,
     queued_len,
@@ -85,7 +86,7 @@ async def test_a_cancelled_request_keeps_its_result_for_the_retention(redis: Red
     adm = admission(redis, settings)
     m = message()
     await adm.submit(m, max_queued=10)
-    assert await adm.cancel(MODEL, m.id) == "cancelled"
+    assert await cancels(redis, settings).cancel(MODEL, m.id) == "cancelled"
     assert 0 < await redis.ttl(KEYS.status(m.id)) <= settings.result_ttl_s
     assert 0 < await redis.ttl(KEYS.reply(m.id)) <= settings.reply_ttl_s
 

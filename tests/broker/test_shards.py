@@ -12,14 +12,14 @@ from redis.asyncio import Redis
 
 from sluice.broker.delivery.consumer import StreamConsumer
 from sluice.broker.delivery.dead_letters import DeadLetters
-from sluice.broker.delivery.housekeeping import shards_in_use
+from sluice.broker.delivery.lanes import shards_in_use
 from sluice.broker.intake.admission import QueueFull
 from sluice.broker.intake.queues import queue_figures
 from sluice.broker.limits import ConsumerLimits
 from sluice.broker.replies.notifications import DoneListener
 from sluice.config.settings import Settings
 from sluice.protocol.ids import new_request_id, request_created_at, request_shard
-from tests.broker.helpers import KEYS, MODEL, admission, done_result, message, queued_len
+from tests.broker.helpers import KEYS, MODEL, admission, cancels, done_result, message, queued_len, statuses
 
 K = 3
 
@@ -75,11 +75,11 @@ async def test_every_shard_is_read_committed_and_announced(redis: Redis, setting
     finally:
         await done.close()
     for m in msgs:
-        assert (await adm.status(MODEL, m.id)).state.value == "done"
-        assert (await adm.find_status(m.id, [MODEL])).model == MODEL
+        assert (await statuses(redis, settings).status(MODEL, m.id)).state.value == "done"
+        assert (await statuses(redis, settings).find_status(m.id, [MODEL])).model == MODEL
     assert all(f.entries == 0 for f in (await queue_figures(redis, MODEL, K)).values())
     assert await c.cancelled([m.id for m in msgs]) == set()
-    await adm.cancel(MODEL, msgs[0].id)  # final already: nothing changes
+    await cancels(redis, settings).cancel(MODEL, msgs[0].id)  # final already: nothing changes
 
 
 async def test_the_bound_is_shared_out_over_the_shards(redis: Redis, settings: Settings) -> None:
@@ -111,7 +111,7 @@ async def test_a_dead_letter_stays_in_its_shard_and_can_be_retried(redis: Redis,
     (again,) = await c.fetch(1, 200)
     assert again.message.id == m.id
     assert await c.cancelled([m.id]) == set()
-    await adm.cancel(MODEL, m.id)
+    await cancels(redis, settings).cancel(MODEL, m.id)
     assert await c.cancelled([m.id]) == {m.id}
 
 

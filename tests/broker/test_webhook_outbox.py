@@ -17,7 +17,7 @@ from sluice.broker.webhooks import outbox as webhooks
 from sluice.broker.webhooks.endpoints import EndpointStore
 from sluice.broker.webhooks.outbox import OWNERS, batch_outbox, outbox
 from sluice.config.settings import Settings
-from tests.broker.helpers import KEYS, admission, done_result, fetch_one, message, ready_consumer
+from tests.broker.helpers import KEYS, admission, cancels, done_result, fetch_one, message, ready_consumer
 from tests.broker.test_expiry import sweep
 
 OWNER = "ab" * 32
@@ -57,8 +57,9 @@ async def test_a_commit_appends_one_event_only_for_a_subscribed_owner(redis: Red
 async def test_cancel_expire_and_dead_letter_each_append_their_final(redis: Redis, settings: Settings) -> None:
     adm = await subscribed(redis, settings)
     cancelled = await submit(adm)
-    assert await adm.cancel(KEYS.model, cancelled.id) == "cancelled"
-    assert await adm.cancel(KEYS.model, cancelled.id) == "cancelled"  # final already: no second event
+    cancel = cancels(redis, settings).cancel
+    assert await cancel(KEYS.model, cancelled.id) == "cancelled"
+    assert await cancel(KEYS.model, cancelled.id) == "cancelled"  # final already: no second event
     expired = await submit(adm, deadline_in=-1)
     assert await sweep(redis, now=time.time()) == [expired.id]
     failed = await submit(adm)
@@ -90,7 +91,7 @@ async def test_a_start_that_finds_the_request_cancelled_appends_the_cancel(redis
     m = await submit(adm)
     c = await ready_consumer(redis, settings)
     d = await fetch_one(c)  # fetched, then cancelled while queued: the cancel is its final
-    assert await adm.cancel(KEYS.model, m.id) == "cancelled"
+    assert await cancels(redis, settings).cancel(KEYS.model, m.id) == "cancelled"
     assert await c.start(d) == "final"
     assert [(e["id"], e["state"]) for e in await events(redis)] == [(m.id, "cancelled")]
 

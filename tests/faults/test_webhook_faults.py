@@ -22,7 +22,7 @@ from sluice.broker.webhooks.endpoints import EndpointStore
 from sluice.broker.webhooks.outbox import DUE
 from sluice.config.model import ModelConfig
 from sluice.config.settings import Settings
-from tests.broker.helpers import KEYS, MODEL, admission, done_result, message, ready_consumer
+from tests.broker.helpers import KEYS, MODEL, admission, cancels, done_result, message, ready_consumer
 from tests.workers.webhook_receiver import Receiver, fails_share
 
 REQUESTS, UNFINISHED, KILLS = 1000, 40, 8
@@ -56,7 +56,7 @@ async def test_a_sender_killed_repeatedly_loses_no_event(redis: Redis, redis_url
         for m in messages[:REQUESTS]:
             roll = rng.random()
             if roll < 0.05:
-                assert await adm.cancel(KEYS.model, m.id) == "cancelled"
+                assert await cancels(redis, settings).cancel(KEYS.model, m.id) == "cancelled"
                 finals[m.id] = "cancelled"
         while len(finals) < REQUESTS:
             for d in await c.fetch(50, 100):

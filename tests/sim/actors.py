@@ -5,14 +5,15 @@ router. (The api actor's calls are in world.py: each is one Admission or DeadLet
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 from dataclasses import dataclass, field
 
 from redis.asyncio import Redis
 
+from sluice.broker.delivery.affinity import PlacementRules
 from sluice.broker.delivery.consumer import Delivery, StreamConsumer
 from sluice.broker.keys import GROUP
 from sluice.broker.limits import ConsumerLimits
+from sluice.broker.plumbing import ScriptCall, Scripts
 from sluice.broker.replies.router import ReplyRouter, resume_index
 from sluice.broker.replies.writer import ReplyWriter, delivered, heard_cancel
 from sluice.protocol.messages import FinalResult
@@ -40,16 +41,21 @@ class Lossy:
     def __init__(self) -> None:
         self.lose = False
 
-    def wrap(self, scripts):
-        def lossy(fn):
-            async def call(keys=(), args=()):
-                if self.lose:
-                    self.lose = False
-                    await fn(keys=keys, args=args)
-                return await fn(keys=keys, args=args)
-            return call
-        return dataclasses.replace(scripts, **{f.name: lossy(getattr(scripts, f.name))
-                                               for f in dataclasses.fields(scripts)})
+    def wrap(self, scripts: Scripts) -> LossyScripts:
+        return LossyScripts(scripts, self)
+
+
+class LossyScripts:
+    """`scripts` as its actor's: a call made while the actor's `lose` is set runs twice."""
+
+    def __init__(self, scripts: Scripts, actor: Lossy) -> None:
+        self.scripts, self.actor = scripts, actor
+
+    async def __call__(self, call: ScriptCall):
+        if self.actor.lose:
+            self.actor.lose = False
+            await self.scripts(call)
+        return await self.scripts(call)
 
 
 @dataclass
@@ -67,10 +73,10 @@ class Worker(Lossy):
         self.redis, self.name, self.restarts = redis, name, restarts
         self.consumer = StreamConsumer(redis, MODEL, name, ConsumerLimits(
             status_ttl_s=STATUS_TTL_S, reply_ttl_s=REPLY_TTL_S, log_max_len=1000, lease_timeout_s=LEASE_S,
-            max_deliveries=MAX_DELIVERIES, result_ttl_s=RESULT_TTL_S))
+            max_deliveries=MAX_DELIVERIES, result_ttl_s=RESULT_TTL_S),
+            scripts=self.wrap(Scripts(redis, pipelined=True)))
         if affinity:  # placing by prefix group, every entry due at once: own groups first, any order of moves
-            self.consumer.affinity.wait_ms = 0
-        self.consumer.scripts = self.wrap(self.consumer.scripts)
+            self.consumer.configure(placement=PlacementRules(wait_ms=0))
         # as workers/worker.py: an unfinished request's stream lives as long as its status
         self.replies = ReplyWriter(redis, MODEL, reply_ttl_s=STATUS_TTL_S)
         self._write = self.replies._write

@@ -9,7 +9,7 @@ import time as real_time
 from collections.abc import Iterator
 
 # Modules whose `time.time()` / `time.monotonic()` the simulation owns while it runs.
-PATCHED = ("sluice.broker.delivery.consumer", "sluice.broker.intake.admission", "sluice.broker.delivery.dead_letters",
+PATCHED = ("sluice.broker.delivery.consumer", "sluice.broker.intake.cancels", "sluice.broker.delivery.dead_letters",
            "sluice.workers.generation")
 
 

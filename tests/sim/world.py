@@ -16,6 +16,8 @@ from redis.asyncio import Redis
 
 from sluice.broker.delivery.dead_letters import DeadLetters
 from sluice.broker.intake.admission import Admission, QueueFull
+from sluice.broker.intake.cancels import Cancels
+from sluice.broker.intake.status_reads import StatusReads
 from sluice.broker.keys import GROUP, ModelKeys
 from sluice.broker.limits import AdmissionLimits
 from sluice.broker.plumbing.readers import Readers
@@ -81,9 +83,12 @@ class World(Lossy):
         self.redis, self.url, self.seed = redis, url, seed
         self.server = server  # the simulation's own redis-server (with its AOF): restarts take it down
         self.clock = SimClock()
-        self.admission = Admission(redis, AdmissionLimits(status_ttl_s=STATUS_TTL_S, reply_ttl_s=REPLY_TTL_S,
-                                                          cancel_ttl_s=CANCEL_TTL_S, result_ttl_s=RESULT_TTL_S))
+        limits = AdmissionLimits(status_ttl_s=STATUS_TTL_S, reply_ttl_s=REPLY_TTL_S, cancel_ttl_s=CANCEL_TTL_S,
+                                 result_ttl_s=RESULT_TTL_S)
+        self.admission, self.cancels = Admission(redis, limits), Cancels(redis, limits)
+        self.statuses = StatusReads(redis, limits)
         self.admission.scripts = self.wrap(self.admission.scripts)
+        self.cancels.scripts = self.wrap(self.cancels.scripts)
         self.letters = DeadLetters(redis, MODEL, status_ttl_s=STATUS_TTL_S)
         self.letters.scripts = self.wrap(self.letters.scripts)
         self.router = ReplyRouter(redis, Readers(url, redis, name="sim-replies"), shards=2, block_ms=2000,
@@ -159,7 +164,7 @@ class World(Lossy):
             if self.ledger.keys.get(key, rid) != rid:
                 raise Violation("one key, one id", f"key {key} answered {rid}, first bound to {self.ledger.keys[key]}")
             self.ledger.keys[key] = rid
-            if await self.admission.status(MODEL, rid):
+            if await self.statuses.status(MODEL, rid):
                 return f"repeat of {rid[-6:]}"
             was_admitted = getattr(self.admission, "was_admitted", None)  # (defect 3's fix)
             if was_admitted is not None and await was_admitted(MODEL, rid):
@@ -186,7 +191,7 @@ class World(Lossy):
             self.ledger.accepted[rid] = entry or before or ""
 
     async def cancel(self, req: int) -> str:
-        return str(await self.admission.cancel(MODEL, self.rid(req)))
+        return str(await self.cancels.cancel(MODEL, self.rid(req)))
 
     async def dlq(self, req: int, mode: int) -> str:
         """`sluice dlq drop` (mode 0), `retry` (1), or two operators' retries at once (2)."""
@@ -266,7 +271,7 @@ class World(Lossy):
 
     async def duplicate(self, req: int) -> str:
         r = self.requests[req % len(self.requests)]
-        status = await self.admission.status(MODEL, r.message.id)
+        status = await self.statuses.status(MODEL, r.message.id)
         if status is None or status.final:
             return "nothing to duplicate"
         stream = KEYS.bulk if r.message.lane == "bulk" else KEYS.requests

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from redis.asyncio import Redis
 
-from sluice.protocol.messages import SamplingExtras
+from sluice.protocol.messages import Sampled, SamplingExtras
 from sluice.protocol.openai import CompletionRequest
 from sluice.workers.engines.base import GenerationRequest
 from sluice.workers.engines.vllm import sampling_keywords
@@ -43,8 +43,8 @@ async def test_a_knob_added_to_its_one_declaration_reaches_sampling_params(redis
 def test_every_extra_is_a_sampling_params_keyword() -> None:
     """What the vLLM engine builds takes each declared extra by its own name."""
     vllm = pytest.importorskip("vllm")
-    extras = SamplingExtras(top_k=3, min_tokens=2, ignore_eos=True, stop_token_ids=[1, 2])
-    keywords = sampling_keywords(GenerationRequest(request_id="r", prompt="p", max_tokens=4, extras=extras))
+    sampled = Sampled(top_k=3, min_tokens=2, ignore_eos=True, stop_token_ids=[1, 2])
+    keywords = sampling_keywords(GenerationRequest(request_id="r", prompt="p", max_tokens=4, sampling=sampled))
     assert set(SamplingExtras.model_fields) <= set(keywords)
     params = vllm.SamplingParams(**keywords)
     assert (params.top_k, params.min_tokens, params.ignore_eos, params.stop_token_ids) == (3, 2, True, [1, 2])

@@ -28,7 +28,7 @@ from sluice.config.settings import Settings
 from sluice.protocol.openai_responses import response_id
 from sluice.protocol.webhooks import probe_payload
 from sluice.workers.webhooks.sender import WebhookSender
-from tests.broker.helpers import KEYS, MODEL, admission, done_result, message, ready_consumer
+from tests.broker.helpers import KEYS, MODEL, admission, cancels, done_result, message, ready_consumer
 from tests.workers.webhook_receiver import Receiver
 
 FAST = {"webhooks_allow_private": True, "webhooks_retry_base_s": 0.05, "webhooks_timeout_s": 2.0,
@@ -75,7 +75,7 @@ async def finish(redis: Redis, settings: Settings, n: int, *, owner: str | None 
         assert await c.start(d) == "run" and await c.commit(d, done_result()) is True
     cancelled = message().model_copy(update={"owner": owner})
     await adm.submit(cancelled, max_queued=1000)
-    assert await adm.cancel(KEYS.model, cancelled.id) == "cancelled"
+    assert await cancels(redis, settings).cancel(KEYS.model, cancelled.id) == "cancelled"
     return [*done, cancelled.id]
 
 
@@ -230,7 +230,7 @@ async def test_responses_batches_and_test_events_have_their_types(redis: Redis, 
         response = message()
         await redis.set(KEYS.response(response.id), json.dumps({"metadata": {"order": "42"}}), ex=60)
         await adm.submit(response, max_queued=1000)
-        assert await adm.cancel(KEYS.model, response.id) == "cancelled"
+        assert await cancels(redis, hook_settings).cancel(KEYS.model, response.id) == "cancelled"
         jobs = JobStore(redis)
         batch = await jobs.create("file-x", "/v1/completions", "24h", {"team": "a"}, owner="")
         assert await jobs.move(batch["id"], "in_progress", ["validating"]) == "in_progress"

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import abc
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import Any
 
-from sluice.protocol.messages import SamplingExtras, StructuredSpec, TokenLogprob
+from sluice.protocol.messages import Sampled, StructuredSpec, TokenLogprob
 from sluice.workers.engines.prefix_cache import PrefixCacheCounters
 
 
@@ -16,13 +16,10 @@ class GenerationRequest:
     request_id: str  # unique per engine request (a multi-row request has one per row)
     prompt: str
     max_tokens: int
-    temperature: float = 1.0
-    top_p: float = 1.0
-    stop: list[str] = field(default_factory=list)
-    seed: int | None = None
-    # Penalties and vLLM's sampling extras, as their one declaration has them (each a
-    # SamplingParams keyword of the same name): an engine passes them on as one object.
-    extras: SamplingExtras = field(default_factory=SamplingExtras)
+    seed: int | None = None  # the row's
+    # temperature, top_p, stop, penalties and vLLM's sampling extras, as their one declaration
+    # has them (each a SamplingParams keyword of the same name): an engine passes them on as one.
+    sampling: Sampled = field(default_factory=Sampled)
     logprobs: int | None = None  # per output token, with this many alternatives
     prompt_logprobs: int | None = None
     structured: StructuredSpec | None = None  # constrained decoding
@@ -78,7 +75,7 @@ class Engine(abc.ABC):
         return None
 
     @abc.abstractmethod
-    def generate(self, request: GenerationRequest) -> AsyncIterator[TokenDelta]:
+    def generate(self, request: GenerationRequest) -> AsyncGenerator[TokenDelta, None]:
         """Token deltas as the engine produces them; ends after the one with a finish_reason.
 
         Continues after `request.resume_token_ids` when there are any. Like vLLM, refuses a

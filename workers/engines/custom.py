@@ -17,7 +17,7 @@ The class must be importable where the worker runs.
 from __future__ import annotations
 
 import importlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any
 
 from sluice.config.engine import VLLMConfig
@@ -44,7 +44,7 @@ class CustomRuntime(Engine):
         self.engine = self.create_engine()
         await self.engine.start()
 
-    def generate(self, request: GenerationRequest) -> AsyncIterator[TokenDelta]:
+    def generate(self, request: GenerationRequest) -> AsyncGenerator[TokenDelta, None]:
         assert self.engine is not None, "start() first"
         return self.engine.generate(request)
 
@@ -75,5 +75,6 @@ def load_runtime_class(spec: str) -> type[CustomRuntime]:
     except (ImportError, AttributeError) as err:
         raise ConfigError(f"runtime: cannot load {spec!r}: {err}") from None
     if not (isinstance(cls, type) and issubclass(cls, CustomRuntime)):
-        raise ConfigError(f"runtime: {spec!r} is not a subclass of sluice.workers.engines.custom.CustomRuntime")
+        raise ConfigError(f"runtime: {spec!r} is not a subclass of "
+                          "sluice.workers.engines.custom.CustomRuntime")
     return cls

@@ -6,7 +6,7 @@ import asyncio
 import logging
 import os
 import zlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 
 from sluice.config.engine import DEFAULT_BLOCK_SIZE
 from sluice.protocol.messages import TokenLogprob
@@ -41,7 +41,8 @@ class NullEngine(Engine):
                  block_size: int = DEFAULT_BLOCK_SIZE):
         self.delay_s = delay_s
         self.prefill_s_per_token = prefill_s_per_token
-        self.prefix_cache = SimulatedPrefixCache(prefix_cache_blocks, block_size) if prefix_cache_blocks else None
+        self.prefix_cache = (SimulatedPrefixCache(prefix_cache_blocks, block_size) if prefix_cache_blocks
+                             else None)
         self.token_delay_s = token_delay_s
         self.crash_on = crash_on
         self.composition = composition
@@ -58,7 +59,7 @@ class NullEngine(Engine):
             return i, f" t{i}"
         return i * 1000 + len(self._running), f" t{i}.{len(self._running)}"
 
-    async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenDelta]:
+    async def generate(self, request: GenerationRequest) -> AsyncGenerator[TokenDelta, None]:
         if request.request_id in self._running:
             raise ValueError(f"Request id {request.request_id} already running.")
         self._running.add(request.request_id)
@@ -69,7 +70,7 @@ class NullEngine(Engine):
             self._running.discard(request.request_id)
             self._aborted.discard(request.request_id)
 
-    async def _generate(self, request: GenerationRequest) -> AsyncIterator[TokenDelta]:
+    async def _generate(self, request: GenerationRequest) -> AsyncGenerator[TokenDelta, None]:
         if self.crash_on and self.crash_on in request.prompt:
             log.critical("null engine: crashing on request %s, as configured", request.request_id)
             os._exit(70)
@@ -83,7 +84,8 @@ class NullEngine(Engine):
         if not self.token_delay_s:
             tokens = [self._token(i) for i in range(first, last)]
             ids, texts = [token for token, _ in tokens], [text for _, text in tokens]
-            yield TokenDelta("".join(texts), ids, "length", prompt_tokens, _logprobs(request, texts), prompt_lp)
+            yield TokenDelta("".join(texts), ids, "length", prompt_tokens, _logprobs(request, texts),
+                             prompt_lp)
             return
         step = self._steps.next_step()
         for i in range(first, last):
@@ -94,8 +96,9 @@ class NullEngine(Engine):
                 yield TokenDelta("", [], "abort", prompt_tokens if i == first else None)
                 return
             token, text = self._token(i)
-            yield TokenDelta(text, [token], "length" if i == last - 1 else None, prompt_tokens if i == first else None,
-                             _logprobs(request, [text]), prompt_lp if i == first else None)
+            yield TokenDelta(text, [token], "length" if i == last - 1 else None,
+                             prompt_tokens if i == first else None, _logprobs(request, [text]),
+                             prompt_lp if i == first else None)
 
     def _prefill(self, prompt: str, prompt_tokens: int) -> float:
         """The prefill time of this prompt: its tokens the simulated cache does not hold (all of
@@ -173,8 +176,8 @@ def _logprobs(request: GenerationRequest, texts: list[str]) -> list[TokenLogprob
     if request.logprobs is None:
         return None
     k = request.logprobs
-    return [TokenLogprob(token=t, logprob=-0.5, top=[(t, -0.5), *((f" alt{j}", -0.5 - j) for j in range(1, k))][:k])
-            for t in texts]
+    alternatives = [(f" alt{j}", -0.5 - j) for j in range(1, k)]
+    return [TokenLogprob(token=t, logprob=-0.5, top=[(t, -0.5), *alternatives][:k]) for t in texts]
 
 
 def _prompt_logprobs(request: GenerationRequest) -> list[TokenLogprob]:

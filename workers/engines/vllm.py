@@ -5,12 +5,12 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from typing import Any
 
 from sluice.config.engine import VLLMConfig
-from sluice.protocol.messages import TokenLogprob
+from sluice.protocol.messages import Sampled, TokenLogprob
 from sluice.workers.engines.base import Engine, GenerationRequest, TokenDelta
 from sluice.workers.engines.prefix_cache import PrefixCacheCounters
 from sluice.workers.engines.tool_calls import parse_tool_calls
@@ -18,14 +18,14 @@ from sluice.workers.engines.tool_calls import parse_tool_calls
 log = logging.getLogger(__name__)
 
 # GenerationRequest fields that are SamplingParams keywords of the same name and meaning (its
-# sampling extras are too, every one: sampling_keywords).
-_SAMPLING = ("max_tokens", "temperature", "top_p", "seed", "logprobs", "prompt_logprobs")
+# `sampling` fields are too, every one: sampling_keywords).
+_SAMPLING = ("max_tokens", "seed", "logprobs", "prompt_logprobs")
 
 
 def sampling_keywords(request: GenerationRequest) -> dict[str, Any]:
     """SamplingParams keywords for a request, but for its constraint and the output kind."""
-    return {**{name: getattr(request, name) for name in _SAMPLING}, **request.extras.model_dump(),
-            "stop": request.stop or None}
+    return {**{name: getattr(request, name) for name in _SAMPLING}, **request.sampling.model_dump(),
+            "stop": request.sampling.stop or None}
 
 
 # VLLMConfig fields handled here rather than passed through as AsyncEngineArgs of the same name.
@@ -66,8 +66,8 @@ def engine_args(model_path: str, config: VLLMConfig) -> tuple[dict[str, Any], li
 # with a torch.compile'd kernel (vllm.v1.sample.ops.logprobs.batched_count_greater_than) that it
 # compiles at the first request asking for them: that request took 7.7 s on a CPU, the next 0.1 s.
 # Its batch dimension is left symbolic, so one compilation serves every batch size.
-WARM_UP = GenerationRequest(request_id="sluice-warm-up", prompt="Sluice warms up", max_tokens=2, temperature=0,
-                            logprobs=1, prompt_logprobs=1)
+WARM_UP = GenerationRequest(request_id="sluice-warm-up", prompt="Sluice warms up", max_tokens=2,
+                            sampling=Sampled(temperature=0), logprobs=1, prompt_logprobs=1)
 
 
 class VLLMEngine(Engine):
@@ -77,7 +77,8 @@ class VLLMEngine(Engine):
         self._engine: Any = None
         self._tokenizer: Any = None
         self.warmed_up: list[str] = []  # what start() had the engine load (WARM_UP)
-        self.prefix_counters = PrefixCacheCounters()  # summed by the engine's stat logger (PrefixCacheStatLogger)
+        # Summed by the engine's stat logger (PrefixCacheStatLogger).
+        self.prefix_counters = PrefixCacheCounters()
 
     async def start(self) -> None:
         from vllm import AsyncEngineArgs, AsyncLLMEngine
@@ -87,8 +88,8 @@ class VLLMEngine(Engine):
         log.info("starting vLLM engine for %s", self.model_path)
         # The engine's own stat loggers stay off (disable_log_stats); ours only sums the prefix
         # cache's counters, which vLLM reports per scheduler step.
-        self._engine = AsyncLLMEngine.from_engine_args(AsyncEngineArgs(**kwargs),
-                                                       stat_loggers=[prefix_stat_logger(self.prefix_counters)])
+        loggers = [prefix_stat_logger(self.prefix_counters)]
+        self._engine = AsyncLLMEngine.from_engine_args(AsyncEngineArgs(**kwargs), stat_loggers=loggers)
         from transformers import AutoTokenizer  # for chat templates; loaded once, off the request path
 
         self._tokenizer = AutoTokenizer.from_pretrained(self.model_path)
@@ -102,14 +103,15 @@ class VLLMEngine(Engine):
         log.info("engine warmed up: %s", ", ".join(self.warmed_up))
 
     def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> str:
-        return self._tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
+        return self._tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
+                                                   add_generation_prompt=True)
 
     def tool_calls(self, row: dict[str, Any], text: str) -> tuple[list[dict[str, Any]], str | None] | None:
         if not row.get("tool_parser") or not row.get("tools"):
             return None
         return parse_tool_calls(self._tokenizer, row["tool_parser"], text, row["messages"], row["tools"])
 
-    async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenDelta]:
+    async def generate(self, request: GenerationRequest) -> AsyncGenerator[TokenDelta, None]:
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 
@@ -135,13 +137,15 @@ class VLLMEngine(Engine):
         first = True
         # vLLM refuses a priority unless it schedules by priority.
         priority = request.priority if self.config.scheduling_policy == "priority" else 0
-        async for out in self._engine.generate(prompt, params, request_id=request.request_id, priority=priority):
+        outputs = self._engine.generate(prompt, params, request_id=request.request_id, priority=priority)
+        async for out in outputs:
             completion = out.outputs[0]
             yield TokenDelta(
                 text=completion.text,
                 token_ids=list(completion.token_ids),
                 finish_reason=completion.finish_reason if out.finished else None,
-                prompt_tokens=len(out.prompt_token_ids or ()) - len(request.resume_token_ids) if first else None,
+                prompt_tokens=(len(out.prompt_token_ids or ()) - len(request.resume_token_ids) if first
+                               else None),
                 logprobs=(_logprobs(completion.token_ids, completion.logprobs, request.logprobs)
                           if request.logprobs is not None else None),
                 prompt_logprobs=(self._prompt_logprobs(out, request.prompt_logprobs)
@@ -189,7 +193,8 @@ def _logprobs(token_ids: Any, positions: Any, top: int) -> list[TokenLogprob]:
     for token_id, candidates in zip(token_ids, positions or []):
         candidates = candidates or {}
         chosen = candidates.get(token_id)
-        best = sorted((c for c in candidates.values() if c.rank is not None and c.rank <= top), key=lambda c: c.rank)
+        ranked = (c for c in candidates.values() if c.rank is not None and c.rank <= top)
+        best = sorted(ranked, key=lambda c: c.rank)
         out.append(TokenLogprob(token=(chosen.decoded_token or "") if chosen else "",
                                 logprob=chosen.logprob if chosen else None,
                                 top=[(c.decoded_token or "", c.logprob) for c in best]))

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from sluice.broker.intake.admission import Admission, QueueFull
+from sluice.broker.intake.cancels import Cancels
+from sluice.broker.intake.status_reads import StatusReads
 from sluice.broker.jobs.store import JobStore
 from sluice.broker.replies.notifications import DoneListener, Inbox
 from sluice.broker.status import RequestStatus
@@ -42,11 +44,13 @@ class FeedLimits:
 
 
 class LineFeed:
-    def __init__(self, *, store: JobStore, admission: Admission, done: DoneListener, job_id: str,
-                 batch: dict[str, Any], token: str, record: Recorder, check_lock: Callable[[], None],
-                 limits: FeedLimits):
+    def __init__(self, *, store: JobStore, admission: Admission, cancels: Cancels, statuses: StatusReads,
+                 done: DoneListener, job_id: str, batch: dict[str, Any], token: str, record: Recorder,
+                 check_lock: Callable[[], None], limits: FeedLimits):
         self.store = store
         self.admission = admission
+        self.cancels = cancels
+        self.statuses = statuses
         self.done = done
         self.batch = batch
         self.job_id = job_id
@@ -75,7 +79,7 @@ class LineFeed:
                 continue
             if x.index in bound:
                 inbox.watch(x.model, [bound[x.index]])
-                if await self.admission.status(x.model, bound[x.index]) is not None:
+                if await self.statuses.status(x.model, bound[x.index]) is not None:
                     self.outstanding[x.index] = (x, bound[x.index])
                     continue
                 inbox.forget(bound[x.index])
@@ -121,12 +125,13 @@ class LineFeed:
         if current and current["status"] == BatchState.CANCELLING:
             self.cancelling = True
             for line, rid in self.outstanding.values():
-                await self.admission.cancel(line.model, rid)
+                await self.cancels.cancel(line.model, rid)
 
     async def _submit(self, line: Line, rid: str) -> None:
         message = RequestMessage(id=rid, model=line.model, rows=[line.row], sampling=line.sampling,
-                                 enqueued_at=time.time(), deadline=float(self.batch["expires_at"]), lane="bulk",
-                                 owner=self.batch.get("owner"), tenant=self.batch.get("tenant") or DEFAULT_TENANT)
+                                 enqueued_at=time.time(), deadline=float(self.batch["expires_at"]),
+                                 lane="bulk", owner=self.batch.get("owner"),
+                                 tenant=self.batch.get("tenant") or DEFAULT_TENANT)
         await self.admission.submit(message, max_queued=self.limits.max_queued)
 
     async def _collect(self, inbox: Inbox, only: set[str] | None) -> None:
@@ -134,7 +139,7 @@ class LineFeed:
         items = [(i, line, rid) for i, (line, rid) in self.outstanding.items() if only is None or rid in only]
         if not items:
             return
-        statuses = await asyncio.gather(*(self.admission.status(line.model, rid) for _, line, rid in items))
+        statuses = await asyncio.gather(*(self.statuses.status(line.model, rid) for _, line, rid in items))
         for (index, line, rid), status in zip(items, statuses):
             record = self._record_for(line, rid, status)
             if record is None:

@@ -17,7 +17,7 @@ from pydantic import ValidationError
 
 from sluice.config.model import ModelConfig
 from sluice.protocol.ids import batch_line_id, completion_id
-from sluice.protocol.messages import FinalResult, SamplingSpec
+from sluice.protocol.messages import FinalResult, SamplingCore, SamplingExtras, SamplingSpec, declared
 from sluice.protocol.openai import ChatCompletionRequest, CompletionRequest
 from sluice.protocol.openai_objects import Shape, chat_object, completion_object
 from sluice.protocol.openai_responses import ResponseRequest, response_object
@@ -71,7 +71,8 @@ def error_record(custom_id: str | None, code: str, message: str, rid: str | None
             "error": {"code": code, "message": message}, "request_id": rid}
 
 
-def parse_file(text: str, endpoint: str, default_max_tokens: int = 256, rules: Rules | None = None) -> ParsedFile:
+def parse_file(text: str, endpoint: str, default_max_tokens: int = 256,
+               rules: Rules | None = None) -> ParsedFile:
     """Every non-blank line of an input file (whole in memory: for tests and small files; a
     job reads its file a chunk at a time through LineCheck)."""
     check = LineCheck(endpoint, default_max_tokens, rules=rules)
@@ -106,8 +107,8 @@ class LineCheck:
         """Line `index`; `raw` None: a line over max_line_bytes, left unread."""
         self.total += 1
         if raw is None:
-            return error_record(None, "line_too_long", f"line {index + 1}: longer than {self.max_line_bytes} bytes "
-                                                       "(SLUICE_MAX_BATCH_LINE_BYTES)")
+            too_long = f"longer than {self.max_line_bytes} bytes (SLUICE_MAX_BATCH_LINE_BYTES)"
+            return error_record(None, "line_too_long", f"line {index + 1}: {too_long}")
         text = raw.decode("utf-8", errors="replace") if isinstance(raw, bytes) else raw
         parsed = parse_line(index, text, self.endpoint, self.default_max_tokens, self.rules)
         if not isinstance(parsed, Line):
@@ -115,7 +116,8 @@ class LineCheck:
         digest = hashlib.blake2b(parsed.custom_id.encode(errors="surrogatepass"), digest_size=16).digest()
         if digest in self.seen:
             return error_record(parsed.custom_id, "duplicate_custom_id",
-                                f"line {index + 1}: custom_id {parsed.custom_id!r} is used by an earlier line")
+                                f"line {index + 1}: custom_id {parsed.custom_id!r} is used by an earlier "
+                                "line")
         self.seen.add(digest)
         return parsed
 
@@ -151,9 +153,10 @@ def parse_line(index: int, text: str, endpoint: str, default_max_tokens: int = 2
     bad += (["n"] if body.n != 1 else []) + (["stream"] if body.stream else [])
     if isinstance(body, CompletionRequest) and len(body.prompt) != 1:
         bad.append("prompt (one prompt per line)")
-    model = _deployment_or_refusal(rules, custom_id, where, body.model, bad)
-    if isinstance(model, dict):
-        return model
+    deployed = _deployment_or_refusal(rules, custom_id, where, body.model, bad)
+    if isinstance(deployed, dict):
+        return deployed
+    name, model = deployed
     max_tokens = body.max_tokens or (model.default_max_tokens if model else default_max_tokens)
     if isinstance(body, CompletionRequest):
         row: dict[str, Any] = {"prompt": body.prompt[0], "max_tokens": max_tokens}
@@ -164,8 +167,9 @@ def parse_line(index: int, text: str, endpoint: str, default_max_tokens: int = 2
     if refused:
         return refused
     # The line's index seeds it when the client gave no seed: a re-run samples the same text.
-    sampling = SamplingSpec(max_tokens=max_tokens, seed=body.seed if body.seed is not None else index, **fields)
-    return Line(index, custom_id, body.model, row, sampling, body.shape())
+    seed = body.seed if body.seed is not None else index
+    sampling = SamplingSpec(max_tokens=max_tokens, seed=seed, **fields)
+    return Line(index, custom_id, name, row, sampling, body.shape())
 
 
 def _invalid_body(custom_id: str, where: str, err: ValidationError) -> Record:
@@ -179,13 +183,15 @@ def _unsupported(custom_id: str, where: str, bad: list[str]) -> Record:
 
 
 def _deployment_or_refusal(rules: Rules | None, custom_id: str, where: str, name: str | None,
-                           bad: list[str]) -> ModelConfig | Record | None:
-    """The line's deployment, or its error row: the problems found, a missing model, an unknown one."""
+                           bad: list[str]) -> tuple[str, ModelConfig | None] | Record:
+    """The model the line names and its deployment (None without rules), or its error row: the
+    problems found, a missing model, an unknown one."""
     if not name:
         bad.append("model (required)")
-    if bad:
+    if bad or not name:
         return _unsupported(custom_id, where, bad)
-    return _deployment(rules, custom_id, name)
+    model = _deployment(rules, custom_id, name)
+    return model if isinstance(model, dict) else (name, model)
 
 
 def _deployment(rules: Rules | None, custom_id: str, name: str) -> ModelConfig | Record | None:
@@ -204,12 +210,13 @@ def _refused(rules: Rules | None, model: ModelConfig | None, custom_id: str, whe
     if rules is None or model is None:
         return None
     loaded = rules.prompt_limits.loaded(model) if rules.prompt_limits else None
-    vocab = loaded[0].get_vocab_size() if loaded else None  # type: ignore[attr-defined]
+    vocab = loaded[0].get_vocab_size() if loaded else None
     problem = (row_problem(model, row, max_prompt_chars=rules.max_prompt_chars)
                or sampling_problem(model, sampling, row["max_tokens"], vocab))
     if problem:
         return error_record(custom_id, problem.reason, f"{where}: {problem.message}")
-    too_long = rules.prompt_limits.problem(model, prompt_text(row), row["max_tokens"]) if rules.prompt_limits else None
+    limits = rules.prompt_limits
+    too_long = limits.problem(model, prompt_text(row), row["max_tokens"]) if limits else None
     return error_record(custom_id, "context_length_exceeded", f"{where}: {too_long}") if too_long else None
 
 
@@ -221,18 +228,18 @@ def _response_line(index: int, custom_id: str, raw: Any, where: str, default_max
         return _invalid_body(custom_id, where, err)
     bad = [message for _, message in body.problems()] + [name for name in ("stream", "background")
                                                          if getattr(body, name)]
-    model = _deployment_or_refusal(rules, custom_id, where, body.model, bad)
-    if isinstance(model, dict):
-        return model
+    deployed = _deployment_or_refusal(rules, custom_id, where, body.model, bad)
+    if isinstance(deployed, dict):
+        return deployed
+    name, model = deployed
     max_tokens = body.max_output_tokens or (model.default_max_tokens if model else default_max_tokens)
     row = {"messages": body.messages(), "max_tokens": max_tokens}
     refused = _refused(rules, model, custom_id, where, row, body.extras())
     if refused:
         return refused
     sampling = SamplingSpec(max_tokens=max_tokens, seed=body.seed if body.seed is not None else index,
-                            temperature=body.temperature, top_p=body.top_p, structured=body.structured(),
-                            **body.extras())
-    return Line(index, custom_id, body.model, row, sampling, Shape(chat=True), response=body.meta(0))
+                            **declared(body, SamplingCore, SamplingExtras), structured=body.structured())
+    return Line(index, custom_id, name, row, sampling, Shape(chat=True), response=body.meta(0))
 
 
 def result_record(line: Line, rid: str, final: FinalResult) -> Record:

@@ -15,13 +15,15 @@ import asyncio
 import contextlib
 import logging
 import tempfile
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncGenerator, Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
 
 from redis.asyncio import Redis
 
 from sluice.broker.intake.admission import Admission
+from sluice.broker.intake.cancels import Cancels
+from sluice.broker.intake.status_reads import StatusReads
 from sluice.broker.jobs.files import FileStore, read_lines
 from sluice.broker.jobs.store import JobStore, LockLost
 from sluice.broker.limits import AdmissionLimits
@@ -43,7 +45,8 @@ _CHUNK_BYTES = 4 * 1024 * 1024
 _PROMPT_LIMITS: dict[Path, PromptLimits] = {}
 
 
-def _checked_chunk(lines: Iterator[tuple[int, bytes | None]], check: LineCheck) -> list[tuple[int, Line | Record]]:
+def _checked_chunk(lines: Iterator[tuple[int, bytes | None]],
+                   check: LineCheck) -> list[tuple[int, Line | Record]]:
     """The file's next lines, checked (an empty list at its end)."""
     out: list[tuple[int, Line | Record]] = []
     size = 0
@@ -65,7 +68,9 @@ class JobRunner:
         self.files = FileStore(redis, settings.files_path, settings.max_file_bytes, settings.file_ttl_s)
         # A line's admission waits for neither the disk nor replicas (SLUICE_DURABILITY and
         # SLUICE_REDIS_WAIT_REPLICAS are the api's).
-        self.admission = Admission(redis, AdmissionLimits.of(settings, strict=False, wait_replicas=0))
+        limits = AdmissionLimits.of(settings, strict=False, wait_replicas=0)
+        self.admission = Admission(redis, limits)
+        self.cancels, self.statuses = Cancels(redis, limits), StatusReads(redis, limits)
         self.models = ModelRegistry(redis)
         self.done = DoneListener(redis, recheck_s=poll_s)
         self.lock = JobLock(self.store, job_id, settings.job_lock_ttl_s)
@@ -128,8 +133,9 @@ class JobRunner:
                                            self.token, total=total)
             if status in FINAL_BATCH_STATES:  # cancelled before any runner started it
                 return
-            feed = LineFeed(store=self.store, admission=self.admission, done=self.done, job_id=self.job_id,
-                            batch=batch, token=self.token, record=self._record, check_lock=self.lock.check,
+            feed = LineFeed(store=self.store, admission=self.admission, cancels=self.cancels,
+                            statuses=self.statuses, done=self.done, job_id=self.job_id, batch=batch,
+                            token=self.token, record=self._record, check_lock=self.lock.check,
                             limits=FeedLimits.of(self.settings))
             async with contextlib.aclosing(self._lines(source, batch["endpoint"], rules)) as lines:
                 await feed.run(lines)
@@ -139,7 +145,8 @@ class JobRunner:
         """Each line passes the checks of the route it names, against the models deployed now."""
         return LineCheck(endpoint, max_line_bytes=self.settings.max_batch_line_bytes, rules=rules)
 
-    async def _checked(self, source: BinaryIO, check: LineCheck) -> AsyncIterator[list[tuple[int, Line | Record]]]:
+    async def _checked(self, source: BinaryIO,
+                       check: LineCheck) -> AsyncGenerator[list[tuple[int, Line | Record]], None]:
         """The input file's lines from its start, checked a chunk at a time in a thread: memory
         holds one chunk, and the event loop stays free to keep the job's lock."""
         await asyncio.to_thread(source.seek, 0)
@@ -160,7 +167,7 @@ class JobRunner:
                     await self._record(index, parsed, failed=1)
         return check.total
 
-    async def _lines(self, source: BinaryIO, endpoint: str, rules: Rules) -> AsyncIterator[Line]:
+    async def _lines(self, source: BinaryIO, endpoint: str, rules: Rules) -> AsyncGenerator[Line, None]:
         """The valid lines, read again as the feed needs them (those recorded as errors are
         skipped by the feed, as every line with a record is)."""
         async for chunk in self._checked(source, self._check(endpoint, rules)):
@@ -171,7 +178,8 @@ class JobRunner:
     async def _finish(self, batch: dict[str, Any]) -> None:
         """Write the output and error files and end the batch: `completed` (or `expired`), or
         `cancelled` when a cancel landed before the runner moved it to `finalizing`."""
-        status = await self.store.move(self.job_id, BatchState.FINALIZING, [BatchState.IN_PROGRESS], self.token)
+        status = await self.store.move(self.job_id, BatchState.FINALIZING, [BatchState.IN_PROGRESS],
+                                       self.token)
         if status not in (BatchState.FINALIZING, BatchState.CANCELLING):
             log.error("batch %s: cannot finish from status %r", self.job_id, status)
             return

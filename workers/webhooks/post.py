@@ -44,7 +44,8 @@ async def post(client: httpx.AsyncClient, endpoint: Endpoint, event_id: str, bod
     extensions = {"sni_hostname": host} if scheme == "https" else {}
     try:
         async with asyncio.timeout(timeout_s):
-            request = client.build_request("POST", url, content=body.encode(), headers=headers, extensions=extensions)
+            request = client.build_request("POST", url, content=body.encode(), headers=headers,
+                                           extensions=extensions)
             response = await client.send(request, stream=True, follow_redirects=False)
             await response.aclose()  # the body is never read: an endpoint cannot make the sender hold it
     except TimeoutError:

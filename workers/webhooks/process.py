@@ -25,7 +25,8 @@ async def serve(settings: Settings, metrics_port: int | None = None) -> None:
         if metrics_port is not None:
             metrics.serve(metrics_port, settings.worker_metrics_host)
         # A name of its own each start: what a killed sender held is reclaimed by lease, never resumed.
-        sender = WebhookSender(redis, settings, f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}")
+        name = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        sender = WebhookSender(redis, settings, name)
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, sender.stopping.set)

@@ -17,7 +17,14 @@ from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
 from sluice.broker.keys import PREFIX, ModelKeys
-from sluice.broker.plumbing.connection import is_cluster, wait_for_copies
+from sluice.broker.plumbing import (
+    StreamEntries,
+    is_cluster,
+    scored_members,
+    stream_entries,
+    streams_read,
+    wait_for_copies,
+)
 from sluice.broker.registry import ModelRegistry
 from sluice.broker.webhooks import outbox as webhooks
 from sluice.broker.webhooks.breaker import BREAKER_FAILURES, Breakers
@@ -49,7 +56,8 @@ class WebhookSender:
         self._limits: dict[str, asyncio.Semaphore] = {}  # per endpoint: webhooks_concurrency
         self._waiting: dict[str, int] = {}  # per endpoint: deliveries waiting for a slot
         # Per endpoint, shared by every sender: a probe waits out its attempt's timeout.
-        self.breakers = Breakers(redis, base_s=settings.webhooks_retry_base_s, probe_s=settings.webhooks_timeout_s + 1)
+        self.breakers = Breakers(redis, base_s=settings.webhooks_retry_base_s,
+                                 probe_s=settings.webhooks_timeout_s + 1)
         self._known: tuple[float, dict[str, Endpoint]] = (float("-inf"), {})
         self._outboxes: tuple[float, list[str]] = (float("-inf"), [])
         self._grouped: set[str] = set()
@@ -57,8 +65,8 @@ class WebhookSender:
     async def run(self) -> None:
         timeout = httpx.Timeout(self.settings.webhooks_timeout_s)
         async with httpx.AsyncClient(timeout=timeout, follow_redirects=False, trust_env=False) as self.client:
-            loops = [asyncio.create_task(loop()) for loop in (self._read_outboxes, self._retry_due, self._batches,
-                                                               self._reclaim, self._gauges)]
+            loops = [asyncio.create_task(loop()) for loop in (self._read_outboxes, self._retry_due,
+                                                               self._batches, self._reclaim, self._gauges)]
             await self.stopping.wait()
             for task in loops:
                 task.cancel()
@@ -99,13 +107,14 @@ class WebhookSender:
             streams = await self.outboxes()
             if not streams or len(self._inflight) >= self.capacity:
                 return False
+            found: StreamEntries = []
             if is_cluster(self.redis):  # one slot per call
-                found = []
                 for s in streams:
-                    found += await self.redis.xreadgroup(webhooks.GROUP, self.name, {s: ">"}, count=100) or []
+                    found += streams_read(await self.redis.xreadgroup(webhooks.GROUP, self.name, {s: ">"},
+                                                                      count=100))
             else:
-                found = await self.redis.xreadgroup(webhooks.GROUP, self.name, {s: ">" for s in streams},
-                                                    count=100, block=200) or []
+                found = streams_read(await self.redis.xreadgroup(
+                    webhooks.GROUP, self.name, {s: ">" for s in streams}, count=100, block=200))
             for stream, entries in found:
                 if not await self._copied(stream):
                     continue  # left pending: reclaimed once its lease lapses, and tried again
@@ -155,9 +164,10 @@ class WebhookSender:
         """Batches announced before a final move (broker/jobs/store.py): the event their script
         appended to their own outbox, if it did; an id without one, a minute old, is dropped."""
         async def step() -> bool:
-            for job_id, at in await self.redis.zrange(webhooks.BATCHES, 0, 99, withscores=True):
+            announced = scored_members(await self.redis.zrange(webhooks.BATCHES, 0, 99, withscores=True))
+            for job_id, at in announced:
                 stream = webhooks.batch_outbox(job_id)
-                entries = await self.redis.xrange(stream)
+                entries = stream_entries(await self.redis.xrange(stream))
                 for entry_id, fields in entries:
                     await self.fan_out(stream, entry_id, fields, family="batch")
                 if entries or time.time() - at > 60:
@@ -167,8 +177,10 @@ class WebhookSender:
 
         await self._forever(step, 0.5)
 
-    async def fan_out(self, stream: str, entry_id: str, fields: dict[str, str], family: str | None = None) -> None:
-        rid, state, owner, model = fields["id"], fields["state"], fields.get("owner", ""), fields.get("model", "")
+    async def fan_out(self, stream: str, entry_id: str, fields: dict[str, str],
+                      family: str | None = None) -> None:
+        rid, state = fields["id"], fields["state"]
+        owner, model = fields.get("owner", ""), fields.get("model", "")
         if family is None:  # a request, or the request behind a Responses API response
             family, object_id, metadata = await self._request_or_response(model, rid)
         else:
@@ -178,7 +190,7 @@ class WebhookSender:
         if not wanted:
             return
         ev = event_id(stream, entry_id)
-        extra = {"model": model} if model else {}
+        extra: dict[str, object] = {"model": model} if model else {}
         if metadata:  # the client's own metadata, echoed (OpenAI's at most 16 short pairs)
             extra["metadata"] = metadata
         body = payload(ev, family, state, object_id, float(fields.get("at", time.time())), extra)
@@ -241,7 +253,8 @@ class WebhookSender:
             await self.deliveries.settle(d, "later", next_at=verdict.until + random.uniform(0, 1))
             return
         if not await self._slot(endpoint.id):  # at its concurrency limit for long: later, no attempt counted
-            await self.deliveries.settle(d, "later", next_at=time.time() + BUSY_RETRY_S * random.uniform(1, 2))
+            await self.deliveries.settle(d, "later",
+                                         next_at=time.time() + BUSY_RETRY_S * random.uniform(1, 2))
             return
         try:
             delivered, what = await post(self.client, endpoint, d.event_id, d.body,
@@ -262,7 +275,8 @@ class WebhookSender:
         if time.time() + delay > d.first_at + self.settings.webhooks_retry_period_s:
             await self.deliveries.settle(d, "dead", error=what)
             metrics.DELIVERIES.labels(endpoint.id, "dead").inc()
-            log.warning("webhook %s to %s: dead after %d attempts (%s)", d.event_id, endpoint.id, d.attempts + 1, what)
+            log.warning("webhook %s to %s: dead after %d attempts (%s)", d.event_id, endpoint.id,
+                        d.attempts + 1, what)
         else:
             await self.deliveries.settle(d, "retry", next_at=time.time() + delay, error=what)
             metrics.DELIVERIES.labels(endpoint.id, "retried").inc()
@@ -276,7 +290,8 @@ class WebhookSender:
             return False
         self._waiting[endpoint_id] = self._waiting.get(endpoint_id, 0) + 1
         try:
-            await asyncio.wait_for(limit.acquire(), max(self.lease_s - self.settings.webhooks_timeout_s - 1, 0.2))
+            await asyncio.wait_for(limit.acquire(),
+                                   max(self.lease_s - self.settings.webhooks_timeout_s - 1, 0.2))
             return True
         except TimeoutError:
             return False
