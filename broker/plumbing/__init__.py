@@ -39,5 +39,5 @@ from sluice.broker.plumbing.scripts import (
 
 __all__ = ["CallPart", "Counted", "Entry", "Fields", "Key", "KeyList", "Parts", "PipelinedCalls", "Readers",
            "ScriptCall", "Scripts", "Spread", "StreamEntries", "connect", "copied", "has_replicas", "hash_of",
-           "is_cluster", "maybe_text", "members", "newest_first", "read_copied", "register_script",
+           "is_cluster", "maybe_text", "members", "newest_first", "read_copied",
            "scored_members", "stream_entries", "streams_read", "text", "texts", "wait_for_copies"]

@@ -7,7 +7,7 @@ from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import Any
 
-from sluice.protocol.messages import Sampled, StructuredSpec, TokenLogprob
+from sluice.protocol.messages import Sampled, SamplingExtras, StructuredSpec, TokenLogprob
 from sluice.workers.engines.prefix_cache import PrefixCacheCounters
 
 
@@ -27,6 +27,23 @@ class GenerationRequest:
     # Tokens a previous attempt already delivered: generation continues after them (they
     # follow the prompt), and max_tokens counts only what is still to come.
     resume_token_ids: list[int] = field(default_factory=list)
+
+    # A custom runtime (docs/operations.md) may read these by name, as before `sampling` held them.
+    @property
+    def temperature(self) -> float:
+        return self.sampling.temperature
+
+    @property
+    def top_p(self) -> float:
+        return self.sampling.top_p
+
+    @property
+    def stop(self) -> list[str]:
+        return list(self.sampling.stop or [])
+
+    @property
+    def extras(self) -> SamplingExtras:
+        return SamplingExtras.model_validate(self.sampling.extras())
 
 
 @dataclass
