@@ -174,7 +174,8 @@ def _follow(client: httpx.Client, batch: dict) -> dict:
                 c = batch["request_counts"]
                 done = c["completed"] + c["failed"]
                 elapsed = max(time.monotonic() - started, 1e-6)
-                rate = f"{done / elapsed:.1f} rows/s {batch['usage']['output_tokens'] / elapsed:.0f} tok/s"
+                rate = (f"{_per_second(done / elapsed)} rows/s "
+                        f"{_per_second(batch['usage']['output_tokens'] / elapsed)} tok/s")
                 progress.update(task, total=c["total"] or None, completed=done, rate=rate,
                                 description=batch["status"])
     except KeyboardInterrupt:
@@ -200,3 +201,12 @@ def cancel(batch_id: str = BatchId, url: str = ApiUrl, api_key: str | None = Api
     Its outstanding rows are aborted, its finished ones are kept."""
     with _client(url, api_key) as client:
         typer.echo(_check(client.post(f"/v1/batches/{batch_id}/cancel"))["status"])
+
+
+def _per_second(rate: float) -> str:
+    """A rate in at most 6 characters (k, M, G), so that the progress line keeps its row count
+    within 80 columns however fast the first poll finds rows done."""
+    for scale, unit in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if rate >= scale:
+            return f"{rate / scale:.1f}{unit}" if rate < 100 * scale else f"{rate / scale:.0f}{unit}"
+    return f"{rate:.1f}"

@@ -90,3 +90,12 @@ def test_the_progress_fits_80_columns_with_its_row_count(monkeypatch: pytest.Mon
     lines = [x for x in result.output.splitlines() if " -> " not in x]  # the summary names the output file
     assert all(len(x) <= 80 for x in lines), lines
     assert any("100000/100000" in x for x in lines), lines  # not "0…"
+
+
+def test_a_rate_takes_at_most_six_characters() -> None:
+    """The progress line's rates stay narrow however fast the first poll finds rows done (a
+    195-million rows/s figure once pushed the row count out of 80 columns)."""
+    from sluice.cli.batch import _per_second
+
+    for rate in (0, 0.05, 999.94, 1e3, 99_999, 1e6 - 1, 195_211_844.1, 1_366_482_908, 9.9e10):
+        assert len(_per_second(rate)) <= 6, (rate, _per_second(rate))
